@@ -1,0 +1,81 @@
+"""Input processing: validate a prompt and its SamplingParams, tokenize, and build the core Requests.
+
+Everything a request could be rejected for is checked here, before it reaches the scheduler, so that a
+bad request raises a ValueError naming its field and never disturbs the requests already running.
+A request with n > 1 becomes n independent core requests ("{i}_{request_id}") that the output
+processor gathers back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from folio.core.request import Request
+from folio.sampling_params import SamplingParams
+from folio.tokenizer import Tokenizer
+
+PromptType = Union[str, dict]
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            ids = list(ids)
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        else:
+            raise ValueError(f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens long, but max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        return ProcessedPrompt(text, ids)
+
+    def check_params(self, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                      priority: int = 0, arrival_time: Optional[float] = None) -> list[Request]:
+        self.check_params(params)
+        extra = {} if arrival_time is None else {"arrival_time": arrival_time}
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:
+            children = [(child_request_id(request_id, i, params.n), params.clone_for_sample(i)) for i in range(params.n)]
+        return [Request(rid, prompt.prompt_token_ids, p, eos_token_ids=self.eos_token_ids, priority=priority, **extra)
+                for rid, p in children]

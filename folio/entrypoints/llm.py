@@ -1,0 +1,81 @@
+"""LLM: the offline Python API, in vLLM's conventions (`LLM(...).generate(prompts, SamplingParams(...))`)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from folio.engine.input_processor import PromptType
+from folio.engine.llm_engine import LLMEngine
+from folio.engine.output_processor import OutputKind
+from folio.outputs import RequestOutput
+from folio.sampling_params import SamplingParams
+from folio.tokenizer import Tokenizer
+
+Conversation = list[dict]
+
+
+class LLM:
+    """Offline batch generation. Every EngineConfig field is a keyword argument (dtype, block_size,
+    kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, seed, ...)."""
+
+    def __init__(self, model: Optional[str] = None, **kwargs) -> None:
+        self.llm_engine = LLMEngine.from_kwargs(model, **kwargs)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        return self._run(prompts, list(sampling_params), priority or [0] * len(prompts), use_tqdm)
+
+    def chat(self, messages: Union[Conversation, Sequence[Conversation]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {}))}
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], priority: list[int],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priority):
+                rid = engine.next_request_id()
+                engine.add_request(rid, prompt, p, priority=prio, output_kind=OutputKind.FINAL_ONLY)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)  # a bad prompt rejects the whole call, leaving nothing behind
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]

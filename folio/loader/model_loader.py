@@ -1,0 +1,119 @@
+"""Load a model for serving: a Hugging Face folder, a GGUF file, or (no model given) the embedded default.
+
+Weights go straight into a model built on the meta device and then materialised without initialisation,
+so loading costs one copy of each tensor and no random init.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from safetensors import safe_open
+
+from folio.loader.default_model import default_model_path
+from folio.loader.gguf_loader import load_gguf_cached
+from folio.models.model_config import ModelConfig
+from folio.models.registry import build_model, check_supported
+from folio.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index = _read_json(os.path.join(folder, "model.safetensors.index.json"))
+    if index:
+        names = sorted(set(index.get("weight_map", {}).values()))
+    else:
+        names = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not names:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    return [os.path.join(folder, n) for n in names]
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except FileNotFoundError:
+            raise ValueError(f"weight file {path} is missing (named by the checkpoint index)") from None
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ValueError(f"cannot read weights from {path}: {e}") from e
+
+
+def _eos_ids(*configs: dict) -> frozenset[int]:
+    ids: set[int] = set()
+    for cfg in configs:
+        eos = cfg.get("eos_token_id")
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    return frozenset(ids)
+
+
+def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int]) -> LoadedModel:
+    """Load weights, config and tokenizer. `max_positions_cap` bounds the RoPE table (the engine's max_model_len)."""
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(f"model path {path!r} does not exist (folio loads local folders and .gguf files only)")
+    if os.path.isdir(path):
+        hf_config = _read_json(os.path.join(path, "config.json"))
+        if not hf_config:
+            raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+        cfg = ModelConfig.from_hf_dict(hf_config)
+        check_supported(cfg.architecture)
+        tokenizer = Tokenizer.from_dir(path)
+        tensors: Iterator[tuple[str, torch.Tensor]] = _iter_safetensors(_safetensors_files(path))
+        eos = _eos_ids(hf_config, _read_json(os.path.join(path, "generation_config.json")))
+    else:
+        checkpoint, state = load_gguf_cached(path, dtype)
+        cfg = ModelConfig.from_hf_dict(checkpoint.hf_config)
+        check_supported(cfg.architecture)
+        tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
+        tensors = iter(state.items())
+        eos = _eos_ids(checkpoint.hf_config, checkpoint.generation_config)
+    if tokenizer.eos_token_id is not None:
+        eos |= {tokenizer.eos_token_id}
+
+    max_positions = cfg.max_position_embeddings if max_positions_cap is None else max_positions_cap
+    with torch.device("meta"), _default_dtype(dtype):
+        net = build_model(cfg, max_positions)
+    net.to_empty(device="cpu")
+    net.load_weights(tensors)
+    net.eval()
+    return LoadedModel(path, cfg, net, tokenizer, frozenset(eos))

@@ -1,0 +1,69 @@
+"""ModelConfig: the architecture facts the engine needs, read from a Hugging Face config.json dict.
+
+GGUF files are translated into the same dict shape by the GGUF loader, so there is one parser for both.
+We read config.json with the json module rather than transformers' AutoConfig: that costs milliseconds
+instead of seconds and keeps transformers off the serving path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: Optional[dict[str, Any]] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or [str(cfg.get("model_type"))]
+        arch = archs[0]  # whether folio implements it is the model registry's call
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            eos = cfg.get("eos_token_id")
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; Llama and Mistral have them only when attention_bias says so.
+                attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+                rope_scaling=rope if rope_type != "default" else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            )
+        except KeyError as e:
+            raise ValueError(f"model config is missing the field {e.args[0]!r}") from e
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies across all layers, per byte of element size."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim

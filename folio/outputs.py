@@ -1,0 +1,50 @@
+"""What users get back: RequestOutput and CompletionOutput, in the shapes vLLM users know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, its 1-based rank in the vocabulary, and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One dict per position: token id -> Logprob (the top-k plus the chosen token).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (a request with n > 1 has n of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[SampleLogprobs] = None
+    finish_reason: Optional[str] = None  # "stop", "length", "abort", or None while running
+    stop_reason: Optional[object] = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of a request after a step: its prompt and each of its completions so far."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    num_cached_tokens: int = 0
+    metrics: Optional[dict] = field(default=None, repr=False)

@@ -1,0 +1,98 @@
+"""SamplingParams: how one request is decoded, in vLLM's names and conventions.
+
+Every field is validated at construction so that a bad value fails with a ValueError naming the field,
+before the request reaches the engine (and can never take down another request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Decoding parameters of one request.
+
+    temperature 0 means greedy. top_k 0 or -1 means disabled. seed makes the request's random draws
+    depend only on the seed and its own tokens, whatever else shares the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"logit_bias must map token ids to floats, got {self.logit_bias!r}") from e
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        check(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", "must be an integer >= 1")
+        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}")
+        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs", "must be an integer >= 0")
+        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", "must be an integer >= 0")
+        check(self.seed is None or is_int(self.seed), "seed", "must be an integer")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
+        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must hold token ids >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone_for_sample(self, index: int) -> "SamplingParams":
+        """Params of the index-th of n independent samples: n=1, and a distinct seed when seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

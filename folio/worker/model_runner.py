@@ -1,0 +1,108 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass over the flattened batch, then samples.
+
+The batch carries no padding between requests: token ids, positions and cache slots of every scheduled
+token are concatenated; each request brings its query length and context length. Logits are computed
+only at the positions that sample (and at prompt positions of requests that asked for prompt logprobs).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from folio.attention.backend import AttentionBackend, BatchLayout
+from folio.attention.torch_sdpa import TorchSDPABackend
+from folio.core.scheduler import ModelOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from folio.models.llama import StepContext
+from folio.models.model_config import ModelConfig
+from folio.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PromptLogprobsJob:
+    request_id: str
+    hidden_rows: slice  # rows of the step's hidden states whose logits predict prompt tokens
+    targets: list[int]
+    num_logprobs: int
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, num_blocks: int,
+                 block_size: int, backend: AttentionBackend | None = None) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.backend = backend or TorchSDPABackend()
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # zeros, not empty: padded reads of never-written slots must be finite (masked, but NaN * 0 is NaN)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(cfg.num_hidden_layers)]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelOutput:
+        output = ModelOutput()
+        if not sched.scheduled:
+            return output
+        input_ids, positions, layout = self._flatten(sched.scheduled, block_tables)
+        ctx = StepContext(self.backend, self.backend.build_metadata(layout), self.kv_caches)
+        hidden = self.model(input_ids, positions, ctx)
+
+        sample_rows, rows, jobs = [], [], []
+        end = 0
+        for item in sched.scheduled:
+            req, start = item.request, end
+            end += item.num_tokens
+            if item.samples:
+                sample_rows.append(end - 1)
+                rows.append(SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
+                                        req.generator, req.stop_token_ids))
+            job = self._prompt_logprobs_job(item, start)
+            if job is not None:
+                jobs.append(job)
+
+        if rows:
+            logits = self.model.compute_logits(hidden[sample_rows]).float()
+            out = self.sampler(logits, rows)
+            samplers = [i for i in sched.scheduled if i.samples]
+            for item, token, lp in zip(samplers, out.sampled_token_ids, out.logprobs):
+                output.sampled[item.request.request_id] = SampledToken(token, lp)
+        for job in jobs:
+            logits = self.model.compute_logits(hidden[job.hidden_rows]).float()
+            output.prompt_logprobs[job.request_id] = compute_prompt_logprobs(logits, job.targets, job.num_logprobs)
+        return output
+
+    def _flatten(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]):
+        ids, pos, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+        for item in scheduled:
+            req, start = item.request, item.request.num_computed_tokens
+            stop = start + item.num_tokens
+            table = block_tables[req.request_id]
+            p = np.arange(start, stop)
+            ids.extend(req.all_token_ids[start:stop])
+            pos.append(p)
+            slots.append(np.asarray(table, dtype=np.int64)[p // self.block_size] * self.block_size + p % self.block_size)
+            query_lens.append(item.num_tokens)
+            seq_lens.append(stop)
+            tables.append(table)
+        slot_mapping = torch.from_numpy(np.concatenate(slots))
+        layout = BatchLayout(query_lens, seq_lens, tables, slot_mapping, self.block_size)
+        return torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(pos)), layout
+
+    @staticmethod
+    def _prompt_logprobs_job(item: ScheduledRequest, first_row: int) -> _PromptLogprobsJob | None:
+        """Prompt logprobs for the prompt positions this chunk computes (not again after a preemption)."""
+        req = item.request
+        k = req.sampling_params.prompt_logprobs
+        if k is None or req.num_output_tokens > 0:
+            return None
+        start = req.num_computed_tokens
+        stop = min(start + item.num_tokens, req.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+        if stop <= start:
+            return None
+        return _PromptLogprobsJob(req.request_id, slice(first_row, first_row + stop - start),
+                                  req.prompt_token_ids[start + 1:stop + 1], k)

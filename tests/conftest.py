@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny random-weight models built locally with transformers, and a tiny trained tokenizer.
+
+Nothing is downloaded: every model is config -> random weights -> save_pretrained into a temp folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 512
+EOS_ID = 2
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Once upon a time there was a little engine that could serve many requests at once.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+    "Paged attention keeps the KV cache in fixed-size blocks; continuous batching fills every step.",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u65e5\u672c\u8a9e \U0001F600 0123456789 hello world",
+]
+
+
+def write_tokenizer(folder: str) -> None:
+    """Train a small byte-level BPE (vocab <= VOCAB) and write tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+                   "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHATML}, f)
+
+
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+}
+
+
+def build_tiny_model(folder: str, arch: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> str:
+    """A 2-layer random model of the given architecture, saved as a Hugging Face folder (float32)."""
+    import transformers
+
+    cls_name, extra = ARCH_CONFIGS[arch]
+    cfg = getattr(transformers, cls_name)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+        bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0, initializer_range=0.2, **{**extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if arch == "qwen2":  # Qwen2 has q/k/v biases; make them non-zero so that loading them is tested
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.data.normal_(0, 0.2)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Returns build(arch, tie=False) -> folder, caching each built model for the whole session."""
+    cache: dict[tuple, str] = {}
+
+    def build(arch: str = "llama", tie: bool = False) -> str:
+        key = (arch, tie)
+        if key not in cache:
+            cache[key] = build_tiny_model(str(tmp_path_factory.mktemp(f"{arch}{'-tied' if tie else ''}")), arch, tie)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
+
+
+def hf_greedy(folder: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Transformers' greedy continuation (the oracle), cut after EOS as an engine would stop."""
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(folder)
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=EOS_ID, pad_token_id=0)[0, len(prompt_ids):].tolist()
+    return out[:out.index(EOS_ID) + 1] if EOS_ID in out else out
+
+
+_HF_MODELS: dict[str, object] = {}
+
+
+def _hf_model(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    if folder not in _HF_MODELS:
+        _HF_MODELS[folder] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return _HF_MODELS[folder]
+
+
+def hf_logprobs(folder: str, ids: list[int]) -> torch.Tensor:
+    """log_softmax of Transformers' logits at every position of ids: [len(ids), V]."""
+    with torch.no_grad():
+        logits = _hf_model(folder)(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
