@@ -37,6 +37,17 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Monotonic timestamps (time.monotonic) of a request's life, for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
 class RequestOutput:
     """The state of a request after a step: its prompt and each of its completions so far."""
 
@@ -47,4 +58,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: Optional[PromptLogprobs] = None
     num_cached_tokens: int = 0
-    metrics: Optional[dict] = field(default=None, repr=False)
+    metrics: Optional[RequestMetrics] = field(default=None, repr=False)

@@ -48,6 +48,7 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: Optional[object] = None
+    first_scheduled_time: Optional[float] = None  # monotonic; queue time = this - arrival_time
     output_token_ids: list[int] = field(default_factory=list)
     # prompt + output in one list, appended to in place: the model runner slices it every step.
     all_token_ids: list[int] = field(init=False)

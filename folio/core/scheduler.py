@@ -13,6 +13,7 @@ Prefill chunks and decode tokens of different requests then go through the same 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -72,6 +73,15 @@ class CoreOutput:
     prompt_logprobs: Optional[list] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
+    first_scheduled_time: Optional[float] = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_preemptions: int  # since start
 
 
 class WaitingQueue:
@@ -152,6 +162,9 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache.usage, self.num_preemptions)
+
     # ---- the step ------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -184,6 +197,8 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new):
                 break
             self.waiting.pop()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
@@ -232,7 +247,7 @@ class Scheduler:
                 [result.logprobs] if result.logprobs is not None else [],
                 prompt_logprobs=prompt_logprobs,
                 finish_reason=status.finish_reason if status else None,
-                stop_reason=request.stop_reason))
+                stop_reason=request.stop_reason, first_scheduled_time=request.first_scheduled_time))
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:

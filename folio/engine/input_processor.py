@@ -70,12 +70,11 @@ class InputProcessor:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                      priority: int = 0, arrival_time: Optional[float] = None) -> list[Request]:
+                      priority: int, arrival_time: float) -> list[Request]:
         self.check_params(params)
-        extra = {} if arrival_time is None else {"arrival_time": arrival_time}
         if params.n == 1:
             children = [(request_id, params)]
         else:
             children = [(child_request_id(request_id, i, params.n), params.clone_for_sample(i)) for i in range(params.n)]
-        return [Request(rid, prompt.prompt_token_ids, p, eos_token_ids=self.eos_token_ids, priority=priority, **extra)
-                for rid, p in children]
+        return [Request(rid, prompt.prompt_token_ids, p, eos_token_ids=self.eos_token_ids, priority=priority,
+                        arrival_time=arrival_time) for rid, p in children]

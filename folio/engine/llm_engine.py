@@ -18,7 +18,7 @@ import torch
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import RequestStatus
-from folio.core.scheduler import Scheduler
+from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.loader.model_loader import load_model
@@ -106,9 +106,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         processed = self.input_processor.process_prompt(prompt)
         requests = self.input_processor.make_requests(request_id, processed, params, priority, arrival_time)
-        self.output_processor.add_request(request_id, processed, params, output_kind)
+        self.output_processor.add_request(request_id, processed, params, output_kind, arrival_time)
         for request in requests:
             self.scheduler.add_request(request)
 
@@ -121,6 +122,9 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -8,13 +8,14 @@ The n samples of one request are gathered back into one RequestOutput.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from folio.core.scheduler import CoreOutput
 from folio.detokenizer import IncrementalDetokenizer
 from folio.engine.input_processor import ProcessedPrompt, child_request_id
-from folio.outputs import CompletionOutput, Logprob, RequestOutput
+from folio.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from folio.sample.sampler import SampledLogprobs
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
@@ -45,6 +46,7 @@ class _RequestState:
     params: SamplingParams
     kind: OutputKind
     completions: dict[str, _Completion]  # child request id -> completion
+    metrics: RequestMetrics
     prompt_logprobs: Optional[list] = None
     sent_prompt_logprobs: int = 0
 
@@ -59,7 +61,8 @@ class OutputProcessor:
         self.states: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, kind: OutputKind) -> None:
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, kind: OutputKind,
+                    arrival_time: float) -> None:
         completions = {}
         for i in range(params.n):
             child = child_request_id(request_id, i, params.n)
@@ -69,7 +72,7 @@ class OutputProcessor:
                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             self.child_to_parent[child] = request_id
         self.states[request_id] = _RequestState(
-            request_id, prompt, params, kind, completions,
+            request_id, prompt, params, kind, completions, RequestMetrics(arrival_time),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -85,12 +88,19 @@ class OutputProcessor:
         """Returns the RequestOutputs to hand out and the core requests that a stop string ended."""
         touched: dict[str, _RequestState] = {}
         stopped: list[str] = []
+        now = time.monotonic()
         for out in core_outputs:
             parent = self.child_to_parent.get(out.request_id)
             if parent is None:
                 continue
             state = self.states[parent]
             touched[parent] = state
+            metrics = state.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = out.first_scheduled_time
+            if out.new_token_ids:
+                metrics.first_token_time = metrics.first_token_time or now
+                metrics.last_token_time = now
             if out.prompt_logprobs and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._to_logprob_dict(e) for e in out.prompt_logprobs)
             comp = state.completions[out.request_id]
@@ -111,6 +121,8 @@ class OutputProcessor:
 
         outputs = []
         for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
             result = self._make_output(state)
             if result is not None:
                 outputs.append(result)
@@ -126,6 +138,7 @@ class OutputProcessor:
         for comp in state.completions.values():
             if comp.finish_reason is None:
                 comp.finish_reason = "abort"
+        state.metrics.finished_time = time.monotonic()
         output = self._make_output(state)
         self.remove(request_id)
         return output
@@ -153,4 +166,4 @@ class OutputProcessor:
         if delta and prompt_logprobs is not None:
             prompt_logprobs, state.sent_prompt_logprobs = prompt_logprobs[state.sent_prompt_logprobs:], len(prompt_logprobs)
         return RequestOutput(state.request_id, state.prompt.prompt, state.prompt.prompt_token_ids, completions,
-                             finished, prompt_logprobs=prompt_logprobs)
+                             finished, prompt_logprobs=prompt_logprobs, metrics=state.metrics)
