@@ -87,6 +87,8 @@ class SamplingParams:
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must hold token ids >= 0")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched on the text)")
 
     @property
     def is_greedy(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizer_fixture import sentencepiece_like_json, smollm2_tokenizer_dir
 
@@ -17,7 +17,7 @@ TEXTS = [
     "def f(x):\n    return x ** 2  # ✓\n",
     "🇫🇷🇯🇵🏳️‍🌈",
 ]
-_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_SETTINGS = settings(max_examples=150, deadline=None)
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,8 @@ def sp_tok() -> Tokenizer:
 
 def stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, chunk: int = 1,
            stop_terminated: bool = False, **params) -> tuple[IncrementalDetokenizer, list[str], str | None]:
-    """Feed ids chunk by chunk as an engine would, checking after each step that what was handed out is final."""
+    """Feed ids chunk by chunk as an engine would; check that the deltas join to the final text, so that nothing
+    handed out (a partial stop string, a '\ufffd' a later token completes) was ever taken back."""
     detok = IncrementalDetokenizer(tok, prompt or [], SamplingParams(**params))
     deltas: list[str] = []
     stop = None
@@ -50,7 +51,7 @@ def stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, chun
 @pytest.mark.parametrize("text", TEXTS)
 def test_stream_round_trip(tok, text, chunk):
     ids = tok.encode(text)
-    assert len(ids) > len(text) // 4  # multi-byte characters really are split over tokens here
+    assert any("\ufffd" in tok.decode_token(i) for i in ids)  # some character's bytes are split over tokens
     detok, deltas, stop = stream(tok, ids, chunk=chunk)
     assert stop is None and detok.output_text == text == tok.decode(ids)
     assert not any("\ufffd" in d for d in deltas)
@@ -78,10 +79,7 @@ def test_stop_string_across_tokens_never_streamed(tok, chunk):
         detok, deltas, matched = stream(tok, ids, chunk=chunk, stop=[stop, "never there"])
         assert matched == stop
         assert detok.output_text == text[:text.index(stop)]
-        shown = ""
-        for delta in deltas:
-            shown += delta
-            assert detok.output_text.startswith(shown)  # nothing handed out was taken back
+        assert len(deltas) > 2
 
 
 def test_include_stop_str_in_output(tok):
@@ -96,24 +94,24 @@ def test_earliest_stop_string_wins(tok):
 
 
 def test_hold_back_then_release(tok):
-    """A text that only starts like a stop string is held back while running and released at the end."""
-    ids = tok.encode("the END")
+    """Text that only starts like a stop string is held back while running, and released at the end."""
     detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["ENDING"]))
-    assert detok.update(ids) is None
-    assert detok.get_delta(finished=False) == "the END"[:-5]
-    assert detok.get_delta(finished=True) == "END"[-5:] if False else detok.output_text[2:]
+    assert detok.update(tok.encode("the END")) is None
+    assert detok.get_delta(finished=False) == "th"  # len("ENDING") - 1 characters wait
+    assert detok.get_delta(finished=True) == "e END"
 
 
-def test_min_tokens_delays_stop(tok):
-    ids = tok.encode("stop here, stop there")
-    first = len(tok.encode("stop"))
-    detok, _, matched = stream(tok, ids, stop=["stop"], min_tokens=first)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_min_tokens_delays_stop(tok, chunk):
+    ids = tok.encode("stop here, stop now")
+    assert tok.decode(ids[:1]) == "stop" and tok.decode(ids[:2]) == "stop here"
+    detok, _, matched = stream(tok, ids, stop=["stop"], min_tokens=1, chunk=chunk)
     assert matched == "stop" and detok.output_text == "stop here, "
-    # a stop string that ends after min_tokens but starts before it still counts
-    detok, _, matched = stream(tok, ids, stop=["here"], min_tokens=2)
-    assert tok.decode(ids[:2]) == "stop here" and matched is None
-    detok, _, matched = stream(tok, ids, stop=["here"], min_tokens=1)
-    assert matched == "here" and detok.output_text == "stop "
+    _, _, matched = stream(tok, ids, stop=["here"], min_tokens=2, chunk=chunk)
+    assert matched is None  # the only "here" lies in the text of the first min_tokens tokens
+    # a stop string that starts in that text but ends after it still counts, as in vLLM
+    detok, _, matched = stream(tok, ids, stop=["p he"], min_tokens=1, chunk=chunk)
+    assert matched == "p he" and detok.output_text == "sto"
 
 
 def test_skip_special_tokens(tok):
@@ -137,7 +135,7 @@ def test_stop_token_text_stays_out(tok):
 
 def test_detokenize_false(tok):
     detok, deltas, matched = stream(tok, tok.encode("some text"), detokenize=False, stop=["text"])
-    assert detok.output_text == "" and deltas == ["", "", ""][:len(deltas)] and matched is None
+    assert detok.output_text == "" == "".join(deltas) and matched is None
 
 
 def test_unfinished_character_flushed_at_end(tok):

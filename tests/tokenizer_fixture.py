@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import tempfile
 
 from tokenizers import Tokenizer, decoders, models, normalizers
@@ -34,7 +35,7 @@ def smollm2_tokenizer_dir() -> str:
     try:
         os.rename(staging, target)
     except OSError:  # another run got there first
-        pass
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

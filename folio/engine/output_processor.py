@@ -111,7 +111,9 @@ class OutputProcessor:
                 entry = self._to_logprob_dict(lp)
                 comp.logprobs.append(entry)
                 comp.cumulative_logprob += entry[token].logprob
-            stop_str = comp.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
+            # the EOS or stop token that ended the sequence is left out of the text (as vLLM does)
+            stop_str = comp.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop") \
+                if out.new_token_ids else None
             if stop_str is not None:
                 comp.finish_reason, comp.stop_reason = "stop", stop_str
                 if out.finish_reason is None:

@@ -86,6 +86,11 @@ def _eos_ids(*configs: dict) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _parse_config(hf_config: dict) -> ModelConfig:
+    check_supported(ModelConfig.architecture_of(hf_config))  # before parsing: name the architecture, not a field
+    return ModelConfig.from_hf_dict(hf_config)
+
+
 def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int]) -> LoadedModel:
     """Load weights, config and tokenizer. `max_positions_cap` bounds the RoPE table (the engine's max_model_len)."""
     path = default_model_path() if model is None else os.path.expanduser(model)
@@ -95,15 +100,13 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         hf_config = _read_json(os.path.join(path, "config.json"))
         if not hf_config:
             raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
-        cfg = ModelConfig.from_hf_dict(hf_config)
-        check_supported(cfg.architecture)
+        cfg = _parse_config(hf_config)
         tokenizer = Tokenizer.from_dir(path)
         tensors: Iterator[tuple[str, torch.Tensor]] = _iter_safetensors(_safetensors_files(path))
         eos = _eos_ids(hf_config, _read_json(os.path.join(path, "generation_config.json")))
     else:
         checkpoint, state = load_gguf_cached(path, dtype)
-        cfg = ModelConfig.from_hf_dict(checkpoint.hf_config)
-        check_supported(cfg.architecture)
+        cfg = _parse_config(checkpoint.hf_config)
         tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
         tensors = iter(state.items())
         eos = _eos_ids(checkpoint.hf_config, checkpoint.generation_config)

@@ -30,10 +30,14 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
 
+    @staticmethod
+    def architecture_of(cfg: dict[str, Any]) -> str:
+        """The architecture name a config.json declares (whether folio implements it is the registry's call)."""
+        return (cfg.get("architectures") or [str(cfg.get("model_type"))])[0]
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or [str(cfg.get("model_type"))]
-        arch = archs[0]  # whether folio implements it is the model registry's call
+        arch = cls.architecture_of(cfg)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])

@@ -1,0 +1,237 @@
+"""Batched sampler: one call turns a [B, V] logits batch into one token per request, in vLLM V1's order.
+
+Order (vLLM V1): raw logprobs -> logit_bias, min_tokens -> repetition/frequency/presence penalties ->
+greedy argmax, or temperature -> min_p -> top_k -> top_p -> exponential-race sampling.
+Every step is a batched tensor op over the rows that need it; rows that do not use a processor get a
+neutral value (bias 0, penalty 1, top_k V, top_p 1), so a row's numbers never depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from folio.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits batch: a request that samples a token this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before this step
+    # The request's own generator when params.seed is set (it owns it, so its state persists across
+    # steps); None draws from the global RNG.
+    generator: Optional[torch.Generator]
+    stop_token_ids: set[int]  # held back by min_tokens: EOS (unless ignore_eos) + params.stop_token_ids
+
+
+@dataclass
+class SampledLogprobs:
+    """Top-k tokens of one position, then the chosen token if it is not among them."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # 1-based rank in the whole vocabulary
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]  # one per row
+    logprobs: list[Optional[SampledLogprobs]]  # None for rows without params.logprobs
+
+
+class Sampler:
+    """Stateless: all per-request state (history, generator) comes in with the rows."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+        # A private float32 copy: processors work in place and the caller's tensor stays untouched.
+        logits = logits.to(torch.float32, copy=True)
+        device = logits.device
+
+        # vLLM V1 reports logprobs of the model's raw distribution, so take them before any processing.
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if lp_rows:
+            lp_index = torch.tensor(lp_rows, dtype=torch.long, device=device)
+            raw_logprobs = torch.log_softmax(logits[lp_index], dim=-1)
+
+        _process_logits(logits, rows)
+
+        sampled = logits.argmax(dim=-1)  # the answer for greedy rows; random rows are overwritten below
+        random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, dtype=torch.long, device=device)
+            sampled[index] = _sample_random(logits[index], [rows[i] for i in random_rows])
+
+        logprobs: list[Optional[SampledLogprobs]] = [None] * len(rows)
+        if lp_rows:
+            gathered = _gather_logprobs(raw_logprobs, sampled[lp_index], [rows[i].params.logprobs for i in lp_rows])
+            for i, entry in zip(lp_rows, gathered):
+                logprobs[i] = entry
+        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int],
+                            num_logprobs: int) -> list[SampledLogprobs]:
+    """Logprobs of each prompt token under the raw logits of the position before it (logits[i] -> target i)."""
+    if logits.dim() != 2 or logits.shape[0] != len(target_token_ids):
+        raise ValueError(f"logits must be [len(target_token_ids)={len(target_token_ids)}, V], "
+                         f"got {tuple(logits.shape)}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(target_token_ids, dtype=torch.long, device=logits.device)
+    return _gather_logprobs(logprobs, targets, [num_logprobs] * len(target_token_ids))
+
+
+def _process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: logit_bias, min_tokens, then penalties — the steps that can change the argmax."""
+    _apply_logit_bias(logits, rows)
+    _apply_min_tokens(logits, rows)
+    _apply_penalties(logits, rows)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab_size = logits.shape[1]
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
+            row_ids.append(i)
+            token_ids.append(token_id)
+            biases.append(bias)
+    if row_ids:
+        logits.index_put_(_index(row_ids, token_ids, logits.device),
+                          torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Forbid stop tokens until min_tokens are generated; ids outside the vocabulary cannot be sampled anyway."""
+    vocab_size = logits.shape[1]
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            held = [t for t in row.stop_token_ids if 0 <= t < vocab_size]
+            row_ids += [i] * len(held)
+            token_ids += held
+    if row_ids:
+        logits[_index(row_ids, token_ids, logits.device)] = -math.inf
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition over prompt + output (HF rule), then OpenAI frequency/presence over output only."""
+    device = logits.device
+    repetition = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in repetition):
+        seen = _token_counts([r.prompt_token_ids + r.output_token_ids if p != 1.0 else []
+                              for r, p in zip(rows, repetition)], logits.shape[1], device) > 0
+        penalty = torch.where(seen, torch.tensor(repetition, device=device).unsqueeze(1), 1.0)
+        logits.copy_(torch.where(logits > 0, logits / penalty, logits * penalty))
+
+    frequency = [r.params.frequency_penalty for r in rows]
+    presence = [r.params.presence_penalty for r in rows]
+    if any(frequency) or any(presence):
+        counts = _token_counts([r.output_token_ids if f or p else []
+                                for r, f, p in zip(rows, frequency, presence)], logits.shape[1], device)
+        logits -= torch.tensor(frequency, device=device).unsqueeze(1) * counts
+        logits -= torch.tensor(presence, device=device).unsqueeze(1) * (counts > 0)
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float counts via one scatter_add; lists are padded with id V, a sink column dropped at the end."""
+    width = max(map(len, token_lists))
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    if width:
+        padded = torch.tensor([t + [vocab_size] * (width - len(t)) for t in token_lists], device=device)
+        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Sample one token per (non-greedy) row; logits is a private [R, V] tensor, modified in place."""
+    device = logits.device
+    logits /= torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
+
+    min_p = [r.params.min_p for r in rows]
+    if any(min_p):
+        # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p): no softmax needed; min_p 0 gives -inf.
+        threshold = logits.amax(dim=-1, keepdim=True) + torch.tensor(min_p, device=device).log().unsqueeze(1)
+        logits.masked_fill_(logits < threshold, -math.inf)
+
+    vocab_size = logits.shape[1]
+    top_k = [min(r.params.top_k, vocab_size) or vocab_size for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+        _apply_top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+
+    probs = logits.softmax(dim=-1)
+    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """In place, one descending sort for both. top_k keeps ties with the k-th value; top_p keeps a token
+    while the mass before it is < top_p: the smallest prefix reaching top_p, and always the top token
+    (mass 0 before it, top_p > 0). Rows with top_p 1 are exempt, so float rounding in the cumsum can
+    never drop their tail."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+    sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    sorted_logits.masked_fill_(drop, -math.inf)
+    logits.scatter_(1, order, sorted_logits)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """q ~ Exponential(1) per token, so argmax(probs / q) samples from probs.
+
+    Seeded rows draw from their own generator (their tokens then depend only on seed and history);
+    the others share one draw from the global RNG. q is floored at the smallest normal float: a q of
+    exactly 0 would turn a masked token's 0/0 into NaN, which argmax would pick.
+    """
+    q = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == len(rows):
+        q.exponential_()
+    elif unseeded:
+        q[torch.tensor(unseeded, device=probs.device)] = torch.empty(
+            len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            q[i].exponential_(generator=row.generator)
+    return q.clamp_(min=torch.finfo(q.dtype).tiny)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int]) -> list[SampledLogprobs]:
+    """Per row: the top-num_logprobs entries (ranks 1..k), then token_ids[row] if not among them, with its
+    rank = 1 + the number of tokens more likely than it."""
+    vocab_size = logprobs.shape[1]
+    top_logprobs, top_ids = logprobs.topk(min(max(num_logprobs), vocab_size), dim=-1)
+    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1))
+    token_ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    out = []
+    for k, ids, lps, token_id, token_lp, rank in zip(num_logprobs, top_ids.tolist(), top_logprobs.tolist(),
+                                                      token_ids.tolist(), token_logprobs.squeeze(1).tolist(),
+                                                      token_ranks.tolist()):
+        k = min(k, vocab_size)
+        entry = SampledLogprobs(token_ids=ids[:k], logprobs=lps[:k], ranks=list(range(1, k + 1)))
+        if token_id not in entry.token_ids:
+            entry.token_ids.append(token_id)
+            entry.logprobs.append(token_lp)
+            entry.ranks.append(rank)
+        out.append(entry)
+    return out
+
+
+def _index(row_ids: list[int], token_ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(row_ids, dtype=torch.long, device=device),
+            torch.tensor(token_ids, dtype=torch.long, device=device))

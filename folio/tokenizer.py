@@ -1,0 +1,201 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the facts of tokenizer_config.json and the chat template.
+
+transformers is not used at runtime: importing it costs seconds and hundreds of MB. The tokenizer.json pipeline
+(normalizer, pre-tokenizer, model, post-processor, decoder) runs in Rust, and the chat template is rendered the way
+transformers renders it (sandboxed jinja2, same options and helpers), so text and ids match transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime
+from functools import cached_property
+from typing import Any, Optional
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import processors
+
+# The named special tokens a tokenizer_config.json may define; chat templates see them as variables.
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+# A template that loops over a message's content expects OpenAI-style lists of parts; any other template expects a
+# string. The same test vLLM makes (on the template's source rather than its AST; it covers the templates in use).
+_LOOPS_OVER_CONTENT = re.compile(r"\bfor\s+\w+\s+in\s+[\w.\[\]'\"]*content\b")
+
+
+def _token_text(value: Any) -> Optional[str]:
+    """A special token as written in tokenizer_config.json: a string, or an AddedToken dict with `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: str) -> Optional[dict]:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _default_template(template: Any) -> Optional[str]:
+    """tokenizer_config's chat_template is a string, or a list of named templates of which "default" is the one."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson: jinja's own escapes HTML characters, which would corrupt tool schemas in prompts."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _text_of(content: list) -> str:
+    """Join OpenAI-style text parts for a template that expects a string (vLLM joins them with newlines)."""
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"this model's chat template takes text only, got a content part of type {kind!r}")
+    return "\n".join(texts)
+
+
+class Tokenizer:
+    """Wraps a `tokenizers.Tokenizer` (no transformers at runtime) plus tokenizer_config facts and the chat template."""
+
+    def __init__(self, backend: BackendTokenizer, config: dict, chat_template: Optional[str] = None,
+                 generation_eos_ids: Optional[list[int]] = None) -> None:
+        self.backend = backend
+        self.config = config
+        self.chat_template = chat_template
+        self.special_tokens = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: Optional[int] = self._id_of("bos_token")
+        eos = self._id_of("eos_token")
+        # Instruct models often end turns with ids that only generation_config.json lists (Llama 3's <|eot_id|>).
+        self.eos_token_ids: set[int] = {i for i in [eos, *(generation_eos_ids or [])] if i is not None}
+        self.eos_token_id: Optional[int] = eos if eos is not None else next(iter(generation_eos_ids or []), None)
+        added = backend.get_added_tokens_decoder()
+        named = {i for k in self.special_tokens if (i := self._id_of(k)) is not None}
+        self.all_special_ids: set[int] = {i for i, t in added.items() if t.special} | named
+        self._set_post_processor()
+
+    @classmethod
+    def from_dir(cls, path: str) -> "Tokenizer":
+        """Load tokenizer.json and tokenizer_config.json, the chat template, and extra EOS ids from a model folder."""
+        tok_path = os.path.join(path, "tokenizer.json")
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        if not os.path.isfile(tok_path) or config is None:
+            raise ValueError(f"{path!r} needs tokenizer.json and tokenizer_config.json "
+                             "(only fast tokenizers are supported)")
+        template_path = os.path.join(path, "chat_template.jinja")  # where transformers 5 saves it; it takes priority
+        if os.path.isfile(template_path):
+            with open(template_path, encoding="utf-8") as f:
+                template = f.read()
+        else:
+            template = _default_template(config.get("chat_template"))
+        gen = _read_json(os.path.join(path, "generation_config.json")) or _read_json(os.path.join(path, "config.json"))
+        eos_ids = (gen or {}).get("eos_token_id")
+        eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
+        return cls(BackendTokenizer.from_file(tok_path), config, template, eos_ids)
+
+    @classmethod
+    def from_parts(cls, tokenizer_json: str, tokenizer_config: dict) -> "Tokenizer":
+        """Build from a tokenizer.json string and a config dict (what the GGUF loader reconstructs from metadata)."""
+        backend = BackendTokenizer.from_str(tokenizer_json)
+        return cls(backend, tokenizer_config, _default_template(tokenizer_config.get("chat_template")))
+
+    def _id_of(self, key: str) -> Optional[int]:
+        token = self.special_tokens.get(key)
+        return None if token is None else self.backend.token_to_id(token)
+
+    def _set_post_processor(self) -> None:
+        """Decide which special tokens encode() adds, as transformers does.
+
+        A config that states add_bos_token/add_eos_token (or a tokenizer.json without a post-processor) gets a
+        template adding exactly those; otherwise tokenizer.json's own post-processor rules (Llama 3 adds BOS there).
+        """
+        if "add_bos_token" not in self.config and "add_eos_token" not in self.config \
+                and self.backend.post_processor is not None:
+            return
+        ends = {key: [self.special_tokens[key]] if self.config.get(f"add_{key}") and self._id_of(key) is not None
+                else [] for key in ("bos_token", "eos_token")}
+
+        def part(seq: str, type_id: int) -> list[str]:
+            return [f"{t}:{type_id}" for t in [*ends["bos_token"], f"${seq}", *ends["eos_token"]]]
+
+        special = [(t, self.backend.token_to_id(t)) for t in {*ends["bos_token"], *ends["eos_token"]}]
+        self.backend.post_processor = processors.TemplateProcessing(
+            single=" ".join(part("A", 0)), pair=" ".join(part("A", 0) + part("B", 1)), special_tokens=special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int) -> str:
+        """Text of one token for logprobs' decoded_token, special tokens included. The decoder maps byte-level
+        symbols to text; a token holding part of a character's UTF-8 bytes gives '\ufffd' rather than an error."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        """Compiled on first use, so a model with a broken template still serves completions."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use the completions API or pass a chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template does not compile: {e}") from e
+
+    def _normalize(self, messages: list[dict]) -> list[dict]:
+        """Drop None values (OpenAI clients send content=None next to tool_calls; templates then print "None") and
+        join text parts for templates that expect a string."""
+        wants_parts = self.chat_template is not None and _LOOPS_OVER_CONTENT.search(self.chat_template) is not None
+        out = []
+        for message in messages:
+            if not isinstance(message, dict):
+                raise ValueError(f"chat messages must be dicts, got {type(message).__name__}")
+            message = {k: v for k, v in message.items() if v is not None}
+            if isinstance(message.get("content"), list) and not wants_parts:
+                message["content"] = _text_of(message["content"])
+            out.append(message)
+        return out
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
+                            **kwargs: Any) -> str | list[int]:
+        """Render the conversation; kwargs (tools, documents, enable_thinking, ...) reach the template as variables.
+
+        The ids are encoded without special tokens: the template already wrote BOS where the model wants one.
+        """
+        template = self._compiled_template
+        variables = {**self.special_tokens, **kwargs}
+        try:
+            text = template.render(messages=self._normalize(messages), add_generation_prompt=add_generation_prompt,
+                                   **variables)
+        except (jinja2.TemplateError, TypeError) as e:
+            raise ValueError(f"chat template error: {e}") from e
+        return self.encode(text, add_special_tokens=False) if tokenize else text
