@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 from folio import LLM, SamplingParams
@@ -23,7 +22,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="prompts in the throughput run")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt in the throughput run")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     start = time.perf_counter()
     llm = LLM(args.model)
