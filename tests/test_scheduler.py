@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings, strategies as st
 
 from folio.config import EngineConfig
@@ -19,8 +21,13 @@ def make_scheduler(num_blocks=16, block_size=4, budget=32, max_seqs=8, max_model
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size), max_model_len)
 
 
+_distinct = itertools.count(1)
+
+
 def make_request(rid, prompt_len, max_tokens=4, priority=0, arrival=0.0, **params):
-    return Request(str(rid), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **params),
+    """A request whose prompt shares no block with any other request's (no prefix-cache hits)."""
+    base = next(_distinct) * 1000
+    return Request(str(rid), list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens, **params),
                    eos_token_ids=frozenset({EOS}), priority=priority, arrival_time=arrival)
 
 

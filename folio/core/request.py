@@ -49,6 +49,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: Optional[object] = None
     first_scheduled_time: Optional[float] = None  # monotonic; queue time = this - arrival_time
+    cache_salt: Optional[str] = None  # requests with different salts never share prefix-cache blocks
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (prefix caching)
     output_token_ids: list[int] = field(default_factory=list)
     # prompt + output in one list, appended to in place: the model runner slices it every step.
     all_token_ids: list[int] = field(init=False)

@@ -74,6 +74,7 @@ class CoreOutput:
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
     first_scheduled_time: Optional[float] = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -82,6 +83,8 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of blocks in use
     num_preemptions: int  # since start
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int  # of those, tokens found
 
 
 class WaitingQueue:
@@ -152,6 +155,9 @@ class Scheduler:
                 self.waiting.remove(request)
             self._finish(request, status)
 
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache.reset_prefix_cache()
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv_cache.free(request)
@@ -163,7 +169,9 @@ class Scheduler:
         return len(self.requests)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache.usage, self.num_preemptions)
+        prefix = self.kv_cache.prefix_stats
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache.usage, self.num_preemptions,
+                              prefix.queries, prefix.hits)
 
     # ---- the step ------------------------------------------------------------------------------------
 
@@ -192,13 +200,17 @@ class Scheduler:
 
         while (not out.preempted_ids and budget > 0 and len(self.waiting)
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting.peek()
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(request, num_new):
+            request = self.waiting.peek()  # waiting requests have no computed tokens (new or preempted)
+            cached = self.kv_cache.find_cached(request)
+            num_cached = len(cached) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, cached):
                 break
             self.waiting.pop()
+            request.num_computed_tokens = num_cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
@@ -217,6 +229,7 @@ class Scheduler:
             if scheduled.request is request:  # already given tokens this step: take them back
                 out.scheduled.remove(scheduled)
                 break
+        self.kv_cache.unpublish_uncomputed(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -247,7 +260,8 @@ class Scheduler:
                 [result.logprobs] if result.logprobs is not None else [],
                 prompt_logprobs=prompt_logprobs,
                 finish_reason=status.finish_reason if status else None,
-                stop_reason=request.stop_reason, first_scheduled_time=request.first_scheduled_time))
+                stop_reason=request.stop_reason, first_scheduled_time=request.first_scheduled_time,
+                num_cached_tokens=request.num_cached_tokens))
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:

@@ -23,6 +23,7 @@ MAX_LOGPROBS = 20
 class ProcessedPrompt:
     prompt: Optional[str]
     prompt_token_ids: list[int]
+    cache_salt: Optional[str] = None
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -48,6 +49,9 @@ class InputProcessor:
             text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         else:
             raise ValueError(f"prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError("cache_salt must be a string")
         if not ids:
             raise ValueError("prompt must not be empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -56,7 +60,7 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens long, but max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
-        return ProcessedPrompt(text, ids)
+        return ProcessedPrompt(text, ids, salt)
 
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -77,4 +81,4 @@ class InputProcessor:
         else:
             children = [(child_request_id(request_id, i, params.n), params.clone_for_sample(i)) for i in range(params.n)]
         return [Request(rid, prompt.prompt_token_ids, p, eos_token_ids=self.eos_token_ids, priority=priority,
-                        arrival_time=arrival_time) for rid, p in children]
+                        arrival_time=arrival_time, cache_salt=prompt.cache_salt) for rid, p in children]

@@ -80,7 +80,7 @@ class LLMEngine:
                     "request: %.1fx", num_blocks, config.block_size, capacity, num_blocks * bytes_per_block / 2**20,
                     max_model_len, capacity / max_model_len)
 
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache, max_model_len)
         self.runner = ModelRunner(loaded.model, cfg, dtype, num_blocks, config.block_size)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_model_len, loaded.eos_token_ids)
@@ -122,6 +122,10 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefixes (for users who swap weights); running requests are unaffected."""
+        self.scheduler.reset_prefix_cache()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -49,6 +49,7 @@ class _RequestState:
     metrics: RequestMetrics
     prompt_logprobs: Optional[list] = None
     sent_prompt_logprobs: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -98,6 +99,7 @@ class OutputProcessor:
             metrics = state.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = out.first_scheduled_time
+                state.num_cached_tokens = out.num_cached_tokens
             if out.new_token_ids:
                 metrics.first_token_time = metrics.first_token_time or now
                 metrics.last_token_time = now
@@ -168,4 +170,5 @@ class OutputProcessor:
         if delta and prompt_logprobs is not None:
             prompt_logprobs, state.sent_prompt_logprobs = prompt_logprobs[state.sent_prompt_logprobs:], len(prompt_logprobs)
         return RequestOutput(state.request_id, state.prompt.prompt, state.prompt.prompt_token_ids, completions,
-                             finished, prompt_logprobs=prompt_logprobs, metrics=state.metrics)
+                             finished, prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
+                             metrics=state.metrics)

@@ -26,6 +26,9 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.get_tokenizer()
 
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:

@@ -49,7 +49,7 @@ SUPPORTED_TENSOR_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
 
-# llama.cpp tensor name -> Hugging Face name; `{}` is the layer index.
+# llama.cpp tensor names -> Hugging Face names: model-wide ones, and the per-layer ones of `blk.N.`
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -69,22 +69,25 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama 3.1+ rope scaling factors: folded into hf_config's rope_scaling, not a model weight.
+ROPE_FREQS = "rope_freqs.weight"
 
 # Bumped whenever the conversion changes, so stale caches are not reused.
 _CACHE_VERSION = 1
-_CACHE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass
 class GGUFCheckpoint:
-    hf_config: dict
-    tokenizer_json: str
-    tokenizer_config: dict
-    generation_config: dict
+    """Everything but the weights, in the shapes of a Hugging Face folder's json files."""
+
+    hf_config: dict  # config.json: parses with ModelConfig.from_hf_dict
+    tokenizer_json: str  # tokenizer.json: loads with tokenizers.Tokenizer.from_str
+    tokenizer_config: dict  # tokenizer_config.json: chat_template, special tokens, add_bos_token
+    generation_config: dict  # generation_config.json: bos/eos(/pad) token ids
 
 
 def read_gguf(path: str) -> GGUFCheckpoint:
-    """Config, tokenizer and generation settings of a GGUF file, without touching its tensor data."""
+    """Config, tokenizer and generation settings of a GGUF file, without dequantising its weights."""
     return _checkpoint(_open(path))
 
 
@@ -141,6 +144,13 @@ def _get(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _need(reader: GGUFReader, key: str) -> Any:
+    value = _get(reader, key)
+    if value is None:
+        raise ValueError(f"the GGUF file's metadata has no {key!r}")
+    return value
+
+
 def _f32(value: float) -> float:
     """A float32 metadata value as the short decimal it was written from (1e-05, not 9.99999974e-06)."""
     return float(str(np.float32(value)))
@@ -156,34 +166,70 @@ def _architecture(reader: GGUFReader) -> str:
 def _hf_config(reader: GGUFReader) -> dict:
     arch = _architecture(reader)
     hf_arch, model_type = ARCHITECTURES[arch]
-    shapes = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors}  # torch order
-    heads = int(_get(reader, f"{arch}.attention.head_count"))
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("token_embd.weight", "blk.0.attn_q.weight"):
+        if name not in tensors:
+            raise ValueError(f"the GGUF file has no tensor {name!r}")
+    heads = int(_need(reader, f"{arch}.attention.head_count"))
+    # key_length is only written when it differs from hidden/heads (Qwen3); q's rows always tell.
+    head_dim = int(_get(reader, f"{arch}.attention.key_length", int(tensors["blk.0.attn_q.weight"].shape[1]) // heads))
     config = {
         "architectures": [hf_arch],
         "model_type": model_type,
-        "vocab_size": shapes["token_embd.weight"][0],
-        "hidden_size": int(_get(reader, f"{arch}.embedding_length")),
-        "intermediate_size": int(_get(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_get(reader, f"{arch}.block_count")),
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # ggml order: (hidden, vocab)
+        "hidden_size": int(_need(reader, f"{arch}.embedding_length")),
+        "intermediate_size": int(_need(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_need(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_get(reader, f"{arch}.attention.head_count_kv", heads)),
-        # key_length is only written when it differs from hidden/heads (Qwen3); q's rows always tell.
-        "head_dim": int(_get(reader, f"{arch}.attention.key_length", shapes["blk.0.attn_q.weight"][0] // heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": _f32(_get(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": _f32(_get(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_get(reader, f"{arch}.context_length")),
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "max_position_embeddings": int(_need(reader, f"{arch}.context_length")),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": _get(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _get(reader, "tokenizer.ggml.eos_token_id"),
     }
     rope_type = _get(reader, f"{arch}.rope.scaling.type", "none")
     if rope_type != "none":
-        config["rope_scaling"] = {"rope_type": rope_type, "factor": _f32(_get(reader, f"{arch}.rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": rope_type, "factor": _f32(_need(reader, f"{arch}.rope.scaling.factor"))}
         original = _get(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = int(original)
+    if ROPE_FREQS in tensors:
+        rope_dim = int(_get(reader, f"{arch}.rope.dimension_count", head_dim))
+        factors = dequantize(tensors[ROPE_FREQS].data, tensors[ROPE_FREQS].tensor_type)
+        config["rope_scaling"] = _llama3_rope_scaling(factors, config["rope_theta"], rope_dim)
     return config
+
+
+def _llama3_rope_scaling(factors: np.ndarray, theta: float, dim: int) -> dict:
+    """Recover Hugging Face's llama3 rope_scaling from the per-frequency factors llama.cpp stores instead.
+
+    Llama 3.1+ GGUFs carry their rope scaling only as `rope_freqs.weight`. llama.cpp's converter
+    computes it with low/high frequency factors 1 and 4 and an original context of 8192 (the values of
+    every Llama 3.x release; the converter itself falls back to them); the scale is the largest factor.
+    Recomputing the factors from those guards against a file made differently.
+    """
+    scaling = {
+        "rope_type": "llama3", "factor": _f32(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    if not np.allclose(_llama3_rope_factors(theta, dim, scaling), factors, rtol=1e-5):
+        raise ValueError(f"the GGUF file's {ROPE_FREQS} is not llama3 rope scaling as llama.cpp writes it")
+    return scaling
+
+
+def _llama3_rope_factors(theta: float, dim: int, scaling: dict) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py computation of `rope_freqs`, vectorised."""
+    freqs = (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)).astype(np.float32).astype(np.float64)
+    wavelen = 2 * np.pi / freqs
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    smooth = (old / wavelen - low) / (high - low)
+    ramp = 1 / ((1 - smooth) / scaling["factor"] + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, scaling["factor"], ramp))
 
 
 def _checkpoint(reader: GGUFReader) -> GGUFCheckpoint:
@@ -194,7 +240,7 @@ def _checkpoint(reader: GGUFReader) -> GGUFCheckpoint:
     model = _get(reader, "tokenizer.ggml.model")
     special = {
         name: _get(reader, f"tokenizer.ggml.{key}_token_id")
-        for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))
+        for name, key in {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}.items()
     }
     # SentencePiece files without the flag want BOS (llama.cpp's and transformers' default); BPE ones do not.
     add_bos = bool(_get(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
@@ -245,14 +291,20 @@ _QWEN2_SPLIT = (
 
 def _regex_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(regex), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
 
 
 def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
     # Every digit on its own, then GPT-2's regex: llama.cpp's "\p{N}" + gpt2 expressions, and SmolLM's tokenizer.json.
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
 
 
@@ -260,14 +312,17 @@ def _gpt2() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
+# tokenizer.ggml.pre -> pre-tokenizer, grouped as llama.cpp's llama-vocab.cpp groups them. Unknown names get
+# GPT-2's regex (with a warning), as in transformers.
 _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
-    "gpt2": _gpt2,
-    "default": _gpt2,
-    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell"], _digits_then_gpt2),
+    **dict.fromkeys(["default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo"], _gpt2),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+                    _digits_then_gpt2),
     **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe"], lambda: _regex_then_bytes(_LLAMA3_SPLIT)),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2"], lambda: _regex_then_bytes(_QWEN2_SPLIT)),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2"],
+                    lambda: _regex_then_bytes(_QWEN2_SPLIT)),
 }
-# Llama-3's tokenizer looks a whole pre-token up in the vocabulary before merging (tiktoken semantics).
+# Llama-3's tokenizer looks a whole pre-token up in the vocabulary before merging (llama.cpp's ignore_merges).
 _IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
@@ -276,7 +331,10 @@ def _build_tokenizer(reader: GGUFReader, model: Optional[str], tokens: list[str]
         return _byte_level_bpe(reader, tokens)
     if model == "llama":
         return _sentencepiece_bpe(reader, tokens)
-    raise ValueError(f"unsupported GGUF tokenizer model {model!r}; folio supports 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")
+    raise ValueError(
+        f"unsupported GGUF tokenizer model {model!r}; "
+        "folio supports 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)"
+    )
 
 
 def _byte_level_bpe(reader: GGUFReader, tokens: list[str]) -> Tokenizer:
@@ -323,7 +381,8 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     """
     merges = []
     for token, score in scores.items():
-        pairs = [(token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits = ((token[:i], token[i:]) for i in range(1, len(token)))
+        pairs = [(left, right, score) for left, right in splits if left in vocab and right in vocab]
         merges.extend(sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]])))
     merges.sort(key=lambda p: (p[2], len(p[0]), len(p[1])), reverse=True)
     return [(left, right) for left, right, _ in merges]
@@ -388,23 +447,25 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Dequantise, rename and un-permute every weight. Tied embeddings stay single: no lm_head.weight."""
     for t in reader.tensors:  # fail before spending seconds dequantising the rest
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ValueError(
                 f"GGUF tensor {t.name!r} is stored as {t.tensor_type.name}, which folio cannot dequantise; "
                 f"supported: {', '.join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))}"
             )
-    permuted = {
-        "attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]
-    } if hf_config["model_type"] == "llama" else {}
+    heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
+    permuted = heads if hf_config["model_type"] == "llama" else {}  # llama.cpp permutes llama's Q/K only
     out = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            continue
         name = _hf_name(t.name)
         # F32 tensors come back as read-only views of the file mapping; torch wants writable memory.
         w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements="W"))
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
-        if kind in permuted:
-            w = _unpermute(w, permuted[kind])
+        layer_tensor = _LAYER_NAME.fullmatch(t.name)
+        if layer_tensor and layer_tensor[2] in permuted:
+            w = _unpermute(w, permuted[layer_tensor[2]])
         out[name] = torch.empty(w.shape, dtype=dtype).copy_(w)  # one copy: contiguous, in dtype
     return out
 
@@ -426,10 +487,15 @@ def _write_cache(cache_dir: str, checkpoint: GGUFCheckpoint, tensors: dict[str, 
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(cache_dir)}.tmp-", dir=parent)
     try:
-        contents = (checkpoint.hf_config, checkpoint.generation_config, None, checkpoint.tokenizer_config)
-        for file, value in zip(_CACHE_FILES, contents):
+        texts = {
+            "config.json": json.dumps(checkpoint.hf_config, indent=2),
+            "generation_config.json": json.dumps(checkpoint.generation_config, indent=2),
+            "tokenizer.json": checkpoint.tokenizer_json,
+            "tokenizer_config.json": json.dumps(checkpoint.tokenizer_config, indent=2),
+        }
+        for file, text in texts.items():
             with open(os.path.join(tmp, file), "w", encoding="utf-8") as f:
-                f.write(checkpoint.tokenizer_json if value is None else json.dumps(value, indent=2))
+                f.write(text)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         try:
             os.rename(tmp, cache_dir)
@@ -441,10 +507,14 @@ def _write_cache(cache_dir: str, checkpoint: GGUFCheckpoint, tensors: dict[str, 
 
 
 def _read_cache(cache_dir: str) -> tuple[GGUFCheckpoint, dict[str, torch.Tensor]]:
-    texts = []
-    for file in _CACHE_FILES:
+    def read(file: str) -> str:
         with open(os.path.join(cache_dir, file), encoding="utf-8") as f:
-            texts.append(f.read())
-    config, generation, tokenizer_json, tokenizer_config = texts
-    checkpoint = GGUFCheckpoint(json.loads(config), tokenizer_json, json.loads(tokenizer_config), json.loads(generation))
-    return checkpoint, load_file(os.path.join(cache_dir, "model.safetensors"))
+            return f.read()
+
+    checkpoint = GGUFCheckpoint(
+        hf_config=json.loads(read("config.json")),
+        tokenizer_json=read("tokenizer.json"),
+        tokenizer_config=json.loads(read("tokenizer_config.json")),
+        generation_config=json.loads(read("generation_config.json")),
+    )
+    return checkpoint, load_file(os.path.join(cache_dir, "model.safetensors"))  # memory-mapped, so instant

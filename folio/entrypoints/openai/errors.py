@@ -1,0 +1,81 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, for every failure the server returns.
+
+FastAPI's own answers (422 validation errors, 404/405 for unknown routes, JSON parse errors) are turned into
+the same shape, validation errors as 400 as OpenAI does, so a client sees one error format whatever went wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from folio.engine.async_llm import EngineDeadError, EngineError
+
+logger = logging.getLogger("folio")
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+          413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class OpenAIError(Exception):
+    """Raised anywhere in a route to answer with this status and message."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    @classmethod
+    def bad_request(cls, error: ValueError, fields: Any = ()) -> "OpenAIError":
+        """A 400 from a ValueError whose message starts with the offending field, as SamplingParams' do."""
+        message = str(error)
+        first = message.split(" ", 1)[0]
+        return cls(400, message, first if first in fields else None)
+
+
+def error_body(status: int, message: str, param: Optional[str] = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    parts = []
+    for err in errors:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    first = errors[0].get("loc", ()) if errors else ()
+    param = ".".join(str(p) for p in first if p != "body") or None
+    return error_response(400, "; ".join(parts) or "invalid request", param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(request, exc)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return error_response(503 if isinstance(exc, EngineDeadError) else 500, str(exc))
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
+        return error_response(500, f"internal server error: {exc!r}")
+
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(EngineError, engine_error)
+    app.add_exception_handler(Exception, unexpected)

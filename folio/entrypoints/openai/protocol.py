@@ -1,0 +1,269 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests are strict where OpenAI is (`"stream": 0` or `"n": "2"` is a 400, not a silent conversion) and
+reject NaN/Infinity, which Python's JSON parser accepts but no sampler can use. Value ranges are left to
+SamplingParams, so the API and the Python engine give the same error for the same bad value. Unknown
+fields are ignored, as vLLM does, because clients send fields of newer API versions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from folio.sampling_params import SamplingParams
+
+MAX_N = 16  # completions per prompt; more would let one request monopolise the batch
+# torch.Generator.manual_seed takes seeds in this range
+Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
+LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]  # OpenAI's range; beyond it logits overflow
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(RequestModel):
+    include_usage: Optional[bool] = False
+
+
+class SamplingRequest(RequestModel):
+    """Fields that completions and chat share, turned into SamplingParams in one place."""
+
+    model: Optional[str] = None
+    n: Optional[int] = 1
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[Seed] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[LogitBias] = None
+    user: Optional[str] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    # vLLM's extra sampling parameters (extra_body with the openai client)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(self, max_tokens: int, logprobs: Optional[int] = None,
+                           prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        """SamplingParams for this request; raises ValueError naming the field for a bad value."""
+        n = 1 if self.n is None else self.n
+        if n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {n}")
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                 "repetition_penalty": self.repetition_penalty}
+        return SamplingParams(
+            n=n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, logit_bias=self.logit_bias,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **{k: v for k, v in given.items() if v is not None})
+
+
+# ---- completions -----------------------------------------------------------------------------------------
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = None  # legacy completions: how many top tokens per position
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens may be 0 only with echo (to score the prompt)")
+        return self
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None  # vLLM's extra: the stop string or token id that ended it
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and also the shape of each streamed chunk (OpenAI uses the same object for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---- chat ------------------------------------------------------------------------------------------------
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false} for Qwen3
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+
+class TopLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatLogProb(TopLogProb):
+    top_logprobs: list[TopLogProb] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(BaseModel):
+    content: Optional[list[ChatLogProb]] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatChoiceLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        """OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...}."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---- models, tokenizer endpoints -------------------------------------------------------------------------
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "folio"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(RequestModel):
+    """Either a prompt, or chat messages rendered with the chat template first."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

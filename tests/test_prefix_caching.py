@@ -1,0 +1,202 @@
+"""Prefix caching: shared prefixes computed once, LRU eviction, salts, and identical outputs on and off."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import hf_greedy
+from folio import LLM, SamplingParams
+from folio.config import EngineConfig
+from folio.core.block_hash import extend_block_hashes
+from folio.core.kv_cache_manager import KVCacheManager
+from folio.core.request import Request, RequestStatus
+from folio.core.scheduler import ModelOutput, SampledToken, Scheduler
+
+PREFIX = list(range(30, 70))  # 40 tokens: two and a half blocks of 16
+SUFFIXES = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [300, 301, 302, 303, 304, 305]]
+
+
+def _llm(folder, **kw):
+    return LLM(folder, dtype="float32", kv_cache_memory=1 << 22, **kw)
+
+
+def _count_model_tokens(llm) -> list[int]:
+    """Wrap the model runner so each step's number of computed tokens is recorded."""
+    runner, counts = llm.llm_engine.runner, []
+    execute = runner.execute
+
+    def counting(sched, tables):
+        counts.append(sched.num_tokens)
+        return execute(sched, tables)
+
+    runner.execute = counting
+    return counts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=16),
+                                    SamplingParams(temperature=1.0, seed=7, max_tokens=16, n=2)])
+def test_outputs_identical_with_caching_on_and_off(llama_dir, params):
+    prompts = [{"prompt_token_ids": PREFIX + s} for s in SUFFIXES]
+    results = []
+    for enable in (True, False):
+        llm = _llm(llama_dir, enable_prefix_caching=enable)
+        first = llm.generate(prompts[:1], params, use_tqdm=False)  # warms the cache
+        rest = llm.generate(prompts[1:], params, use_tqdm=False)
+        results.append([[c.token_ids for c in o.outputs] for o in first + rest])
+    assert results[0] == results[1]
+    if params.temperature == 0:
+        assert [r[0] for r in results[0]] == [hf_greedy(llama_dir, p["prompt_token_ids"], 16) for p in prompts]
+
+
+def test_second_request_computes_only_new_tokens(llama_dir):
+    llm = _llm(llama_dir)
+    counts = _count_model_tokens(llm)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    first = llm.generate({"prompt_token_ids": PREFIX + SUFFIXES[0]}, params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and sum(counts) == 43
+    counts.clear()
+    second = llm.generate({"prompt_token_ids": PREFIX + SUFFIXES[1]}, params, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 32  # two full blocks of 16; the unit of reuse is the block
+    assert sum(counts) == 42 - 32
+    stats = llm.llm_engine.get_stats()
+    assert stats.prefix_cache_hits == 32 and stats.prefix_cache_queries == 43 + 42
+    llm.reset_prefix_cache()
+    counts.clear()
+    third = llm.generate({"prompt_token_ids": PREFIX + SUFFIXES[1]}, params, use_tqdm=False)[0]
+    assert third.num_cached_tokens == 0 and sum(counts) == 42
+
+
+def test_short_prefix_does_not_hit(llama_dir):
+    llm = _llm(llama_dir)
+    llm.generate({"prompt_token_ids": [1, 2, 3, 4, 5]}, SamplingParams(max_tokens=1), use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3, 4, 6]}, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+
+
+def test_cache_salt_isolates_tenants(llama_dir):
+    llm = _llm(llama_dir)
+    params = SamplingParams(max_tokens=1)
+    llm.generate({"prompt_token_ids": PREFIX + [1], "cache_salt": "alice"}, params, use_tqdm=False)
+    bob = llm.generate({"prompt_token_ids": PREFIX + [2], "cache_salt": "bob"}, params, use_tqdm=False)[0]
+    alice = llm.generate({"prompt_token_ids": PREFIX + [3], "cache_salt": "alice"}, params, use_tqdm=False)[0]
+    plain = llm.generate({"prompt_token_ids": PREFIX + [4]}, params, use_tqdm=False)[0]
+    assert (bob.num_cached_tokens, alice.num_cached_tokens, plain.num_cached_tokens) == (0, 32, 0)
+
+
+def test_n_samples_share_the_prompt(llama_dir):
+    def peak_blocks(enable: bool) -> tuple[int, int]:
+        llm = _llm(llama_dir, enable_prefix_caching=enable)
+        engine, counts = llm.llm_engine, _count_model_tokens(llm)
+        engine.add_request("r", {"prompt_token_ids": PREFIX * 2}, SamplingParams(n=4, max_tokens=4))
+        peak = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            peak = max(peak, engine.kv_cache.pool.num_blocks - engine.kv_cache.num_free_blocks)
+        return peak, sum(counts)
+
+    (shared_blocks, shared_tokens), (separate_blocks, separate_tokens) = peak_blocks(True), peak_blocks(False)
+    assert shared_blocks < separate_blocks
+    # 80-token prompt: the first sample computes it all, the others only the last partial block's tokens
+    assert shared_tokens == 80 + 3 * (80 - 64) + 4 * 3
+    assert separate_tokens == 4 * 80 + 4 * 3
+
+
+def test_lru_eviction_order():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+
+    def request(rid, tokens):
+        return Request(rid, tokens, SamplingParams(max_tokens=1))
+
+    a, b = request("a", [1, 2, 3, 4, 5]), request("b", [7, 8, 9, 10, 11])
+    for r in (a, b):
+        assert kv.allocate_slots(r, 5)
+    a_ids, b_ids = kv.block_ids("a"), kv.block_ids("b")
+    kv.free(a)
+    kv.free(b)
+    # never-hashed partial blocks first (most recently freed at the very front), then cached blocks
+    # least-recently freed first, each request's tail block before its head
+    assert kv.pool.free_queue.block_ids() == [b_ids[2], a_ids[2], a_ids[1], a_ids[0], b_ids[1], b_ids[0]]
+    c = request("c", [1, 2, 3, 4, 99])  # hits a's two full blocks and revives them from the free list
+    hits = kv.find_cached(c)
+    assert [blk.block_id for blk in hits] == a_ids[:2]
+    assert kv.allocate_slots(c, 1, hits)
+    assert kv.block_ids("c")[:2] == a_ids[:2]
+    d = request("d", [50, 51, 52, 53, 54, 55])  # 3 blocks: the remaining partial first, then b's, evicting them
+    assert kv.allocate_slots(d, 6)
+    assert kv.block_ids("d") == [a_ids[2], b_ids[1], b_ids[0]]
+    assert kv.pool.lookup(b.block_hashes[1]) is None and kv.pool.lookup(b.block_hashes[0]) is None
+    assert kv.pool.lookup(a.block_hashes[0]) is not None
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 20), st.integers(1, 8), st.booleans()),
+                min_size=1, max_size=10),
+       st.integers(8, 30), st.sampled_from([2, 4]), st.integers(4, 40), st.integers(0, 10_000))
+def test_prefix_cache_invariants_under_random_workloads(reqs, num_blocks, block_size, budget, seed):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(0, 12))] for _ in range(4)]
+    max_model_len = min(num_blocks * block_size, 48)
+    cfg = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=5)
+    sched = Scheduler(cfg, KVCacheManager(num_blocks, block_size), max_model_len)
+    kv, pool = sched.kv_cache, sched.kv_cache.pool
+    all_requests = []
+    for i, (p, extra, max_tokens, abort) in enumerate(reqs):
+        tokens = (prefixes[p] + [rng.randrange(1, 50) for _ in range(extra)])[:max_model_len - 1]
+        req = Request(str(i), tokens, SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({0}))
+        sched.add_request(req)
+        all_requests.append((req, abort))
+    slot_tokens: dict[int, int] = {}  # what each cache slot holds, as the forward pass would write it
+    for step in range(3000):
+        if not sched.num_unfinished:
+            break
+        out = sched.schedule()
+        for item in out.scheduled:
+            r, table = item.request, kv.block_ids(item.request.request_id)
+            for pos in range(r.num_computed_tokens, r.num_computed_tokens + item.num_tokens):
+                slot_tokens[table[pos // block_size] * block_size + pos % block_size] = r.all_token_ids[pos]
+        sampled = {s.request.request_id: SampledToken(rng.choice([0, 3, 4]) if rng.random() < 0.1 else 5)
+                   for s in out.scheduled if s.samples}
+        sched.update_from_output(out, ModelOutput(sampled=sampled))
+        # every block's reference count is the number of live requests holding it
+        holders: dict[int, int] = {}
+        for blocks in kv.req_to_blocks.values():
+            for blk in blocks:
+                holders[blk.block_id] = holders.get(blk.block_id, 0) + 1
+        assert all(pool.blocks[b].ref_cnt == n for b, n in holders.items())
+        assert all(blk.ref_cnt == 0 for blk in pool.blocks if blk.block_id not in holders)
+        assert pool.num_free_blocks == num_blocks - len(holders)
+        # the hash map never points at a block whose contents differ from what was hashed
+        known = {}
+        for req, _ in all_requests:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, block_size, None)
+            for j, h in enumerate(req.block_hashes):
+                known[h] = req.all_token_ids[j * block_size:(j + 1) * block_size]
+        for h, blk in pool.cached.items():
+            assert blk.block_hash == h
+            written = [slot_tokens.get(blk.block_id * block_size + o) for o in range(block_size)]
+            assert written == known[h], "a cached block holds other tokens than its hash names"
+        if step == 4:
+            sched.finish_requests([r.request_id for r, abort in all_requests if abort], RequestStatus.FINISHED_ABORTED)
+    assert sched.num_unfinished == 0
+    assert pool.num_free_blocks == num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+    assert len(pool.allocate(num_blocks)) == num_blocks  # every block reusable, cached or not
+    assert not pool.cached
+
+
+def test_preempted_request_resumes_from_its_cached_blocks(llama_dir):
+    per_block = 2 * 2 * 2 * 16 * 4 * 4
+    llm = LLM(llama_dir, dtype="float32", block_size=4, kv_cache_memory=12 * per_block, max_model_len=48)
+    counts = _count_model_tokens(llm)
+    prompts = [{"prompt_token_ids": list(range(10 * i + 3, 10 * i + 23))} for i in range(3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    engine = llm.llm_engine
+    assert engine.scheduler.num_preemptions > 0
+    recomputed = sum(counts) - sum(20 + 20 for _ in prompts)
+    assert recomputed >= 0
+    # without the cache every preemption would recompute the whole request; with it, far less is redone
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p["prompt_token_ids"], 20)[:28]
+                                                     for p in prompts]
+    assert engine.kv_cache.prefix_stats.hits > 0
