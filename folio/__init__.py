@@ -3,6 +3,7 @@
 from folio.config import EngineConfig
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
+from folio.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from folio.entrypoints.llm import LLM
 from folio.logger import configure_logging
 from folio.outputs import CompletionOutput, Logprob, RequestOutput
@@ -10,6 +11,6 @@ from folio.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "OutputKind", "__version__"]
+           "OutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
 
 configure_logging()

@@ -200,3 +200,23 @@ def test_preempted_request_resumes_from_its_cached_blocks(llama_dir):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p["prompt_token_ids"], 20)[:28]
                                                      for p in prompts]
     assert engine.kv_cache.prefix_stats.hits > 0
+
+
+def test_beam_search_equals_transformers_num_beams(llama_dir):
+    from conftest import _hf_model
+    from folio import BeamSearchParams
+
+    llm = _llm(llama_dir)
+    counts = _count_model_tokens(llm)
+    prompts = [PREFIX + [5, 6, 7], [100, 101, 102, 103]]
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    hf = _hf_model(llama_dir)
+    for prompt, out in zip(prompts, outs):
+        import torch
+
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, num_beams=3, do_sample=False,
+                          num_return_sequences=3, eos_token_id=None, pad_token_id=0, early_stopping=True)
+        assert [s.tokens for s in out.sequences] == [r[len(prompt):].tolist() for r in ref]
+    # beams share their prompt's blocks: far fewer tokens computed than 3 beams x 8 steps x whole prompt
+    assert sum(counts) < 3 * 8 * len(prompts[0])

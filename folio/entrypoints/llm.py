@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 from tqdm import tqdm
 
 from folio.engine.input_processor import PromptType
+from folio.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
 from folio.outputs import RequestOutput
@@ -43,6 +44,15 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         return self._run(prompts, list(sampling_params), priority or [0] * len(prompts), use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; each output holds the beam_width best sequences, best first."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        processor = self.llm_engine.input_processor
+        token_ids = [processor.process_prompt(p).prompt_token_ids for p in prompts]
+        return beam_search(self.llm_engine, token_ids, params)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

@@ -1,0 +1,236 @@
+"""The request flow that completions and chat share: check, build SamplingParams, submit, then stream or collect.
+
+Both endpoints consume the same thing, per-choice deltas made from the engine's DELTA outputs, so streaming
+and non-streaming are one mechanism: a stream chunk is one delta, a full response is each choice's deltas
+joined. Subclasses say only how to build prompts and how to dress a delta in their JSON shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Optional, Union
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import Response, StreamingResponse
+
+from folio.engine.async_llm import AsyncLLM, EngineDeadError, EngineError, RequestStream
+from folio.entrypoints.openai.errors import OpenAIError, error_body
+from folio.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from folio.outputs import Logprob
+from folio.sampling_params import SamplingParams
+
+PositionLogprobs = Optional[dict[int, Logprob]]  # None for the first prompt token, which has no logprob
+
+
+@dataclass
+class Prompt:
+    text: Optional[str]  # None when the prompt came as token ids or from a chat template
+    token_ids: list[int]
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice gained: a stream chunk carries one, a full response carries each choice's joined."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the tokens `logprobs` describe (echoed prompt too)
+    logprobs: Optional[list[PositionLogprobs]] = None  # None unless requested
+    num_generated: int = 0  # completion tokens, for usage (echoed prompt tokens are not)
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    text_offset: int = 0  # characters of this choice handed out before this delta
+
+    def extend(self, other: "ChoiceDelta") -> None:
+        self.text += other.text
+        self.token_ids += other.token_ids
+        if self.logprobs is not None and other.logprobs is not None:
+            self.logprobs += other.logprobs
+        self.num_generated += other.num_generated
+        self.finish_reason, self.stop_reason = other.finish_reason, other.stop_reason
+
+
+def clamp_logprob(value: float) -> float:
+    """JSON has no -Infinity; vLLM reports impossible tokens as -9999."""
+    return max(value, -9999.0)
+
+
+def _event(payload: Union[BaseModel, dict]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def cancel_on_disconnect(raw_request: Request, work: Awaitable[Response]) -> Response:
+    """Run a non-streaming handler, cancelling it when the client goes away (its engine requests are then
+    aborted by the handler's finally blocks). Streaming responses get this from Starlette already."""
+
+    async def disconnected() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is left to read it
+    return task.result()
+
+
+class OpenAIServing(ABC):
+    request_id_prefix: str
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.tokenizer = llm.engine.get_tokenizer()
+        self.max_model_len = llm.engine.max_model_len
+
+    # ---- what subclasses define --------------------------------------------------------------------
+
+    @abstractmethod
+    def prompts(self, request: SamplingRequest) -> list[Prompt]:
+        """Tokenized prompts; ValueError for bad input."""
+
+    @abstractmethod
+    def max_tokens(self, request: SamplingRequest, longest_prompt: int) -> int:
+        """The max_tokens to run with, the endpoint's default filled in."""
+
+    @abstractmethod
+    def logprob_counts(self, request: SamplingRequest) -> tuple[Optional[int], Optional[int]]:
+        """SamplingParams' (logprobs, prompt_logprobs)."""
+
+    @abstractmethod
+    def choice(self, request: SamplingRequest, delta: ChoiceDelta, stream: bool) -> BaseModel:
+        """One choice of a chunk (stream) or of a full response."""
+
+    @abstractmethod
+    def envelope(self, request_id: str, created: int, choices: list[BaseModel], usage: Optional[UsageInfo],
+                 stream: bool) -> BaseModel:
+        """A chunk (stream) or a full response around the choices."""
+
+    def first_delta(self, request: SamplingRequest, prompt: Prompt, prompt_logprobs: list[PositionLogprobs],
+                    delta: ChoiceDelta) -> ChoiceDelta:
+        """A choice's first delta; completions' echo prepends the prompt here."""
+        return delta
+
+    def opening_chunks(self, request_id: str, created: int, request: SamplingRequest) -> list[BaseModel]:
+        """Chunks a stream starts with before any token (chat's role announcement)."""
+        return []
+
+    # ---- the shared flow ---------------------------------------------------------------------------
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
+
+    async def serve(self, request: SamplingRequest, raw_request: Request) -> Response:
+        self.check_model(request.model)
+        fields = type(request).model_fields
+        try:
+            prompts = self.prompts(request)
+            params = self._sampling_params(request, prompts)
+        except ValueError as e:
+            raise OpenAIError.bad_request(e, fields) from e
+        request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex}"
+        engine_prompts = [(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids})
+                          for i, p in enumerate(prompts)]
+        try:
+            stream = await self.llm.add_requests(engine_prompts, params, request.priority)
+        except ValueError as e:
+            raise OpenAIError.bad_request(e, fields) from e
+        created = int(time.time())
+        deltas = self._deltas(stream, request, prompts)
+        if request.stream:
+            return StreamingResponse(self._sse(stream, deltas, request_id, created, request, prompts),
+                                     media_type="text/event-stream")
+        return await cancel_on_disconnect(raw_request, self._collect(stream, deltas, request_id, created, request,
+                                                                     prompts))
+
+    def _sampling_params(self, request: SamplingRequest, prompts: list[Prompt]) -> SamplingParams:
+        if not prompts or any(not p.token_ids for p in prompts):
+            raise ValueError("prompt must not be empty")
+        longest = max(len(p.token_ids) for p in prompts)
+        if longest >= self.max_model_len:
+            raise ValueError(f"prompt is {longest} tokens long, but this model's maximum context length is "
+                             f"{self.max_model_len} tokens (the prompt and at least one generated token must fit)")
+        max_tokens = self.max_tokens(request, longest)
+        if longest + max_tokens > self.max_model_len:
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                   f"you requested {longest + max_tokens} tokens ({longest} in the messages, "
+                                   f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                                   "completion.", "max_tokens")
+        logprobs, prompt_logprobs = self.logprob_counts(request)
+        return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
+
+    async def _deltas(self, stream: RequestStream, request: SamplingRequest,
+                      prompts: list[Prompt]) -> AsyncIterator[ChoiceDelta]:
+        n = request.n or 1
+        prompt_index = {rid: i for i, rid in enumerate(stream.request_ids)}
+        prompt_logprobs: list[list[PositionLogprobs]] = [[] for _ in prompts]
+        sent: dict[int, int] = {}  # choice index -> characters handed out so far
+        async for output in stream:
+            p = prompt_index[output.request_id]
+            prompt_logprobs[p].extend(output.prompt_logprobs or ())
+            for completion in output.outputs:
+                delta = ChoiceDelta(p * n + completion.index, completion.text, list(completion.token_ids),
+                                    completion.logprobs, len(completion.token_ids), completion.finish_reason,
+                                    completion.stop_reason)
+                if delta.index not in sent:
+                    delta = self.first_delta(request, prompts[p], prompt_logprobs[p], delta)
+                delta.text_offset = sent.get(delta.index, 0)
+                sent[delta.index] = delta.text_offset + len(delta.text)
+                yield delta
+
+    def _usage(self, prompts: list[Prompt], completion_tokens: int) -> UsageInfo:
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+    async def _sse(self, stream: RequestStream, deltas: AsyncIterator[ChoiceDelta], request_id: str, created: int,
+                   request: SamplingRequest, prompts: list[Prompt]) -> AsyncIterator[str]:
+        completion_tokens = 0
+        try:
+            for chunk in self.opening_chunks(request_id, created, request):
+                yield _event(chunk)
+            async for delta in deltas:
+                completion_tokens += delta.num_generated
+                if delta.text or delta.finish_reason or delta.logprobs:
+                    choice = self.choice(request, delta, stream=True)
+                    yield _event(self.envelope(request_id, created, [choice], None, stream=True))
+            if request.include_usage_in_stream:
+                usage = self._usage(prompts, completion_tokens)
+                yield _event(self.envelope(request_id, created, [], usage, stream=True))
+        except EngineError as e:  # the status line is long gone: report it in the stream, as vLLM does
+            yield _event(error_body(503 if isinstance(e, EngineDeadError) else 500, str(e)))
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+    async def _collect(self, stream: RequestStream, deltas: AsyncIterator[ChoiceDelta], request_id: str,
+                       created: int, request: SamplingRequest, prompts: list[Prompt]) -> Response:
+        choices: dict[int, ChoiceDelta] = {}
+        try:
+            async for delta in deltas:
+                if delta.index in choices:
+                    choices[delta.index].extend(delta)
+                else:
+                    choices[delta.index] = delta
+        finally:
+            stream.close()
+        ordered = [choices[i] for i in sorted(choices)]
+        usage = self._usage(prompts, sum(c.num_generated for c in ordered))
+        body = self.envelope(request_id, created, [self.choice(request, c, stream=False) for c in ordered], usage,
+                             stream=False)
+        return Response(body.model_dump_json(), media_type="application/json")

@@ -1,0 +1,74 @@
+"""POST /v1/completions: prompts as text or token ids, echo, and the legacy logprobs shape.
+
+`echo` with `max_tokens: 0` and `logprobs` scores a prompt without generating (lm-eval's loglikelihood):
+the engine runs one token, which is dropped, and the prompt's own logprobs are returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from pydantic import BaseModel
+
+from folio.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
+                                               CompletionResponse, UsageInfo)
+from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, PositionLogprobs, Prompt, clamp_logprob
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    request_id_prefix = "cmpl"
+
+    def prompts(self, request: CompletionRequest) -> list[Prompt]:
+        raw = request.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]
+        return [Prompt(item, self.tokenizer.encode(item)) if isinstance(item, str) else Prompt(None, list(item))
+                for item in raw]
+
+    def max_tokens(self, request: CompletionRequest, longest_prompt: int) -> int:
+        if request.max_tokens == 0:
+            return 1  # echo only: the one generated token is dropped in first_delta
+        return DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+
+    def logprob_counts(self, request: CompletionRequest) -> tuple[Optional[int], Optional[int]]:
+        return request.logprobs, request.logprobs if request.echo else None
+
+    def first_delta(self, request: CompletionRequest, prompt: Prompt, prompt_logprobs: list[PositionLogprobs],
+                    delta: ChoiceDelta) -> ChoiceDelta:
+        if request.max_tokens == 0:
+            delta = dataclasses.replace(delta, text="", token_ids=[], num_generated=0, finish_reason="length",
+                                        stop_reason=None, logprobs=None if delta.logprobs is None else [])
+        if not request.echo:
+            return delta
+        text = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids,
+                                                                                 skip_special_tokens=False)
+        logprobs = None if delta.logprobs is None else prompt_logprobs + delta.logprobs
+        return dataclasses.replace(delta, text=text + delta.text, token_ids=prompt.token_ids + delta.token_ids,
+                                   logprobs=logprobs)
+
+    def choice(self, request: CompletionRequest, delta: ChoiceDelta, stream: bool) -> CompletionChoice:
+        logprobs = None if delta.logprobs is None else self._logprobs(delta)
+        return CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
+                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+
+    def envelope(self, request_id: str, created: int, choices: list[BaseModel], usage: Optional[UsageInfo],
+                 stream: bool) -> CompletionResponse:
+        return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
+
+    def _logprobs(self, delta: ChoiceDelta) -> CompletionLogProbs:
+        """OpenAI's legacy shape: per token its text, logprob, top alternatives and offset in the choice's text."""
+        out = CompletionLogProbs()
+        offset = delta.text_offset
+        for token_id, position in zip(delta.token_ids, delta.logprobs):
+            chosen = position.get(token_id) if position is not None else None
+            token = chosen.decoded_token if chosen is not None else self.tokenizer.decode_token(token_id)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            out.token_logprobs.append(None if chosen is None else clamp_logprob(chosen.logprob))
+            out.top_logprobs.append(None if position is None else
+                                    {lp.decoded_token: clamp_logprob(lp.logprob) for lp in position.values()})
+        return out
