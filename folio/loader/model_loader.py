@@ -1,7 +1,7 @@
 """Load a model for serving: a Hugging Face folder, a GGUF file, or (no model given) the embedded default.
 
-Weights go straight into a model built on the meta device and then materialised without initialisation,
-so loading costs one copy of each tensor and no random init.
+Weights go straight into a model whose layers allocate without initialising, so loading costs one copy of
+each tensor and no random init.
 """
 
 from __future__ import annotations
@@ -114,9 +114,8 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         eos |= {tokenizer.eos_token_id}
 
     max_positions = cfg.max_position_embeddings if max_positions_cap is None else max_positions_cap
-    with torch.device("meta"), _default_dtype(dtype):
+    with _default_dtype(dtype):
         net = build_model(cfg, max_positions)
-    net.to_empty(device="cpu")
     net.load_weights(tensors)
     net.eval()
     return LoadedModel(path, cfg, net, tokenizer, frozenset(eos))

@@ -13,10 +13,34 @@ import torch
 from torch import nn
 
 
+def _uninitialized(*shape: int) -> nn.Parameter:
+    """Weights are always loaded from a checkpoint, so layers allocate without initialising (instant load)."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _uninitialized(out_features, in_features)
+        self.bias = _uninitialized(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = _uninitialized(num_embeddings, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.weight = _uninitialized(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
@@ -54,17 +78,16 @@ def _inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) ->
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed float32 cos/sin table indexed by position.
 
-    The table is computed on the CPU explicitly and kept as plain attributes, not buffers, so that a model
-    built on the meta device (no weight initialisation at load) keeps it.
+    The table stays float32 whatever the model's dtype (plain attributes, not buffers, so .to(dtype) leaves
+    it alone); it is cast per use exactly as Transformers casts its cos/sin.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict[str, Any]]) -> None:
         super().__init__()
-        with torch.device("cpu"):
-            inv_freq = _inv_freq(head_dim, theta, scaling)
-            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.cos, self.sin = emb.cos(), emb.sin()
+        inv_freq = _inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D]; rotated in their own dtype, as Transformers does."""
