@@ -7,6 +7,7 @@ before the request reaches the engine (and can never take down another request).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -68,6 +69,10 @@ class SamplingParams:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                  name, "must be a finite number")
         check(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
         check(self.temperature >= 0.0, "temperature", "must be >= 0")
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
@@ -84,7 +89,10 @@ class SamplingParams:
         check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs", "must be an integer >= 0")
         check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
               "prompt_logprobs", "must be an integer >= 0")
-        check(self.seed is None or is_int(self.seed), "seed", "must be an integer")
+        check(self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
+              "must be a 64-bit integer")
+        if self.logit_bias and not all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {self.logit_bias!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must hold token ids >= 0")
         if self.stop and not self.detokenize:

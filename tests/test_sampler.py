@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from unittest import mock
 
 import pytest
 import torch
@@ -79,6 +80,13 @@ def test_mixed_batch():
     argmax = logits.argmax(dim=-1).tolist()
     assert out.sampled_token_ids[:3] == argmax[:3]
     assert 0 <= out.sampled_token_ids[3] < 50
+
+
+def test_empty_batch_and_shape_mismatch():
+    assert sample(torch.zeros(0, 10), []).sampled_token_ids == []
+    assert compute_prompt_logprobs(torch.zeros(0, 10), [], 2) == []
+    with pytest.raises(ValueError, match="logits"):
+        sample(torch.zeros(2, 10), [row(SamplingParams())])
 
 
 # --- seeded reproducibility -------------------------------------------------------------------------------
@@ -159,9 +167,16 @@ TRUNCATION_CASES = [
 ]
 
 
+@pytest.fixture(params=[3, 256], ids=["top_p_sort_fallback", "top_p_candidates"])
+def top_p_width(request, monkeypatch) -> int:
+    """Exercise both top_p paths: a width of 3 candidates rarely holds the nucleus of 20 tokens."""
+    monkeypatch.setattr(sampler_mod, "_TOP_P_CANDIDATES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("params", TRUNCATION_CASES, ids=repr)
 @pytest.mark.parametrize("seeded", [False, True])
-def test_truncation_never_emits_excluded_token(params: SamplingParams, seeded: bool):
+def test_truncation_never_emits_excluded_token(params: SamplingParams, seeded: bool, top_p_width: int):
     torch.manual_seed(2)
     logits = torch.randn(20) * 2
     allowed = allowed_tokens(logits, params)
@@ -175,7 +190,7 @@ def test_truncation_never_emits_excluded_token(params: SamplingParams, seeded: b
 
 
 @pytest.mark.parametrize("top_p,kept", [(0.25, 1), (0.5, 2), (0.75, 3), (0.76, 4)])
-def test_top_p_keeps_smallest_set_reaching_top_p(top_p: float, kept: int):
+def test_top_p_keeps_smallest_set_reaching_top_p(top_p: float, kept: int, top_p_width: int):
     """Four equally likely tokens make every cumulative mass exact, so the boundary itself is tested."""
     n = 400
     drawn = sample(torch.zeros(n, 4), [row(SamplingParams(top_p=top_p)) for _ in range(n)]).sampled_token_ids
@@ -303,16 +318,18 @@ def sampling_cases(draw):
                             top_p=draw(st.floats(1e-6, 1.0)),
                             min_p=draw(st.floats(0.0, 1.0)),
                             seed=draw(st.one_of(st.none(), st.integers(0, 2**31))))
-    return torch.tensor(values), params
+    return torch.tensor(values), params, draw(st.integers(1, vocab))
 
 
 @settings(max_examples=150, deadline=None)
 @given(sampling_cases())
 def test_sampled_token_is_always_allowed_and_finite(case):
-    logits, params = case
+    logits, params, top_p_width = case
     n = 32
     rows = [row(params, generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + i))
             for i in range(n)]
     allowed = allowed_tokens(logits, params, tol=1e-3)
-    for token in sample(logits.expand(n, -1), rows).sampled_token_ids:
+    with mock.patch.object(sampler_mod, "_TOP_P_CANDIDATES", top_p_width):
+        drawn = sample(logits.expand(n, -1), rows).sampled_token_ids
+    for token in drawn:
         assert token in allowed and math.isfinite(logits[token])
