@@ -134,8 +134,10 @@ def test_stop_token_text_stays_out(tok):
 
 
 def test_detokenize_false(tok):
-    detok, deltas, matched = stream(tok, tok.encode("some text"), detokenize=False, stop=["text"])
+    detok, deltas, matched = stream(tok, tok.encode("some text"), detokenize=False)
     assert detok.output_text == "" == "".join(deltas) and matched is None
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["text"], detokenize=False)
 
 
 def test_unfinished_character_flushed_at_end(tok):

@@ -111,3 +111,18 @@ def test_bf16_runs_and_mostly_agrees(llama_dir):
     # bf16 rounding may flip a near-tie late in the sequence; the first tokens must agree
     assert out.outputs[0].token_ids[:3] == expected[:3]
     assert llm.llm_engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+
+
+def test_prompt_logprobs_once_with_n_samples_and_preemption(llama_dir):
+    per_block = 2 * 2 * 2 * 16 * 4 * 4
+    llm = LLM(llama_dir, dtype="float32", block_size=4, kv_cache_memory=12 * per_block, max_model_len=48,
+              max_num_batched_tokens=8)
+    prompt = PROMPTS[2][:30]
+    ref = hf_logprobs(llama_dir, prompt)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2,
+                        SamplingParams(n=2, max_tokens=12, prompt_logprobs=1, temperature=1.0, seed=3), use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for out in outs:
+        assert len(out.prompt_logprobs) == len(prompt) and len(out.outputs) == 2
+        got = [e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None]
+        assert got == pytest.approx([ref[i - 1][prompt[i]].item() for i in range(1, len(prompt))], abs=1e-4)

@@ -51,6 +51,7 @@ class Request:
     first_scheduled_time: Optional[float] = None  # monotonic; queue time = this - arrival_time
     cache_salt: Optional[str] = None  # requests with different salts never share prefix-cache blocks
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already handed out (never twice)
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (prefix caching)
     output_token_ids: list[int] = field(default_factory=list)
     # prompt + output in one list, appended to in place: the model runner slices it every step.

@@ -245,6 +245,8 @@ class Scheduler:
             request = scheduled.request
             request.num_computed_tokens += scheduled.num_tokens
             prompt_logprobs = model_output.prompt_logprobs.get(request.request_id)
+            if prompt_logprobs:
+                request.num_prompt_logprobs += len(prompt_logprobs)
             result = model_output.sampled.get(request.request_id)
             if result is None:  # a prefill chunk that does not reach the end of the prompt yet
                 if prompt_logprobs is not None:

@@ -220,18 +220,18 @@ class AsyncLLM:
 
     def _abort(self, request_ids: list[str]) -> None:
         outputs = self.engine.abort_request(request_ids)
+        self._record(outputs)
         self._deliver(outputs)
         for request_id in request_ids:
             self._streams.pop(request_id, None)
-        self._record(outputs)
 
     def _begin_shutdown(self, deadline: float) -> None:
         self._deadline = deadline
 
     def _step(self) -> None:
         outputs = self.engine.step()
+        self._record(outputs)  # before delivery: a client that has its answer finds it in the metrics too
         self._deliver(outputs)
-        self._record(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -243,10 +243,11 @@ class AsyncLLM:
             stream.put(output)
 
     def _record(self, outputs: list[RequestOutput]) -> None:
-        self.scheduler_stats = self.engine.get_stats()
+        scheduler_stats = self.engine.get_stats()
         iteration = self._stats.record(outputs)
         for stat_logger in self.stat_loggers:
-            stat_logger.record(self.scheduler_stats, iteration)
+            stat_logger.record(scheduler_stats, iteration)
+        self.scheduler_stats = scheduler_stats  # published last: a state seen here is in every logger too
 
     def _fail_all(self, error: EngineError) -> None:
         """Fail every request in flight and free it; if even that fails, the engine cannot go on: dead."""

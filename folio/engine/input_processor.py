@@ -80,5 +80,7 @@ class InputProcessor:
             children = [(request_id, params)]
         else:
             children = [(child_request_id(request_id, i, params.n), params.clone_for_sample(i)) for i in range(params.n)]
+            for _, child in children[1:]:
+                child.prompt_logprobs = None  # the samples share one prompt: its logprobs come from the first
         return [Request(rid, prompt.prompt_token_ids, p, eos_token_ids=self.eos_token_ids, priority=priority,
                         arrival_time=arrival_time, cache_salt=prompt.cache_salt) for rid, p in children]

@@ -95,14 +95,16 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_logprobs_job(item: ScheduledRequest, first_row: int) -> _PromptLogprobsJob | None:
-        """Prompt logprobs for the prompt positions this chunk computes (not again after a preemption)."""
+        """Prompt logprobs for the prompt positions this chunk computes."""
         req = item.request
         k = req.sampling_params.prompt_logprobs
-        if k is None or req.num_output_tokens > 0:
+        if k is None:
             return None
-        start = req.num_computed_tokens
-        stop = min(start + item.num_tokens, req.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+        # a recomputation after preemption skips the positions already handed out
+        start = max(req.num_computed_tokens, req.num_prompt_logprobs)
+        stop = min(req.num_computed_tokens + item.num_tokens, req.num_prompt_tokens - 1)  # p predicts token p + 1
         if stop <= start:
             return None
-        return _PromptLogprobsJob(req.request_id, slice(first_row, first_row + stop - start),
+        first = first_row + start - req.num_computed_tokens
+        return _PromptLogprobsJob(req.request_id, slice(first, first + stop - start),
                                   req.prompt_token_ids[start + 1:stop + 1], k)

@@ -45,37 +45,39 @@ def error_response(status: int, message: str, param: Optional[str] = None) -> JS
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.param)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    parts = []
+    if errors and errors[0].get("type") == "json_invalid":
+        detail = errors[0].get("ctx", {}).get("error", "")
+        return error_response(400, f"the request body is not valid JSON: {detail}".rstrip(": "))
+    parts: dict[object, str] = {}  # the first error of each top-level field (a union field fails once per member)
     for err in errors:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    first = errors[0].get("loc", ()) if errors else ()
-    param = ".".join(str(p) for p in first if p != "body") or None
-    return error_response(400, "; ".join(parts) or "invalid request", param)
+        parts.setdefault(loc[0] if loc else None, f"{'.'.join(loc)}: {msg}" if loc else msg)
+    param = next(iter(parts), None)
+    return error_response(400, "; ".join(parts.values()) or "invalid request", param)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail))
+
+
+async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+    return error_response(503 if isinstance(exc, EngineDeadError) else 500, str(exc))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
+    return error_response(500, f"internal server error: {exc!r}")
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
-
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(request, exc)
-
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
-
-    async def engine_error(request: Request, exc: EngineError) -> JSONResponse:
-        return error_response(503 if isinstance(exc, EngineDeadError) else 500, str(exc))
-
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
-        return error_response(500, f"internal server error: {exc!r}")
-
-    app.add_exception_handler(OpenAIError, openai_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(EngineError, engine_error)
-    app.add_exception_handler(Exception, unexpected)
+    for exc_type, handler in ((OpenAIError, _openai_error), (RequestValidationError, _validation_error),
+                              (StarletteHTTPException, _http_error), (EngineError, _engine_error),
+                              (Exception, _unexpected)):
+        app.add_exception_handler(exc_type, handler)

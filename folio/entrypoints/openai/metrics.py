@@ -24,6 +24,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        self.model_name = model_name
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -40,25 +41,32 @@ class PrometheusStatLogger:
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage (fraction of blocks in use, 0 to 1).")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
-        success = Counter("folio:request_success", "Count of finished requests by finish reason.",
-                          labels + ["finished_reason"], registry=registry)
-        # bound up front, so each series exists (at 0) before the first request and rate() works from the start
-        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        # the scheduler counts these since start; the counters advance by the difference
+        self.since_start = {
+            "num_preemptions": counter("num_preemptions", "Cumulative number of preemptions."),
+            "prefix_cache_queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            "prefix_cache_hits": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+        }
+        self._seen = dict.fromkeys(self.since_start, 0)
+        self.success = Counter("folio:request_success", "Count of finished requests by finish reason.",
+                               labels + ["finished_reason"], registry=registry)
+        for reason in FINISH_REASONS:  # each series exists (at 0) before the first request, so rate() works at once
+            self.success.labels(model_name, reason)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token, from arrival.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens of a request.",
                              _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.",
                                     _REQUEST_BUCKETS)
-        self._preemptions_seen = 0
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.running.set(scheduler_stats.num_running)
         self.waiting.set(scheduler_stats.num_waiting)
         self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
-        self.preemptions.inc(max(scheduler_stats.num_preemptions - self._preemptions_seen, 0))
-        self._preemptions_seen = scheduler_stats.num_preemptions
+        for name, counter in self.since_start.items():
+            total = getattr(scheduler_stats, name)
+            counter.inc(max(total - self._seen[name], 0))
+            self._seen[name] = total
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.inc(iteration_stats.num_generation_tokens)
         for value in iteration_stats.time_to_first_tokens:
@@ -67,7 +75,7 @@ class PrometheusStatLogger:
             self.itl.observe(value)
         for finished in iteration_stats.finished:
             for reason in finished.finish_reasons:
-                self.success[reason if reason in self.success else "abort"].inc()
+                self.success.labels(self.model_name, reason).inc()
             self.e2e.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.queue_time.observe(finished.queue_time)

@@ -16,9 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 from folio.sampling_params import SamplingParams
 
 MAX_N = 16  # completions per prompt; more would let one request monopolise the batch
-# torch.Generator.manual_seed takes seeds in this range
-Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
-LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]  # OpenAI's range; beyond it logits overflow
 
 
 class RequestModel(BaseModel):
@@ -38,10 +35,10 @@ class SamplingRequest(RequestModel):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[Seed] = None
+    seed: Optional[int] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    logit_bias: Optional[LogitBias] = None
+    logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -55,6 +52,7 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    cache_salt: Optional[str] = None  # keeps this request's prompt out of other tenants' prefix-cache hits
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
@@ -88,11 +86,25 @@ class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
     logprobs: Optional[int] = None  # legacy completions: how many top tokens per position
+    # beam search (vLLM's extra): beam width max(n, best_of), the n best beams returned
+    use_beam_search: bool = False
+    best_of: Optional[int] = None
+    length_penalty: float = 1.0
 
     @model_validator(mode="after")
     def _zero_tokens_need_echo(self) -> "CompletionRequest":
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens may be 0 only with echo (to score the prompt)")
+        return self
+
+    @model_validator(mode="after")
+    def _best_of_is_beam_width(self) -> "CompletionRequest":
+        if self.best_of is not None and not self.use_beam_search:
+            raise ValueError("best_of is supported as the beam width of use_beam_search only")
+        if self.use_beam_search and (self.stream or self.echo or self.logprobs is not None):
+            raise ValueError("use_beam_search cannot be combined with stream, echo or logprobs")
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise ValueError("best_of must be >= n")
         return self
 
 
@@ -111,10 +123,15 @@ class CompletionChoice(BaseModel):
     stop_reason: Union[int, str, None] = None  # vLLM's extra: the stop string or token id that ended it
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class CompletionResponse(BaseModel):

@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from folio.engine.async_llm import AsyncLLM, EngineDeadError, EngineError, RequestStream
 from folio.entrypoints.openai.errors import OpenAIError, error_body
-from folio.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from folio.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from folio.outputs import Logprob
 from folio.sampling_params import SamplingParams
 
@@ -144,19 +144,20 @@ class OpenAIServing(ABC):
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
         request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex}"
-        engine_prompts = [(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids})
-                          for i, p in enumerate(prompts)]
+        engine_prompts = [(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids,
+                                                 "cache_salt": request.cache_salt}) for i, p in enumerate(prompts)]
         try:
             stream = await self.llm.add_requests(engine_prompts, params, request.priority)
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
         created = int(time.time())
-        deltas = self._deltas(stream, request, prompts)
+        cached: dict[int, int] = {}  # prompt index -> its tokens found in the prefix cache, filled by _deltas
+        deltas = self._deltas(stream, request, prompts, cached)
         if request.stream:
-            return StreamingResponse(self._sse(stream, deltas, request_id, created, request, prompts),
+            return StreamingResponse(self._sse(stream, deltas, request_id, created, request, prompts, cached),
                                      media_type="text/event-stream")
         return await cancel_on_disconnect(raw_request, self._collect(stream, deltas, request_id, created, request,
-                                                                     prompts))
+                                                                     prompts, cached))
 
     def _sampling_params(self, request: SamplingRequest, prompts: list[Prompt]) -> SamplingParams:
         if not prompts or any(not p.token_ids for p in prompts):
@@ -174,14 +175,15 @@ class OpenAIServing(ABC):
         logprobs, prompt_logprobs = self.logprob_counts(request)
         return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
 
-    async def _deltas(self, stream: RequestStream, request: SamplingRequest,
-                      prompts: list[Prompt]) -> AsyncIterator[ChoiceDelta]:
+    async def _deltas(self, stream: RequestStream, request: SamplingRequest, prompts: list[Prompt],
+                      cached: dict[int, int]) -> AsyncIterator[ChoiceDelta]:
         n = request.n or 1
         prompt_index = {rid: i for i, rid in enumerate(stream.request_ids)}
         prompt_logprobs: list[list[PositionLogprobs]] = [[] for _ in prompts]
         sent: dict[int, int] = {}  # choice index -> characters handed out so far
         async for output in stream:
             p = prompt_index[output.request_id]
+            cached[p] = output.num_cached_tokens
             prompt_logprobs[p].extend(output.prompt_logprobs or ())
             for completion in output.outputs:
                 delta = ChoiceDelta(p * n + completion.index, completion.text, list(completion.token_ids),
@@ -193,13 +195,14 @@ class OpenAIServing(ABC):
                 sent[delta.index] = delta.text_offset + len(delta.text)
                 yield delta
 
-    def _usage(self, prompts: list[Prompt], completion_tokens: int) -> UsageInfo:
+    def usage(self, prompts: list[Prompt], completion_tokens: int, cached: dict[int, int]) -> UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
 
     async def _sse(self, stream: RequestStream, deltas: AsyncIterator[ChoiceDelta], request_id: str, created: int,
-                   request: SamplingRequest, prompts: list[Prompt]) -> AsyncIterator[str]:
+                   request: SamplingRequest, prompts: list[Prompt], cached: dict[int, int]) -> AsyncIterator[str]:
         completion_tokens = 0
         try:
             for chunk in self.opening_chunks(request_id, created, request):
@@ -210,7 +213,7 @@ class OpenAIServing(ABC):
                     choice = self.choice(request, delta, stream=True)
                     yield _event(self.envelope(request_id, created, [choice], None, stream=True))
             if request.include_usage_in_stream:
-                usage = self._usage(prompts, completion_tokens)
+                usage = self.usage(prompts, completion_tokens, cached)
                 yield _event(self.envelope(request_id, created, [], usage, stream=True))
         except EngineError as e:  # the status line is long gone: report it in the stream, as vLLM does
             yield _event(error_body(503 if isinstance(e, EngineDeadError) else 500, str(e)))
@@ -219,7 +222,8 @@ class OpenAIServing(ABC):
         yield "data: [DONE]\n\n"
 
     async def _collect(self, stream: RequestStream, deltas: AsyncIterator[ChoiceDelta], request_id: str,
-                       created: int, request: SamplingRequest, prompts: list[Prompt]) -> Response:
+                       created: int, request: SamplingRequest, prompts: list[Prompt],
+                       cached: dict[int, int]) -> Response:
         choices: dict[int, ChoiceDelta] = {}
         try:
             async for delta in deltas:
@@ -230,7 +234,7 @@ class OpenAIServing(ABC):
         finally:
             stream.close()
         ordered = [choices[i] for i in sorted(choices)]
-        usage = self._usage(prompts, sum(c.num_generated for c in ordered))
+        usage = self.usage(prompts, sum(c.num_generated for c in ordered), cached)
         body = self.envelope(request_id, created, [self.choice(request, c, stream=False) for c in ordered], usage,
                              stream=False)
         return Response(body.model_dump_json(), media_type="application/json")

@@ -7,19 +7,51 @@ the engine runs one token, which is dropped, and the prompt's own logprobs are r
 from __future__ import annotations
 
 import dataclasses
+import time
+import uuid
 from typing import Optional
 
+from fastapi import Request
 from pydantic import BaseModel
+from starlette.responses import Response
+
+from folio.entrypoints.beam_search import BeamSearchParams, beam_search_async
+from folio.entrypoints.openai.errors import OpenAIError
 
 from folio.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                                CompletionResponse, UsageInfo)
-from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, PositionLogprobs, Prompt, clamp_logprob
+from folio.entrypoints.openai.serving import (ChoiceDelta, OpenAIServing, PositionLogprobs, Prompt, cancel_on_disconnect,
+                                             clamp_logprob)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 class OpenAIServingCompletion(OpenAIServing):
     request_id_prefix = "cmpl"
+
+    async def serve(self, request: CompletionRequest, raw_request: Request) -> Response:
+        if not request.use_beam_search:
+            return await super().serve(request, raw_request)
+        self.check_model(request.model)
+        try:
+            prompts = self.prompts(request)
+            params = self._sampling_params(request, prompts)
+            beam = BeamSearchParams(beam_width=max(params.n, request.best_of or params.n),
+                                    max_tokens=params.max_tokens, ignore_eos=request.ignore_eos,
+                                    length_penalty=request.length_penalty)
+        except ValueError as e:
+            raise OpenAIError.bad_request(e, type(request).model_fields) from e
+        return await cancel_on_disconnect(raw_request, self._beam_search(request, prompts, params.n, beam))
+
+    async def _beam_search(self, request: CompletionRequest, prompts: list[Prompt], n: int,
+                           beam: BeamSearchParams) -> Response:
+        results = await beam_search_async(self.llm, [p.token_ids for p in prompts], beam, request.priority)
+        choices = [CompletionChoice(index=p * n + i, text=seq.text, finish_reason=seq.finish_reason)
+                   for p, result in enumerate(results) for i, seq in enumerate(result.sequences[:n])]
+        generated = sum(len(seq.tokens) for result in results for seq in result.sequences[:n])
+        body = self.envelope(f"{self.request_id_prefix}-{uuid.uuid4().hex}", int(time.time()), choices,
+                             self.usage(prompts, generated, {}), stream=False)
+        return Response(body.model_dump_json(), media_type="application/json")
 
     def prompts(self, request: CompletionRequest) -> list[Prompt]:
         raw = request.prompt

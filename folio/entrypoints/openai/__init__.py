@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (FastAPI): completions, chat, models, tokenize, health, version, metrics."""

@@ -1,0 +1,78 @@
+"""A real folio server (uvicorn on 127.0.0.1, a free port) in a background thread, for the server tests."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import httpx
+import openai
+import uvicorn
+
+from folio.config import EngineConfig
+from folio.engine.async_llm import AsyncLLM
+from folio.entrypoints.openai.server import bind_socket, create_app
+
+MODEL_NAME = "tiny-llama"
+ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
+
+
+@dataclass
+class RunningServer:
+    base_url: str  # http://127.0.0.1:PORT
+    llm: AsyncLLM
+    api_key: Optional[str] = None
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", max_retries=0)
+
+    def async_openai(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", max_retries=0)
+
+    def http(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=30)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        wait_idle(self.llm, timeout)
+
+
+def wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> None:
+    """Wait for the engine thread to free everything: no request in the scheduler, every KV block free, and the
+    stats published (after the stat loggers ran, so metrics are current too)."""
+    engine = llm.engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = llm.scheduler_stats
+        if (engine.scheduler.num_unfinished == 0 and not engine.output_processor.states
+                and engine.kv_cache.num_free_blocks == engine.kv_cache.pool.num_blocks
+                and stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"engine not idle: {engine.scheduler.num_unfinished} requests, "
+                         f"{engine.kv_cache.num_free_blocks}/{engine.kv_cache.pool.num_blocks} blocks free")
+
+
+@contextlib.contextmanager
+def running_server(model_dir: str, api_key: Optional[str] = None, max_body_bytes: Optional[int] = None,
+                   **engine_kwargs) -> Iterator[RunningServer]:
+    llm = AsyncLLM.from_config(EngineConfig(model_dir, **{**ENGINE_KWARGS, **engine_kwargs}))
+    app = create_app(llm, MODEL_NAME, api_key, **({"max_body_bytes": max_body_bytes} if max_body_bytes else {}))
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", llm, api_key)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        llm.shutdown()
+        sock.close()
