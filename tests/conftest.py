@@ -96,8 +96,6 @@ def llama_dir(tiny_model_factory) -> str:
 
 def hf_greedy(folder: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Transformers' greedy continuation (the oracle), cut after EOS as an engine would stop."""
-    from transformers import AutoModelForCausalLM
-
     model = _hf_model(folder)
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=EOS_ID, pad_token_id=0)[0, len(prompt_ids):].tolist()

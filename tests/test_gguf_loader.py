@@ -18,7 +18,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from folio.loader import gguf_loader
+from folio.loader import gguf_loader, gguf_metadata, gguf_tokenizer
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import load_gguf_cached, load_gguf_tensors, read_gguf
 from folio.models.model_config import ModelConfig
@@ -53,7 +53,7 @@ TEXTS = [
 
 def _byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
     """A small GPT-2 style vocabulary: the 256 byte characters, a few merges, control and user-defined tokens."""
-    byte_chars = gguf_loader._bytes_to_unicode()
+    byte_chars = gguf_tokenizer._bytes_to_unicode()
     tokens = [byte_chars[b] for b in range(256)]
     merges = ["Ġ t", "h e", "Ġt he", "Ġ Ġ", "ĠĠ ĠĠ", "Ċ Ċ", "Ġ a", "i n", "Ġ in", "o n", "' s", "' m", "1 2", "Ġ 1",
               "Ġ 4", "4 2", "e r", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "Ġ (", "c e"]
@@ -355,8 +355,8 @@ def test_unsupported_tokenizer_model(tmp_path):
 def _count_reads(monkeypatch) -> list[tuple]:
     """Record every GGUF read and dequantisation the loader makes from now on."""
     calls: list[tuple] = []
-    reader, dequantize = gguf_loader.GGUFReader, gguf_loader.dequantize
-    monkeypatch.setattr(gguf_loader, "GGUFReader", lambda p: calls.append(("read", p)) or reader(p))
+    reader, dequantize = gguf_metadata.GGUFReader, gguf_loader.dequantize
+    monkeypatch.setattr(gguf_metadata, "GGUFReader", lambda p: calls.append(("read", p)) or reader(p))
     monkeypatch.setattr(gguf_loader, "dequantize", lambda *a: calls.append(("dequantize",)) or dequantize(*a))
     return calls
 

@@ -25,14 +25,14 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
-
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, TokenType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from folio.loader.gguf_metadata import check_exists, get_field, need_field, open_gguf
+from folio.loader.gguf_tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +88,12 @@ class GGUFCheckpoint:
 
 def read_gguf(path: str) -> GGUFCheckpoint:
     """Config, tokenizer and generation settings of a GGUF file, without dequantising its weights."""
-    return _checkpoint(_open(path))
+    return _checkpoint(open_gguf(path))
 
 
 def load_gguf_tensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor of a GGUF file under its Hugging Face name, dequantised to `dtype`."""
-    reader = _open(path)
+    reader = open_gguf(path)
     return _tensors(reader, _hf_config(reader), dtype)
 
 
@@ -104,11 +104,11 @@ def load_gguf_cached(path: str, dtype: torch.dtype) -> tuple[GGUFCheckpoint, dic
     replaced file is converted again. The folder appears with a single rename once it is complete,
     so a crash mid-write leaves at most an ignored temporary folder, never a half cache.
     """
-    _check_exists(path)
+    check_exists(path)
     cache_dir = _cache_dir(path, dtype)
     if os.path.isdir(cache_dir):
         return _read_cache(cache_dir)
-    reader = _open(path)
+    reader = open_gguf(path)
     checkpoint = _checkpoint(reader)
     tensors = _tensors(reader, checkpoint.hf_config, dtype)
     try:
@@ -121,43 +121,13 @@ def load_gguf_cached(path: str, dtype: torch.dtype) -> tuple[GGUFCheckpoint, dic
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def _check_exists(path: str) -> None:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-
-
-def _open(path: str) -> GGUFReader:
-    """A reader over the file, turning the many ways GGUFReader fails on bad input into one clear error."""
-    _check_exists(path)
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # GGUFReader raises ValueError, IndexError, KeyError... on damaged files
-        raise ValueError(f"{path} is not a valid GGUF file (truncated or corrupt): {type(e).__name__}: {e}") from e
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > os.path.getsize(path):
-        raise ValueError(f"{path} is truncated or corrupt: its tensors need {end} bytes, the file has fewer")
-    return reader
-
-
-def _get(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _need(reader: GGUFReader, key: str) -> Any:
-    value = _get(reader, key)
-    if value is None:
-        raise ValueError(f"the GGUF file's metadata has no {key!r}")
-    return value
-
-
 def _f32(value: float) -> float:
     """A float32 metadata value as the short decimal it was written from (1e-05, not 9.99999974e-06)."""
     return float(str(np.float32(value)))
 
 
 def _architecture(reader: GGUFReader) -> str:
-    arch = _get(reader, "general.architecture")
+    arch = get_field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; folio supports {', '.join(ARCHITECTURES)}")
     return arch
@@ -170,35 +140,35 @@ def _hf_config(reader: GGUFReader) -> dict:
     for name in ("token_embd.weight", "blk.0.attn_q.weight"):
         if name not in tensors:
             raise ValueError(f"the GGUF file has no tensor {name!r}")
-    heads = int(_need(reader, f"{arch}.attention.head_count"))
+    heads = int(need_field(reader, f"{arch}.attention.head_count"))
     # key_length is only written when it differs from hidden/heads (Qwen3); q's rows always tell.
-    head_dim = int(_get(reader, f"{arch}.attention.key_length", int(tensors["blk.0.attn_q.weight"].shape[1]) // heads))
+    head_dim = int(get_field(reader, f"{arch}.attention.key_length", int(tensors["blk.0.attn_q.weight"].shape[1]) // heads))
     config = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # ggml order: (hidden, vocab)
-        "hidden_size": int(_need(reader, f"{arch}.embedding_length")),
-        "intermediate_size": int(_need(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_need(reader, f"{arch}.block_count")),
+        "hidden_size": int(need_field(reader, f"{arch}.embedding_length")),
+        "intermediate_size": int(need_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(need_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_get(reader, f"{arch}.attention.head_count_kv", heads)),
+        "num_key_value_heads": int(get_field(reader, f"{arch}.attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(_get(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": _f32(_get(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_need(reader, f"{arch}.context_length")),
+        "rms_norm_eps": _f32(get_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(get_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(need_field(reader, f"{arch}.context_length")),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "bos_token_id": _get(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _get(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": get_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": get_field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    rope_type = _get(reader, f"{arch}.rope.scaling.type", "none")
+    rope_type = get_field(reader, f"{arch}.rope.scaling.type", "none")
     if rope_type != "none":
-        config["rope_scaling"] = {"rope_type": rope_type, "factor": _f32(_need(reader, f"{arch}.rope.scaling.factor"))}
-        original = _get(reader, f"{arch}.rope.scaling.original_context_length")
+        config["rope_scaling"] = {"rope_type": rope_type, "factor": _f32(need_field(reader, f"{arch}.rope.scaling.factor"))}
+        original = get_field(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = int(original)
     if ROPE_FREQS in tensors:
-        rope_dim = int(_get(reader, f"{arch}.rope.dimension_count", head_dim))
+        rope_dim = int(get_field(reader, f"{arch}.rope.dimension_count", head_dim))
         factors = dequantize(tensors[ROPE_FREQS].data, tensors[ROPE_FREQS].tensor_type)
         config["rope_scaling"] = _llama3_rope_scaling(factors, config["rope_theta"], rope_dim)
     return config
@@ -234,198 +204,33 @@ def _llama3_rope_factors(theta: float, dim: int, scaling: dict) -> np.ndarray:
 
 def _checkpoint(reader: GGUFReader) -> GGUFCheckpoint:
     hf_config = _hf_config(reader)
-    tokens = _get(reader, "tokenizer.ggml.tokens")
+    tokens = get_field(reader, "tokenizer.ggml.tokens")
     if tokens is None:
         raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
-    model = _get(reader, "tokenizer.ggml.model")
+    model = get_field(reader, "tokenizer.ggml.model")
     special = {
-        name: _get(reader, f"tokenizer.ggml.{key}_token_id")
+        name: get_field(reader, f"tokenizer.ggml.{key}_token_id")
         for name, key in {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}.items()
     }
     # SentencePiece files without the flag want BOS (llama.cpp's and transformers' default); BPE ones do not.
-    add_bos = bool(_get(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
-    add_eos = bool(_get(reader, "tokenizer.ggml.add_eos_token", False))
+    add_bos = bool(get_field(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
+    add_eos = bool(get_field(reader, "tokenizer.ggml.add_eos_token", False))
     tokenizer_config = {
-        "chat_template": _get(reader, "tokenizer.chat_template"),
+        "chat_template": get_field(reader, "tokenizer.chat_template"),
         **{f"{name}_token": None if i is None else tokens[i] for name, i in special.items()},
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
     }
     # llama.cpp stops generation at end-of-turn/end-of-message tokens too, not only at EOS.
-    stop_ids = [special["eos"]] + [_get(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    stop_ids = [special["eos"]] + [get_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
     stop_ids = [i for i in dict.fromkeys(stop_ids) if i is not None]
     generation_config = {
         "bos_token_id": special["bos"],
         "eos_token_id": stop_ids[0] if len(stop_ids) == 1 else stop_ids,
         "pad_token_id": special["pad"],
     }
-    tokenizer = _build_tokenizer(reader, model, tokens)
-    _add_special_tokens(tokenizer, reader, model, tokens, special)
-    tokenizer.post_processor = _post_processor(tokens, special, add_bos, add_eos)
+    tokenizer = build_tokenizer(reader, model, tokens, special, add_bos, add_eos)
     return GGUFCheckpoint(hf_config, tokenizer.to_str(), tokenizer_config, generation_config)
-
-
-# -------------------------------------------------------------------------------------------- tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, in which byte-level BPE vocabularies are spelled."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
-_BYTE_CHARS = _bytes_to_unicode()
-_BYTE_ALPHABET = frozenset(_BYTE_CHARS.values())
-
-# The split regexes llama.cpp applies per `tokenizer.ggml.pre` (llama-vocab.cpp), as `tokenizers` pre-tokenizers.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _regex_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-
-
-def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
-    # Every digit on its own, then GPT-2's regex: llama.cpp's "\p{N}" + gpt2 expressions, and SmolLM's tokenizer.json.
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-
-
-def _gpt2() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-# tokenizer.ggml.pre -> pre-tokenizer, grouped as llama.cpp's llama-vocab.cpp groups them. Unknown names get
-# GPT-2's regex (with a warning), as in transformers.
-_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
-    **dict.fromkeys(["default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo"], _gpt2),
-    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
-                    _digits_then_gpt2),
-    **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe"], lambda: _regex_then_bytes(_LLAMA3_SPLIT)),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2"],
-                    lambda: _regex_then_bytes(_QWEN2_SPLIT)),
-}
-# Llama-3's tokenizer looks a whole pre-token up in the vocabulary before merging (llama.cpp's ignore_merges).
-_IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
-
-
-def _build_tokenizer(reader: GGUFReader, model: Optional[str], tokens: list[str]) -> Tokenizer:
-    if model == "gpt2":
-        return _byte_level_bpe(reader, tokens)
-    if model == "llama":
-        return _sentencepiece_bpe(reader, tokens)
-    raise ValueError(
-        f"unsupported GGUF tokenizer model {model!r}; "
-        "folio supports 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)"
-    )
-
-
-def _byte_level_bpe(reader: GGUFReader, tokens: list[str]) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style) from the vocabulary and merges, split as tokenizer.ggml.pre says."""
-    # Tokens the file stores as raw text rather than in the byte alphabet get respelled, as transformers does.
-    vocab = {
-        t if set(t) <= _BYTE_ALPHABET else "".join(_BYTE_CHARS[b] for b in t.encode("utf-8")): i
-        for i, t in enumerate(tokens)
-    }
-    merges = [tuple(m.split(" ", 1)) for m in _get(reader, "tokenizer.ggml.merges", [])]
-    pre = _get(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        logger.warning("unknown GGUF pre-tokenizer %r: splitting text with GPT-2's regex", pre)
-    bpe = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _PRE_TOKENIZERS.get(pre, _gpt2)()
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _sentencepiece_bpe(reader: GGUFReader, tokens: list[str]) -> Tokenizer:
-    """SentencePiece BPE as byte-fallback BPE, with merges recovered from the token scores (as transformers does)."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    scores = _get(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-    unk = _get(reader, "tokenizer.ggml.unknown_token_id")
-    bpe = models.BPE(
-        vocab, _merges_from_scores(vocab, dict(zip(tokens, scores))),
-        unk_token=None if unk is None else tokens[unk], fuse_unk=True, byte_fallback=True,
-    )
-    tokenizer = Tokenizer(bpe)
-    add_space = bool(_get(reader, "tokenizer.ggml.add_space_prefix", True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_space else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space else []))
-    return tokenizer
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """Every split of a token into two vocabulary pieces, best-scored token first.
-
-    The same order as transformers' `generate_merges`, so both tokenizers merge identically.
-    """
-    merges = []
-    for token, score in scores.items():
-        splits = ((token[:i], token[i:]) for i in range(1, len(token)))
-        pairs = [(left, right, score) for left, right in splits if left in vocab and right in vocab]
-        merges.extend(sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]])))
-    merges.sort(key=lambda p: (p[2], len(p[0]), len(p[1])), reverse=True)
-    return [(left, right) for left, right, _ in merges]
-
-
-def _add_special_tokens(
-    tokenizer: Tokenizer, reader: GGUFReader, model: Optional[str], tokens: list[str], special: dict[str, Optional[int]]
-) -> None:
-    """Make control tokens (and bos/eos/unk/pad) whole special tokens, and user-defined ones whole added tokens.
-
-    Otherwise `<|im_start|>` in a chat prompt would be cut into `<`, `|`, `im`... In a byte-level
-    vocabulary a control token spelled outside the byte alphabet is a mislabel and is skipped, as in
-    transformers: adding it would create a new id beyond the model's vocabulary.
-    """
-    types = _get(reader, "tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
-    spelled = (lambda t: set(t) <= _BYTE_ALPHABET) if model == "gpt2" else (lambda t: True)
-    special_ids = {i for i, kind in enumerate(types) if kind == TokenType.CONTROL} | {
-        i for i in special.values() if i is not None
-    }
-    tokenizer.add_special_tokens(
-        [AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special_ids) if spelled(tokens[i])]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(t, normalized=False, special=False)
-            for i, (t, kind) in enumerate(zip(tokens, types))
-            if kind == TokenType.USER_DEFINED and i not in special_ids and spelled(t)
-        ]
-    )
-
-
-def _post_processor(
-    tokens: list[str], special: dict[str, Optional[int]], add_bos: bool, add_eos: bool
-) -> processors.TemplateProcessing:
-    """Add BOS/EOS when encoding exactly as the file asks, like a Hugging Face tokenizer.json does."""
-    bos = [special["bos"]] if add_bos and special["bos"] is not None else []
-    eos = [special["eos"]] if add_eos and special["eos"] is not None else []
-    single = " ".join([*(tokens[i] for i in bos), "$A", *(tokens[i] for i in eos)])
-    return processors.TemplateProcessing(
-        single=single,
-        pair=f"{single} {single.replace('$A', '$B:1')}",
-        special_tokens=[(tokens[i], i) for i in dict.fromkeys(bos + eos)],
-    )
 
 
 # ---------------------------------------------------------------------------------------------- tensors
