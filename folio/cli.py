@@ -1,4 +1,5 @@
-"""The `folio` command: `serve` (OpenAI-compatible server), `generate` (batch completions), `chat` (terminal chat).
+"""The `folio` command: `serve` (OpenAI-compatible server), `generate` (batch completions), `chat` (terminal chat),
+`bench` (throughput, serving latency, the Transformers baseline, the roofline, random-weight test models).
 
 Engine options are defined once, in `_engine_options`, and shared by every subcommand through argparse parents;
 a test checks that each EngineConfig field has its flag.
@@ -14,6 +15,7 @@ import re
 import sys
 from typing import Optional, Sequence, Union
 
+from folio.bench import baseline, make_model, roofline, serve, throughput
 from folio.config import EngineConfig
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
@@ -115,7 +117,30 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
     chat.add_argument("--system", help="system prompt")
     chat.set_defaults(run=_chat)
+    _add_bench(commands, engine)
     return parser
+
+
+def _add_bench(commands: argparse._SubParsersAction, engine: argparse.ArgumentParser) -> None:
+    """`folio bench NAME`: each benchmark module brings add_arguments and main; those that run the engine take
+    the engine flags and get main(args, EngineConfig)."""
+    bench = commands.add_parser("bench", help="benchmarks: throughput, serve, baseline, roofline, make-model",
+                                description="Benchmarks. Timings on a shared CPU are noisy: compare the ratios "
+                                            "each benchmark measures side by side in one run.")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, module, uses_engine, summary in (
+            ("throughput", throughput, True, "offline throughput and the step-time breakdown"),
+            ("serve", serve, False, "latency and throughput of an OpenAI-compatible server under load"),
+            ("baseline", baseline, True, "folio against Hugging Face Transformers on the same workload"),
+            ("roofline", roofline, True, "this machine's limits and the fastest the workload could run"),
+            ("make-model", make_model, False, "write a random-weight model folder of a named architecture")):
+        parser = benchmarks.add_parser(name, parents=[engine] if uses_engine else [], help=summary,
+                                       description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(parser)
+        if uses_engine:
+            parser.set_defaults(run=lambda args, main=module.main: main(args, engine_config(args)))
+        else:
+            parser.set_defaults(run=module.main)
 
 
 def _with_model_arg(args: argparse.Namespace) -> argparse.Namespace:
@@ -204,7 +229,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.run(args)
     except (ValueError, OSError) as e:  # bad options, a missing model, a port in use: no traceback
-        print(f"folio {args.command}: {e}", file=sys.stderr)
+        name = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
+        print(f"folio {name}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -1,0 +1,175 @@
+"""Random-weight Hugging Face model folders of the architectures the benchmarks use.
+
+Speed depends on shapes and dtype, not on what the weights learned, and nothing may be downloaded here; so a
+benchmark model is the real architecture with random weights. This writes the folder directly (config.json,
+generation_config.json, model.safetensors in bfloat16 with normal(0, 0.02) weights and unit norms,
+tokenizer.json, tokenizer_config.json with a ChatML template) in seconds, without transformers. The tokenizer is
+a byte-level BPE trained on the shipped chat prompts, padded with filler words to the model's vocabulary so that
+every id the model can emit decodes; the special tokens take the last ids.
+
+    folio bench make-model --arch qwen2-0.5b --out models/qwen2-0.5b-random
+    folio bench make-model --arch qwen2-0.5b --set num_hidden_layers=2 --set vocab_size=1024 --out /tmp/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from folio.bench.workload import CHAT_DATASET
+
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # Qwen2(.5)-0.5B: the model of the performance study's W1 workload
+    "qwen2-0.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+                   "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                   "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+                   "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+                   "use_sliding_window": False},
+    # SmolLM2-135M: the embedded default model's architecture, as a plain bf16 folder
+    "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                     "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+                     "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                     "hidden_act": "silu"},
+}
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TRAINED_VOCAB = 8192  # BPE merges learnt from the corpus; the rest of the vocabulary is filler
+INIT_STD = 0.02
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), required=True, help="architecture to build")
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder to write (created; files overwritten)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override a config.json field, VALUE as JSON (e.g. num_hidden_layers=2); repeatable")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights (default: 0)")
+
+
+def _parse_overrides(items: list[str]) -> dict[str, Any]:
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value  # a bare string
+    return overrides
+
+
+def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a Llama-family checkpoint (Qwen2 adds q/k/v biases; tied models have no lm_head)."""
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (kv_heads * d, h),
+                       p + "self_attn.v_proj.weight": (kv_heads * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+        if cfg["model_type"] == "qwen2":
+            shapes.update({p + "self_attn.q_proj.bias": (heads * d,), p + "self_attn.k_proj.bias": (kv_heads * d,),
+                           p + "self_attn.v_proj.bias": (kv_heads * d,)})
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensors[name] = torch.empty(shape).normal_(0.0, INIT_STD, generator=generator).to(torch.bfloat16)
+    return tensors
+
+
+def _corpus() -> Iterator[str]:
+    with open(CHAT_DATASET, encoding="utf-8") as f:
+        for line in f:
+            for message in json.loads(line)["messages"]:
+                yield message["content"]
+
+
+def _filler_tokens(taken: set[str]) -> Iterator[str]:
+    """Distinct pronounceable byte-level tokens (' baba', ' babe', ...), so padding ids decode to word-like text."""
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+    for n in itertools.count(2):
+        for parts in itertools.product(syllables, repeat=n):
+            token = "\u0120" + "".join(parts)  # byte-level BPE spells a leading space as U+0120
+            if token not in taken:
+                yield token
+
+
+def build_tokenizer(vocab_size: int) -> str:
+    """tokenizer.json text: regular tokens take ids [0, vocab_size - 3), the special tokens the last three."""
+    regular = vocab_size - len(SPECIAL_TOKENS)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if regular < len(alphabet):
+        raise ValueError(f"vocab_size must be at least {len(alphabet) + len(SPECIAL_TOKENS)} for a byte-level "
+                         f"tokenizer, got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(regular, TRAINED_VOCAB), initial_alphabet=alphabet,
+                                  show_progress=False)
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    data = json.loads(tokenizer.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    for token in itertools.islice(_filler_tokens(set(vocab)), regular - len(vocab)):
+        vocab[token] = len(vocab)
+    data["added_tokens"] = [{"id": regular + i, "content": token, "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": True}
+                            for i, token in enumerate(SPECIAL_TOKENS)]
+    return json.dumps(data, ensure_ascii=False)
+
+
+def make_model(arch: str, out: str, overrides: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Write the folder; returns its config.json dict."""
+    cfg = {**ARCHITECTURES[arch], **overrides}
+    vocab = cfg["vocab_size"]
+    special = {token: vocab - len(SPECIAL_TOKENS) + i for i, token in enumerate(SPECIAL_TOKENS)}
+    endoftext, im_end = special["<|endoftext|>"], special["<|im_end|>"]
+    cfg.update(bos_token_id=endoftext, eos_token_id=im_end, torch_dtype="bfloat16")
+    tokenizer_json = build_tokenizer(vocab)
+    os.makedirs(out, exist_ok=True)
+    save_file(_random_weights(cfg, seed), os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    files = {
+        "config.json": cfg,
+        "generation_config.json": {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext],
+                                   "pad_token_id": endoftext},
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+                                  "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+                                  "model_max_length": cfg["max_position_embeddings"], "chat_template": CHATML},
+    }
+    for name, content in files.items():
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
+    with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tokenizer_json)
+    return cfg
+
+
+def main(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    cfg = make_model(args.arch, args.out, _parse_overrides(args.overrides), args.seed)
+    params = sum(torch.Size(s).numel() for s in weight_shapes(cfg).values())
+    print(f"folio bench make-model: {args.arch} ({params / 1e6:.1f}M parameters, bfloat16) -> {args.out} "
+          f"in {time.perf_counter() - start:.1f} s")
+    return 0

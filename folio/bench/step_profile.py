@@ -1,0 +1,154 @@
+"""Where an engine step's time goes, measured from outside the engine.
+
+`profile_steps(engine)` swaps instance attributes for timed wrappers while its block runs and puts the originals
+back after: the step itself, the scheduler's schedule/update_from_output/finish_requests, the attention
+backend's build_metadata and forward, the model's forward and compute_logits, the sampler and the output
+processor. The engine's code is not edited, so the profile follows whatever the engine does today, and a phase
+the engine stops calling shows up as zero (its time lands in "other"). CPU ops run synchronously, so wall time
+around a call is its cost; a wrapper costs about a microsecond, per layer for attention.
+
+The phases are exclusive and add up to the step: "model forward" excludes the attention inside it, and
+"other" is what no wrapper saw (flattening the batch, block tables, Python glue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+from folio.engine.llm_engine import LLMEngine
+
+# Printed in this order; each is a share of the step.
+PHASES = ("scheduling", "attention metadata", "model forward", "attention", "lm_head", "sampling",
+          "output processing", "other")
+
+
+@dataclass
+class PhaseTime:
+    total_s: float
+    per_step_ms: float
+    percent: float  # of the summed step time
+
+
+@dataclass
+class StepKind:
+    """Steps of one kind: decode-only (every request past its prompt) or with prompt tokens (prefill)."""
+
+    num_steps: int
+    mean_ms: Optional[float]
+    mean_requests: Optional[float]  # requests in the batch
+    mean_tokens: Optional[float]  # tokens computed per step
+
+
+@dataclass
+class StepBreakdown:
+    num_steps: int
+    step_total_s: float
+    step_mean_ms: float
+    model_forward_with_attention_ms: float  # per step: the model's forward as a whole
+    phases: dict[str, PhaseTime]
+    decode: StepKind
+    prefill: StepKind
+
+
+@dataclass
+class _Step:
+    ns: int
+    requests: int
+    tokens: int
+    decode_only: bool
+
+
+class StepProfile:
+    """Accumulates phase times while installed; `breakdown()` reads them out."""
+
+    def __init__(self) -> None:
+        self._ns: dict[str, int] = defaultdict(int)
+        self._steps: list[_Step] = []
+        self._shape = (0, 0, False)  # (requests, tokens, decode_only) of the step being run
+
+    def _timed(self, fn: Callable, phase: str) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._ns[phase] += time.perf_counter_ns() - start
+        return timed
+
+    def _schedule(self, fn: Callable) -> Callable:
+        timed = self._timed(fn, "scheduling")
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            out = timed(*args, **kwargs)
+            items = out.scheduled
+            self._shape = (len(items), sum(i.num_tokens for i in items),
+                           bool(items) and all(i.request.num_computed_tokens >= i.request.num_prompt_tokens
+                                               for i in items))
+            return out
+        return schedule
+
+    def _step(self, fn: Callable) -> Callable:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._steps.append(_Step(time.perf_counter_ns() - start, *self._shape))
+        return step
+
+    def breakdown(self) -> StepBreakdown:
+        total_ns = sum(s.ns for s in self._steps)
+        n = len(self._steps)
+        ns = dict(self._ns)
+        forward = ns.pop("model forward", 0)
+        ns["model forward"] = forward - ns.get("attention", 0)
+        ns["other"] = total_ns - sum(ns.values())
+        phases = {name: PhaseTime(ns.get(name, 0) / 1e9, ns.get(name, 0) / 1e6 / max(n, 1),
+                                  100.0 * ns.get(name, 0) / total_ns if total_ns else 0.0) for name in PHASES}
+        return StepBreakdown(n, total_ns / 1e9, total_ns / 1e6 / max(n, 1), forward / 1e6 / max(n, 1), phases,
+                             _kind([s for s in self._steps if s.decode_only]),
+                             _kind([s for s in self._steps if s.tokens and not s.decode_only]))
+
+
+def _kind(steps: list[_Step]) -> StepKind:
+    if not steps:
+        return StepKind(0, None, None, None)
+    n = len(steps)
+    return StepKind(n, sum(s.ns for s in steps) / 1e6 / n, sum(s.requests for s in steps) / n,
+                    sum(s.tokens for s in steps) / n)
+
+
+@contextlib.contextmanager
+def profile_steps(engine: LLMEngine) -> Iterator[StepProfile]:
+    """Time the phases of every engine.step() run inside the block."""
+    profile = StepProfile()
+    runner = engine.runner
+    wrappers = [
+        (engine, "step", profile._step),
+        (engine.scheduler, "schedule", profile._schedule),
+        (engine.scheduler, "update_from_output", lambda fn: profile._timed(fn, "scheduling")),
+        (engine.scheduler, "finish_requests", lambda fn: profile._timed(fn, "scheduling")),
+        (runner.backend, "build_metadata", lambda fn: profile._timed(fn, "attention metadata")),
+        (runner.backend, "forward", lambda fn: profile._timed(fn, "attention")),
+        (runner.model, "forward", lambda fn: profile._timed(fn, "model forward")),
+        (runner.model, "compute_logits", lambda fn: profile._timed(fn, "lm_head")),
+        (runner, "sampler", lambda fn: profile._timed(fn, "sampling")),
+        (engine.output_processor, "process", lambda fn: profile._timed(fn, "output processing")),
+    ]
+    restore = []
+    try:
+        for owner, name, wrap in wrappers:
+            own = vars(owner).get(name)  # an instance attribute (the sampler) is put back; a method is un-shadowed
+            setattr(owner, name, wrap(getattr(owner, name)))
+            restore.append((owner, name, own))
+        yield profile
+    finally:
+        for owner, name, own in reversed(restore):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)

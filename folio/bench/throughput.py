@@ -1,0 +1,160 @@
+"""Offline throughput: every request of the workload arrives at once (as in vLLM's `bench throughput`), the engine
+runs until all are done, and the report gives requests/s, output and total tokens/s and where each step's time
+went (see folio.bench.step_profile). Greedy sampling with EOS ignored, so every request generates exactly its
+output length and runs compare like for like.
+
+    folio bench throughput --model MODEL --dtype bfloat16 --num-prompts 64 --input-len 256 --output-len 128
+    folio bench throughput --dataset chat --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from folio.bench.noise import OtherLoad, note
+from folio.bench.report import Summary, dtype_name, summarize, write_json
+from folio.bench.step_profile import PHASES, StepBreakdown, profile_steps
+from folio.bench.workload import BenchRequest, add_workload_arguments, describe, engine_requests
+from folio.config import EngineConfig
+from folio.engine.llm_engine import LLMEngine
+from folio.engine.output_processor import OutputKind
+from folio.outputs import RequestOutput
+from folio.sampling_params import SamplingParams
+
+WARMUP_OUTPUT_LEN = 8
+DEFAULT_WARMUP_PROMPTS = 4
+
+
+@dataclass
+class ThroughputResult:
+    workload: str
+    model: str
+    dtype: str
+    engine_config: dict
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    ttft: Optional[Summary]  # seconds from arrival (all at t=0) to the first token
+    tpot: Optional[Summary]  # seconds per output token after the first, per request
+    e2e_latency: Optional[Summary]
+    breakdown: Optional[StepBreakdown]
+    other_cores: float  # CPU other processes used meanwhile (folio.bench.noise); >= 0.1: not a clean figure
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument("--warmup-prompts", type=int, default=DEFAULT_WARMUP_PROMPTS,
+                        help=f"run this many of the prompts ({WARMUP_OUTPUT_LEN} output tokens each) before measuring, "
+                             "then empty the prefix cache, so one-time kernel set-up is not counted "
+                             f"(default: {DEFAULT_WARMUP_PROMPTS}; 0 = none)")
+    parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the phases of each step (default: on; off runs the engine without wrappers)")
+    parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+
+
+def model_name(config: EngineConfig) -> str:
+    return config.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
+
+
+def _generate(engine: LLMEngine, requests: list[BenchRequest], output_len: Optional[int] = None) -> list[RequestOutput]:
+    """Run requests to completion; output_len overrides each request's own (for warm-up)."""
+    ids = []
+    for request in requests:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len or request.output_len, ignore_eos=True)
+        rid = engine.next_request_id()
+        engine.add_request(rid, {"prompt_token_ids": request.prompt_token_ids}, params,
+                           output_kind=OutputKind.FINAL_ONLY)
+        ids.append(rid)
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return [finished[i] for i in ids]
+
+
+def warm_up(engine: LLMEngine, requests: list[BenchRequest], num_prompts: int) -> None:
+    """First calls of each kernel shape pay for set-up (oneDNN primitives, allocator growth); keep that out of
+    the measurement, and leave no cached prefix behind that the measured run could hit."""
+    if num_prompts > 0:
+        _generate(engine, requests[:num_prompts], WARMUP_OUTPUT_LEN)
+        engine.reset_prefix_cache()
+
+
+def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, breakdown: bool) -> ThroughputResult:
+    """Run the workload once, all requests arriving together, and report throughput and latencies."""
+    with profile_steps(engine) if breakdown else contextlib.nullcontext() as profile:
+        load = OtherLoad()
+        start = time.perf_counter()
+        outputs = _generate(engine, requests)
+        elapsed = time.perf_counter() - start
+        other_cores = load.cores()
+    generated = [len(o.outputs[0].token_ids) for o in outputs]
+    if generated != [r.output_len for r in requests]:
+        raise RuntimeError("the engine did not generate exactly output_len tokens per request (ignore_eos)")
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    output_tokens = sum(generated)
+    metrics = [o.metrics for o in outputs]
+    config = engine.config
+    return ThroughputResult(
+        workload=workload, model=model_name(config), dtype=dtype_name(config.torch_dtype),
+        engine_config=dataclasses.asdict(config), num_requests=len(requests), prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens, elapsed_s=elapsed, requests_per_s=len(requests) / elapsed,
+        output_tokens_per_s=output_tokens / elapsed, total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed,
+        ttft=summarize([m.first_token_time - m.arrival_time for m in metrics]),
+        tpot=summarize([(m.last_token_time - m.first_token_time) / (n - 1) for m, n in zip(metrics, generated)
+                        if n > 1]),
+        e2e_latency=summarize([m.finished_time - m.arrival_time for m in metrics]),
+        breakdown=profile.breakdown() if profile else None, other_cores=other_cores)
+
+
+def print_result(result: ThroughputResult) -> None:
+    print(f"folio bench throughput: {result.model} ({result.dtype}), {result.workload}")
+    print(f"  {result.num_requests} requests, {result.prompt_tokens} prompt + {result.output_tokens} output tokens "
+          f"in {result.elapsed_s:.2f} s")
+    print(f"  throughput: {result.requests_per_s:.2f} requests/s, {result.output_tokens_per_s:.1f} output tokens/s, "
+          f"{result.total_tokens_per_s:.1f} total tokens/s")
+    print(f"  TTFT {result.ttft.line(1e3, 'ms')}")
+    if result.tpot:
+        print(f"  TPOT {result.tpot.line(1e3, 'ms')}")
+    print(f"  E2E  {result.e2e_latency.line(1e3, 'ms')}")
+    print(f"  {note(result.other_cores)}")
+    b = result.breakdown
+    if b is None:
+        return
+    print(f"  step breakdown: {b.num_steps} steps, mean {b.step_mean_ms:.2f} ms "
+          f"(model forward with attention {b.model_forward_with_attention_ms:.2f} ms)")
+    print(f"    {'phase':<20}{'ms/step':>10}{'%':>8}")
+    for name in PHASES:
+        phase = b.phases[name]
+        print(f"    {name:<20}{phase.per_step_ms:>10.2f}{phase.percent:>8.1f}")
+    for label, kind in (("decode-only steps", b.decode), ("steps with prefill", b.prefill)):
+        if kind.num_steps:
+            print(f"    {label}: {kind.num_steps}, mean {kind.mean_ms:.2f} ms, {kind.mean_requests:.1f} requests, "
+                  f"{kind.mean_tokens:.1f} tokens")
+
+
+def prepare(args: argparse.Namespace, config: EngineConfig) -> tuple[LLMEngine, list[BenchRequest]]:
+    """The engine and the workload's requests as token ids (chat prompts through the model's template)."""
+    engine = LLMEngine(config)
+    requests = engine_requests(args, engine.model_config.vocab_size, engine.get_tokenizer(), engine.max_model_len)
+    return engine, requests
+
+
+def main(args: argparse.Namespace, config: EngineConfig) -> int:
+    engine, requests = prepare(args, config)
+    warm_up(engine, requests, args.warmup_prompts)
+    result = measure(engine, requests, describe(args), args.breakdown)
+    print_result(result)
+    if args.json:
+        write_json(args.json, result)
+    return 0

@@ -1,0 +1,120 @@
+"""The requests a benchmark sends: random token ids of fixed lengths, or chat conversations.
+
+Random prompts make lengths exact, so folio, Transformers and a server all see the same work; chat prompts
+(`folio/bench/data/chat_prompts.jsonl`, synthetic, shipped here because nothing may be downloaded) give varied
+lengths and shared system prompts, closer to real traffic. Every choice is seeded (`--dataset-seed`), so two
+runs, or two systems in one run, get the same requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from folio.tokenizer import Tokenizer
+
+CHAT_DATASET = os.path.join(os.path.dirname(__file__), "data", "chat_prompts.jsonl")
+DEFAULT_OUTPUT_LEN = 128  # the random dataset's; chat conversations carry their own
+
+
+@dataclass
+class BenchRequest:
+    output_len: int  # tokens to generate (EOS is ignored, so exactly this many)
+    prompt_token_ids: Optional[list[int]] = None  # random prompts, and chat prompts once templated
+    messages: Optional[list[dict]] = None  # chat conversations
+
+    @property
+    def prompt_text(self) -> str:
+        """A chat conversation as one plain text, for a completions endpoint that has no chat template."""
+        return "\n\n".join(m["content"] for m in self.messages or ())
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset", default="random",
+                       help="'random' (random token ids of --input-len), 'chat' (the shipped synthetic chat "
+                            "conversations) or a .jsonl file of {\"messages\": [...], \"output_len\": N} lines; "
+                            "chat prompts repeat when --num-prompts exceeds the file (default: random)")
+    group.add_argument("--num-prompts", type=int, default=64, help="requests in the workload (default: 64)")
+    group.add_argument("--input-len", type=int, default=256, help="prompt tokens of the random dataset "
+                                                                  "(default: 256)")
+    group.add_argument("--output-len", type=int,
+                       help=f"tokens to generate per request, EOS ignored (default: {DEFAULT_OUTPUT_LEN} for random "
+                            "prompts, each conversation's own output_len for chat)")
+    group.add_argument("--dataset-seed", type=int, default=0, help="seed of the prompts and their order (default: 0)")
+
+
+def describe(args: argparse.Namespace) -> str:
+    """One line naming the workload, for reports."""
+    if args.dataset == "random":
+        return (f"{args.num_prompts} prompts x {args.input_len} random tokens -> "
+                f"{args.output_len or DEFAULT_OUTPUT_LEN} tokens")
+    out = f"{args.output_len} tokens" if args.output_len else "dataset lengths"
+    return f"{args.num_prompts} {args.dataset} prompts -> {out}"
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.input_len < 1 or (args.output_len is not None and args.output_len < 1):
+        raise ValueError("--input-len and --output-len must be >= 1")
+
+
+def random_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
+    """Token ids drawn uniformly above the lowest ids (where vocabularies keep their special tokens)."""
+    _check(args)
+    rng = random.Random(args.dataset_seed)
+    low = min(100, vocab_size // 2)
+    return [BenchRequest(args.output_len or DEFAULT_OUTPUT_LEN,
+                         prompt_token_ids=[rng.randrange(low, vocab_size) for _ in range(args.input_len)])
+            for _ in range(args.num_prompts)]
+
+
+def _conversations(args: argparse.Namespace) -> Iterator[BenchRequest]:
+    """The dataset's conversations in seeded shuffled passes, without end."""
+    path = CHAT_DATASET if args.dataset == "chat" else args.dataset
+    with open(path, encoding="utf-8") as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    if not items or not all(isinstance(i, dict) and isinstance(i.get("messages"), list) and "output_len" in i
+                            for i in items):
+        raise ValueError(f'{path} must hold one {{"messages": [...], "output_len": N}} object per line')
+    rng = random.Random(args.dataset_seed)
+    while True:
+        rng.shuffle(items)
+        for item in items:
+            yield BenchRequest(args.output_len or int(item["output_len"]), messages=item["messages"])
+
+
+def client_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
+    """Requests for a server: token ids below vocab_size, or conversations as they are."""
+    if args.dataset == "random":
+        return random_requests(args, vocab_size)
+    _check(args)
+    return list(itertools.islice(_conversations(args), args.num_prompts))
+
+
+def engine_requests(args: argparse.Namespace, vocab_size: int, tokenizer: Tokenizer,
+                    max_model_len: int) -> list[BenchRequest]:
+    """Requests as token ids for an engine: conversations go through the chat template, and those that would
+    outgrow max_model_len are skipped (as vLLM's dataset sampling does) rather than failing the run."""
+    if args.dataset == "random":
+        if args.input_len + (args.output_len or DEFAULT_OUTPUT_LEN) > max_model_len:
+            raise ValueError(f"--input-len + --output-len exceeds max_model_len {max_model_len}")
+        return random_requests(args, vocab_size)
+    _check(args)
+    requests, skipped, conversations = [], 0, _conversations(args)
+    while len(requests) < args.num_prompts:
+        request = next(conversations)
+        ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
+        if len(ids) + request.output_len <= max_model_len:
+            requests.append(BenchRequest(request.output_len, prompt_token_ids=ids, messages=request.messages))
+        else:
+            skipped += 1
+            if not requests and skipped > 10 * args.num_prompts:
+                raise ValueError(f"no conversation of {args.dataset} fits max_model_len {max_model_len}")
+    return requests
