@@ -34,14 +34,21 @@ def test_greedy_matches_transformers(tiny_model_factory, arch, tie):
         assert reason == ("stop" if out.outputs[0].token_ids[-1] == 2 else "length")
 
 
-def test_chunked_prefill_matches(llama_dir):
+@pytest.fixture(params=["cpu_paged", "torch_sdpa"])
+def attention_backend(request, monkeypatch):
+    """Run a test with each attention backend (the fast kernel is the default when it builds)."""
+    monkeypatch.setenv("FOLIO_ATTENTION_BACKEND", request.param)
+    return request.param
+
+
+def test_chunked_prefill_matches(llama_dir, attention_backend):
     # a budget of 7 tokens splits every long prompt into chunks and mixes them with other requests' decodes
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=7)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert _tokens(outputs) == _expected(llama_dir)
 
 
-def test_preemption_matches(llama_dir):
+def test_preemption_matches(llama_dir, attention_backend):
     # 12 blocks of 4 tokens: far too few for all six requests at once, so the scheduler must preempt
     per_block = 2 * 2 * 2 * 16 * 4 * 4  # K and V, layers, kv heads, head_dim, fp32 bytes, block_size
     llm = LLM(llama_dir, dtype="float32", block_size=4, kv_cache_memory=12 * per_block, max_model_len=48)
@@ -53,7 +60,7 @@ def test_preemption_matches(llama_dir):
     assert engine.kv_cache.num_free_blocks == 12
 
 
-def test_requests_added_while_others_decode(llama_dir):
+def test_requests_added_while_others_decode(llama_dir, attention_backend):
     engine = LLMEngine.from_kwargs(llama_dir, dtype="float32", kv_cache_memory=1 << 22)
     results = {}
     pending = list(enumerate(PROMPTS))

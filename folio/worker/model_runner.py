@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from folio.attention.backend import AttentionBackend, BatchLayout
-from folio.attention.torch_sdpa import TorchSDPABackend
+from folio.attention.selector import get_attention_backend
 from folio.core.scheduler import ModelOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
@@ -36,7 +36,7 @@ class ModelRunner:
                  block_size: int, backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.block_size = block_size
-        self.backend = backend or TorchSDPABackend()
+        self.backend = backend or get_attention_backend()
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # zeros, not empty: padded reads of never-written slots must be finite (masked, but NaN * 0 is NaN)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
