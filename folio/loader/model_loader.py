@@ -117,5 +117,6 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     with _default_dtype(dtype):
         net = build_model(cfg, max_positions)
     net.load_weights(tensors)
+    net.prepack()
     net.eval()
     return LoadedModel(path, cfg, net, tokenizer, frozenset(eos))

@@ -96,7 +96,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -106,8 +108,13 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        return self.lm_head(hidden)
+
+    def prepack(self) -> None:
+        """Once weights are loaded: move every matmul weight to the CPU's fast layout (see Linear)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the model, stacking q/k/v and gate/up."""
@@ -115,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in tensors:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             target, shard = name, None
             for part, (fused, index) in self.stacked_params.items():
