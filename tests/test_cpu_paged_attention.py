@@ -154,12 +154,15 @@ def test_selector(paged, monkeypatch):
 
 
 def test_build_failure_falls_back(monkeypatch, caplog):
-    def broken(verbose=False):
+    from folio import csrc_build
+
+    def broken(*args, **kwargs):
         raise RuntimeError("Error building extension: no compiler")
 
-    for name, value in (("_ext", None), ("_ext_error", None), ("_ext_tried", False)):
-        monkeypatch.setattr(cpu_paged, name, value)
-    monkeypatch.setattr(cpu_paged, "_build_and_load", broken)
+    monkeypatch.setattr(csrc_build, "build_and_load", broken)
+    fresh = csrc_build.CppKernel(cpu_paged.KERNEL.ext_name, cpu_paged.KERNEL.source, cpu_paged.KERNEL.what,
+                                 cpu_paged.KERNEL.fallback)
+    monkeypatch.setattr(cpu_paged, "KERNEL", fresh)
     monkeypatch.setenv(selector.ENV_VAR, "cpu_paged")
     with caplog.at_level(logging.WARNING, logger="folio"):
         backend = selector.get_attention_backend()

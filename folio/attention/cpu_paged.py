@@ -24,16 +24,8 @@ reference backend for that call.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
-import os
-import platform
-import sys
-import threading
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -41,15 +33,12 @@ import torch
 
 from folio.attention.backend import AttentionBackend, BatchLayout
 from folio.attention.torch_sdpa import TorchSDPABackend
+from folio.csrc_build import CSRC, CppKernel
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_paged_attention.cpp"
-EXT_NAME = "folio_cpu_paged_attention"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wno-unused-function"]
-LDFLAGS = ["-fopenmp"]
-# A build lock older than this is taken to be left over from a killed build (a build takes ~15 s).
-STALE_LOCK_S = 15 * 60
+KERNEL = CppKernel("folio_cpu_paged_attention", CSRC / "cpu_paged_attention.cpp",
+                   what="CPU paged attention kernel", fallback="using the torch SDPA reference backend")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # Split a context across threads (flash-decoding) only into partitions of at least this many keys.
 MIN_SPLIT_KEYS = 64
@@ -57,93 +46,14 @@ MIN_SPLIT_KEYS = 64
 # decode of 384 tokens runs as fast on one thread as split over two, and never waits for a busy core.
 MIN_PARALLEL_WORK = 8192
 
-_lock = threading.Lock()
-_ext: Any = None
-_ext_error: Optional[str] = None
-_ext_tried = False
-
-
-def cache_root() -> Path:
-    """Where built kernels live: $FOLIO_CACHE_DIR (default ~/.cache/folio) / torch_extensions."""
-    root = os.environ.get("FOLIO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "folio")
-    return Path(root) / "torch_extensions"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def build_key() -> str:
-    """Hash of everything the built library depends on: -march=native ties it to this CPU's features."""
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-                 sys.version.encode(), platform.machine().encode(), _cpu_flags().encode(),
-                 os.environ.get("CXX", "c++").encode()):
-        h.update(part)
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-def _import_built(name: str, folder: Path):
-    path = folder / f"{name}.so"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _build_and_load(verbose: bool = False):
-    name = f"{EXT_NAME}_{build_key()}"
-    folder = cache_root() / name
-    if (folder / "ok").exists() and (folder / f"{name}.so").exists():
-        return _import_built(name, folder)  # built by an earlier process: no compiler, no ninja
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / "lock"
-    try:
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()  # torch's FileBaton would wait for it forever
-    except OSError:
-        pass
-    from torch.utils import cpp_extension
-
-    start = time.perf_counter()
-    logger.info("building the CPU paged attention kernel in %s (first use only; about 15 s)", folder)
-    module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                                build_directory=str(folder), verbose=verbose, with_cuda=False)
-    (folder / "ok").write_text(f"{time.perf_counter() - start:.1f} s\n")
-    logger.info("built the CPU paged attention kernel in %.1f s", time.perf_counter() - start)
-    return module
-
 
 def load_extension(verbose: bool = False):
-    """The compiled kernel module, building it on first use; None (with one warning) if it cannot be built."""
-    global _ext, _ext_error, _ext_tried
-    with _lock:
-        if not _ext_tried:
-            _ext_tried = True
-            if os.environ.get("FOLIO_DISABLE_CPU_KERNELS") == "1":
-                _ext_error = "disabled by FOLIO_DISABLE_CPU_KERNELS=1"
-            else:
-                try:
-                    _ext = _build_and_load(verbose)
-                except Exception as exc:  # a compiler error, no ninja, a read-only cache dir...
-                    _ext_error = f"{type(exc).__name__}: {exc}"
-            if _ext_error is not None:
-                logger.debug("CPU paged attention kernel build error:\n%s", _ext_error)
-                logger.warning("CPU paged attention kernel unavailable (%s); using the torch SDPA reference "
-                               "backend", _ext_error.strip().splitlines()[0][:500])
-        return _ext
+    """The compiled module, built on first use; None (after one warning) if it cannot be built."""
+    return KERNEL.load(verbose)
 
 
 def extension_error() -> Optional[str]:
-    return _ext_error
+    return KERNEL.error
 
 
 @dataclass
@@ -161,7 +71,7 @@ class CPUPagedAttentionBackend(AttentionBackend):
     def __init__(self, min_split_keys: int = MIN_SPLIT_KEYS, min_parallel_work: int = MIN_PARALLEL_WORK) -> None:
         self.ext = load_extension()
         if self.ext is None:
-            raise RuntimeError(f"CPU paged attention kernel unavailable: {_ext_error}")
+            raise RuntimeError(f"CPU paged attention kernel unavailable: {KERNEL.error}")
         self.min_split_keys = min_split_keys
         self.min_parallel_work = min_parallel_work
         self.reference = TorchSDPABackend()

@@ -1,7 +1,9 @@
-"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, gated MLP activation.
+"""Building blocks shared by the decoder models: linear, embedding, RMSNorm, rotary embedding, gated MLP
+activation.
 
-Each is written to produce the same numbers as Hugging Face Transformers' own layers (same op order and
-the same float32 upcasts), because greedy outputs must match Transformers token for token.
+Each produces the same numbers as Hugging Face Transformers' own layers, because greedy outputs must match
+Transformers token for token. The elementwise ops run fused C++ kernels in bf16 (folio.models.fused_ops),
+bit-identical to the torch reference code they fall back to.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from folio.models import fused_ops
 
 
 def _uninitialized(*shape: int) -> nn.Parameter:
@@ -69,13 +73,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Normalise x, or (x + residual) when a residual is given, returning (normed, new residual)."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(x.dtype)
-        return out if residual is None else (out, residual)
+        if residual is None:
+            return fused_ops.rms_norm(x, self.weight, self.eps)
+        return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
@@ -114,17 +114,9 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = emb.cos(), emb.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]; rotated in their own dtype, as Transformers does."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """q: [T, Hq, D], k: [T, Hkv, D], rotated in place (they are views of the step's qkv output)."""
+        return fused_ops.rotary_embedding_(positions, q, k, self.cos, self.sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+    return fused_ops.silu_and_mul(gate_up)

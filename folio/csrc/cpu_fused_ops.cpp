@@ -1,0 +1,489 @@
+// Fused bf16 elementwise kernels for the CPU decoder layers: (add +) RMSNorm, rotary embedding, SiLU-and-mul.
+//
+// Each kernel reproduces, bit for bit, what folio/models/layers.py computes with eager torch ops on bf16
+// tensors (which is what Transformers computes), but in one pass over memory and without the float32
+// temporaries, the broadcasts and the ~10 dispatcher calls per op:
+//
+//   * eager bf16 elementwise ops widen to float32, compute one float op and round back to bf16 (round to
+//     nearest even; NaN -> 0xffff as ATen's AVX-512 conversion does), once per op: we do exactly that;
+//   * RMSNorm's mean(h^2) is a float32 sum whose result depends on the order of the additions: we replay
+//     ATen's cascade_sum order (SumKernel.cpp, vectorized_inner_sum: `lanes`-float vectors, 4 interleaved
+//     accumulators, levels of 16 steps, in-order horizontal sum), then divide by H as at::mean does;
+//     `lanes` is measured by folio/models/fused_ops.py against torch.sum (8 for torch 2.13 on x86);
+//   * SiLU uses SLEEF's expf u10, the function ATen's vectorized silu calls: an inline copy (checked at
+//     load time against torch's float32 silu) or libtorch_cpu's exported Sleef_expf16_u10 (weakly linked:
+//     without it and without the check passing, std::exp, no longer bit-exact), and std::exp for the
+//     per-row tail that ATen runs through its scalar loop (the last I % 64 elements of each row).
+//
+// Vector paths need: RMSNorm any H (a scalar tail handles H % 16), rotary head_dim % 32 == 0, SiLU any I.
+// Without AVX-512 everything runs through the scalar versions of the same formulas.
+//
+// Only the ATen headers needed (not torch/extension.h): keeps the first-use build short.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define FOLIO_AVX512 1
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
+#else
+#define FOLIO_AVX512 0
+#endif
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+// ---------------------------------------------------------------------------------------------- scalars
+inline float bf(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// ATen's vectorized float -> bf16 (round to nearest even, NaN -> 0xffff)
+inline uint16_t rnd(float f) {
+  if (std::isnan(f)) return 0xffff;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float rf(float f) { return bf(rnd(f)); }  // round through bf16
+
+#if FOLIO_AVX512
+// ---------------------------------------------------------------------------------------------- vectors
+inline __m512 vload(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline __m256i vround(__m512 f) {  // = at::vec cvtfp32_bf16
+  const __m512i v = _mm512_castps_si512(f);
+  __m512i t = _mm512_and_si512(_mm512_srli_epi32(v, 16), _mm512_set1_epi32(1));
+  t = _mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), v);
+  t = _mm512_srli_epi32(t, 16);
+  t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), t);
+  return _mm512_cvtusepi32_epi16(t);
+}
+
+inline __m512 vwiden(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 vrf(__m512 f) { return vwiden(vround(f)); }  // round through bf16
+inline void vstore(uint16_t* p, __m256i h) { _mm256_storeu_si256((__m256i*)p, h); }
+
+// SLEEF's xexpf (the u10 float exp that ATen's Vectorized<float>::exp calls), written out so that it
+// inlines into the loop. fused_ops.py uses it only after checking silu_f32 with it against torch's
+// float32 silu bit for bit (else it passes inline_exp=false and the kernel calls libtorch's
+// Sleef_expf16_u10). (torch.exp itself uses another exp: do not compare against it.)
+inline __m512 exp_sleef(__m512 d) {
+  const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 qf = _mm512_cvtepi32_ps(q);
+  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
+  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+  u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+  // ldexp2(u, q) = u * 2^(q >> 1) * 2^(q - (q >> 1))
+  const __m512i q1 = _mm512_srai_epi32(q, 1), q2 = _mm512_sub_epi32(q, q1);
+  auto pow2i = [](__m512i e) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(0x7f)), 23));
+  };
+  u = _mm512_mul_ps(_mm512_mul_ps(u, pow2i(q1)), pow2i(q2));
+  u = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.f), _CMP_NLT_UQ), u);  // d < -104 -> 0
+  u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.f), d, _CMP_LT_OQ),
+                         _mm512_set1_ps(INFINITY));  // d > 100 -> inf
+  return u;
+}
+#endif
+
+// Elements of work below which a kernel stays on the calling thread (an OpenMP fork costs a few us).
+constexpr int64_t GRAIN_ELEMS = 32768;
+
+inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, GRAIN_ELEMS / std::max<int64_t>(1, row_elems)); }
+
+// -------------------------------------------------------------------------------------------- RMSNorm
+// Sums of a contiguous float row in ATen's cascade_sum order (vectorized_inner_sum / scalar_inner_sum).
+inline int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll((uint64_t)(x - 1));
+}
+
+// W = lanes of ATen's Vectorized<float> in the sum kernel (8 in torch 2.13's x86 builds even on AVX-512
+// machines, where the sum kernel runs its AVX2 variant; fused_ops.py checks it against torch.sum at load).
+// Lane-wise loops over plain arrays: each lane is an independent chain, so gcc vectorizes them without
+// changing any rounding.
+template <int W>
+struct VecT {
+  typedef float type __attribute__((vector_size(W * 4)));
+};
+
+template <int W>
+float aten_row_sum_w(const float* in, int64_t n) {
+  using V = typename VecT<W>::type;  // GCC vector: lane-wise IEEE adds, kept in registers
+  auto ld = [](const float* p) { V v; std::memcpy(&v, p, sizeof(V)); return v; };
+  const int64_t vec_size = n / W;
+  const int64_t size_ilp = vec_size / 4;  // row_sum: ilp 4 -> multi_row_sum over rows of 4 vectors
+  constexpr int L = 4;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size_ilp) / L);
+  const int64_t level_step = (int64_t)1 << level_power;
+  const int64_t level_mask = level_step - 1;
+  const V zero = {};
+  V acc[L][4];
+  for (int j = 0; j < L; ++j)
+    for (int k = 0; k < 4; ++k) acc[j][k] = zero;
+  int64_t i = 0;
+  for (; i + level_step <= size_ilp;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < 4; ++k) acc[0][k] += ld(in + (i * 4 + k) * W);
+    for (int j = 1; j < L; ++j) {
+      for (int k = 0; k < 4; ++k) {
+        acc[j][k] += acc[j - 1][k];
+        acc[j - 1][k] = zero;
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size_ilp; ++i)
+    for (int k = 0; k < 4; ++k) acc[0][k] += ld(in + (i * 4 + k) * W);
+  for (int j = 1; j < L; ++j)
+    for (int k = 0; k < 4; ++k) acc[0][k] += acc[j][k];
+  V p0 = acc[0][0];
+  for (int64_t v = size_ilp * 4; v < vec_size; ++v) p0 += ld(in + v * W);
+  for (int k = 1; k < 4; ++k) p0 += acc[0][k];
+  float final_acc = 0.f;
+  for (int64_t k = vec_size * W; k < n; ++k) final_acc += in[k];
+  for (int l = 0; l < W; ++l) final_acc += p0[l];
+  return final_acc;
+}
+
+// Scalar reduction order of ATen for rows shorter than one vector (row_sum with scalar loads, ilp 4).
+float aten_row_sum_scalar(const float* in, int64_t n) {
+  const int64_t size_ilp = n / 4;
+  constexpr int L = 4;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size_ilp) / L);
+  const int64_t level_step = (int64_t)1 << level_power;
+  const int64_t level_mask = level_step - 1;
+  float acc[L][4] = {};
+  int64_t i = 0;
+  for (; i + level_step <= size_ilp;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < 4; ++k) acc[0][k] += in[i * 4 + k];
+    for (int j = 1; j < L; ++j) {
+      for (int k = 0; k < 4; ++k) {
+        acc[j][k] += acc[j - 1][k];
+        acc[j - 1][k] = 0.f;
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size_ilp; ++i)
+    for (int k = 0; k < 4; ++k) acc[0][k] += in[i * 4 + k];
+  for (int j = 1; j < L; ++j)
+    for (int k = 0; k < 4; ++k) acc[0][k] += acc[j][k];
+  for (int64_t v = size_ilp * 4; v < n; ++v) acc[0][0] += in[v];
+  for (int k = 1; k < 4; ++k) acc[0][0] += acc[0][k];
+  return acc[0][0];
+}
+
+// sum of a contiguous float row in the order of ATen's sum kernel with `lanes`-wide vectors
+float aten_row_sum(const float* in, int64_t n, int lanes) {
+  if (n < lanes) return aten_row_sum_scalar(in, n);
+  switch (lanes) {
+    case 4: return aten_row_sum_w<4>(in, n);
+    case 16: return aten_row_sum_w<16>(in, n);
+    case 32: return aten_row_sum_w<32>(in, n);
+    default: return aten_row_sum_w<8>(in, n);
+  }
+}
+
+// One row: [res_out = rnd(x + res)]; h = float(sum); out = rnd(w * rnd(h * rsqrt(mean(h*h) + eps))).
+// sq: scratch of H floats.
+void rms_row(const uint16_t* x, const uint16_t* res, uint16_t* res_out, const uint16_t* w, uint16_t* out,
+             int64_t H, float eps, int lanes, float* sq) {
+  const uint16_t* src = x;
+  int64_t j = 0;
+#if FOLIO_AVX512
+  if (res) {
+    for (; j + 16 <= H; j += 16) {
+      const __m256i s = vround(_mm512_add_ps(vload(x + j), vload(res + j)));
+      vstore(res_out + j, s);
+      const __m512 h = vwiden(s);
+      _mm512_storeu_ps(sq + j, _mm512_mul_ps(h, h));
+    }
+  } else {
+    for (; j + 16 <= H; j += 16) {
+      const __m512 h = vload(x + j);
+      _mm512_storeu_ps(sq + j, _mm512_mul_ps(h, h));
+    }
+  }
+#endif
+  for (; j < H; ++j) {
+    float h;
+    if (res) {
+      res_out[j] = rnd(bf(x[j]) + bf(res[j]));
+      h = bf(res_out[j]);
+    } else {
+      h = bf(x[j]);
+    }
+    sq[j] = h * h;
+  }
+  if (res) src = res_out;
+  const float sum = aten_row_sum(sq, H, lanes);
+  const float mean = sum / (float)H;
+  const float r = 1.0f / std::sqrt(mean + eps);
+  j = 0;
+#if FOLIO_AVX512
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; j + 16 <= H; j += 16) {
+    const __m512 hb = vrf(_mm512_mul_ps(vload(src + j), rv));
+    vstore(out + j, vround(_mm512_mul_ps(vload(w + j), hb)));
+  }
+#endif
+  for (; j < H; ++j) out[j] = rnd(bf(w[j]) * rf(bf(src[j]) * r));
+}
+
+void check_bf16_rows(const at::Tensor& t, const char* name, int64_t H) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == H && t.stride(1) == 1, name, " must be [T, ", H, "] with unit stride");
+}
+
+void rms_run(const at::Tensor& x, const at::Tensor* res, at::Tensor* res_out, const at::Tensor& w,
+             at::Tensor& out, double eps, int64_t lanes) {
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 1 && w.size(0) == H && w.is_contiguous(),
+              "weight must be contiguous bfloat16 [H]");
+  const auto* xp = (const uint16_t*)x.data_ptr();
+  const auto* rp = res ? (const uint16_t*)res->data_ptr() : nullptr;
+  auto* rop = res_out ? (uint16_t*)res_out->data_ptr() : nullptr;
+  const auto* wp = (const uint16_t*)w.data_ptr();
+  auto* op = (uint16_t*)out.data_ptr();
+  const int64_t xs = x.stride(0), rs = res ? res->stride(0) : 0, ros = res_out ? res_out->stride(0) : 0,
+                os = out.stride(0);
+  const float e = (float)eps;
+  at::parallel_for(0, T, row_grain(H), [&](int64_t t0, int64_t t1) {
+    std::vector<float> sq((size_t)H + 16);
+    for (int64_t t = t0; t < t1; ++t)
+      rms_row(xp + t * xs, rp ? rp + t * rs : nullptr, rop ? rop + t * ros : nullptr, wp, op + t * os, H, e,
+              (int)lanes, sq.data());
+  });
+}
+
+}  // namespace
+
+// x, residual [T, H] bf16 -> (out, new_residual): new_residual = x + residual; out = RMSNorm(new_residual).
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
+                                                      double eps, int64_t lanes) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-d");
+  const int64_t H = x.size(1);
+  check_bf16_rows(x, "x", H);
+  check_bf16_rows(residual, "residual", H);
+  TORCH_CHECK(residual.size(0) == x.size(0), "x and residual differ in rows");
+  at::Tensor out = at::empty({x.size(0), H}, x.options());
+  at::Tensor new_res = at::empty({x.size(0), H}, x.options());
+  rms_run(x, &residual, &new_res, weight, out, eps, lanes);
+  return {out, new_res};
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, int64_t lanes) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-d");
+  check_bf16_rows(x, "x", x.size(1));
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  rms_run(x, nullptr, nullptr, weight, out, eps, lanes);
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------- rotary
+namespace {
+
+// One head in place: x[j] = rnd(rnd(x[j] c[j]) + rnd(rot[j] s[j])), rot = cat(-x[half:], x[:half]);
+// cb/sb hold the bf16-rounded cos/sin of the token as floats.
+inline void rope_head(uint16_t* x, const float* cb, const float* sb, int64_t D) {
+  const int64_t half = D / 2;
+  int64_t j = 0;
+#if FOLIO_AVX512
+  if (half % 16 == 0) {
+    for (; j < half; j += 16) {
+      const __m512 x1 = vload(x + j), x2 = vload(x + half + j);
+      const __m512 c1 = _mm512_loadu_ps(cb + j), c2 = _mm512_loadu_ps(cb + half + j);
+      const __m512 s1 = _mm512_loadu_ps(sb + j), s2 = _mm512_loadu_ps(sb + half + j);
+      const __m512 nx2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);  // exact negation (as torch's neg)
+      const __m256i o1 = vround(_mm512_add_ps(vrf(_mm512_mul_ps(x1, c1)), vrf(_mm512_mul_ps(nx2, s1))));
+      const __m256i o2 = vround(_mm512_add_ps(vrf(_mm512_mul_ps(x2, c2)), vrf(_mm512_mul_ps(x1, s2))));
+      vstore(x + j, o1);
+      vstore(x + half + j, o2);
+    }
+    return;
+  }
+#endif
+  for (; j < half; ++j) {
+    const float x1 = bf(x[j]), x2 = bf(x[half + j]);
+    const uint16_t o1 = rnd(rf(x1 * cb[j]) + rf(-x2 * sb[j]));
+    const uint16_t o2 = rnd(rf(x2 * cb[half + j]) + rf(x1 * sb[half + j]));
+    x[j] = o1;
+    x[half + j] = o2;
+  }
+}
+
+}  // namespace
+
+// q [T, Hq, D], k [T, Hkv, D] bf16 rotated in place; positions int64 [T]; cos/sin float32 [P, D] contiguous.
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be 3-d [T, heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16, "q, k must be bfloat16");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q, k need unit stride along head_dim");
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && D % 2 == 0, "q/k shapes do not match");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == D && cos.sizes() == sin.sizes(),
+              "cos/sin must be contiguous float32 [max_positions, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T,
+              "positions must be contiguous int64 [T]");
+  const int64_t P = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " out of range [0, ", P, ")");
+  const float* ct = cos.data_ptr<float>();
+  const float* st = sin.data_ptr<float>();
+  auto* qp = (uint16_t*)q.data_ptr();
+  auto* kp = (uint16_t*)k.data_ptr();
+  const int64_t Hq = q.size(1), Hk = k.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  at::parallel_for(0, T, row_grain((Hq + Hk) * D), [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(2 * (size_t)D + 32);
+    float* cb = buf.data();
+    float* sb = cb + D;
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = ct + pos[t] * D;
+      const float* s = st + pos[t] * D;
+      for (int64_t j = 0; j < D; ++j) {
+        cb[j] = rf(c[j]);
+        sb[j] = rf(s[j]);
+      }
+      for (int64_t h = 0; h < Hq; ++h) rope_head(qp + t * qs0 + h * qs1, cb, sb, D);
+      for (int64_t h = 0; h < Hk; ++h) rope_head(kp + t * ks0 + h * ks1, cb, sb, D);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------- SiLU and mul
+// gate_up [T, 2I] bf16 -> [T, I]: rnd(rnd(silu(gate)) * up), silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_and_mul(at::Tensor gate_up, bool inline_exp) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1 &&
+                  gate_up.size(1) % 2 == 0, "gate_up must be bfloat16 [T, 2I] with unit stride");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const auto* gp = (const uint16_t*)gate_up.data_ptr();
+  auto* op = (uint16_t*)out.data_ptr();
+  // ATen runs 64 bf16 at a time through the vector code (Sleef exp), the rest of a row through std::exp
+  [[maybe_unused]] const int64_t vec_end = I - I % 64;
+  at::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* g = gp + t * gs;
+      const uint16_t* u = g + I;
+      uint16_t* o = op + t * I;
+      int64_t j = 0;
+#if FOLIO_AVX512
+      const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+      if (inline_exp) {
+        for (; j + 32 <= vec_end; j += 32) {  // two independent chains: hides the exp's FMA latency
+          const __m512 x0 = vload(g + j), x1 = vload(g + j + 16);
+          const __m512 e0 = exp_sleef(_mm512_sub_ps(zero, x0)), e1 = exp_sleef(_mm512_sub_ps(zero, x1));
+          const __m512 s0 = vrf(_mm512_div_ps(x0, _mm512_add_ps(one, e0)));
+          const __m512 s1 = vrf(_mm512_div_ps(x1, _mm512_add_ps(one, e1)));
+          vstore(o + j, vround(_mm512_mul_ps(s0, vload(u + j))));
+          vstore(o + j + 16, vround(_mm512_mul_ps(s1, vload(u + j + 16))));
+        }
+        for (; j < vec_end; j += 16) {
+          const __m512 x = vload(g + j);
+          const __m512 e = exp_sleef(_mm512_sub_ps(zero, x));
+          const __m512 sb = vrf(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+          vstore(o + j, vround(_mm512_mul_ps(sb, vload(u + j))));
+        }
+      } else if (Sleef_expf16_u10 != nullptr) {
+        for (; j < vec_end; j += 16) {
+          const __m512 x = vload(g + j);
+          const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(zero, x));
+          const __m512 sb = vrf(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+          vstore(o + j, vround(_mm512_mul_ps(sb, vload(u + j))));
+        }
+      }
+#endif
+      for (; j < I; ++j) {
+        const float x = bf(g[j]);
+        o[j] = rnd(rf(x / (1.0f + std::exp(-x))) * bf(u[j]));
+      }
+    }
+  });
+  return out;
+}
+
+// sums of the rows of a contiguous float [R, n] tensor in ATen's order (to check `lanes` against torch.sum)
+at::Tensor row_sums(at::Tensor x, int64_t lanes) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float [R, n]");
+  at::Tensor out = at::empty({x.size(0)}, x.options());
+  for (int64_t r = 0; r < x.size(0); ++r)
+    out.data_ptr<float>()[r] = aten_row_sum(x.data_ptr<float>() + r * x.size(1), x.size(1), (int)lanes);
+  return out;
+}
+
+bool has_avx512() { return FOLIO_AVX512 != 0; }
+
+// float32 silu x / (1 + exp(-x)) with the inline SLEEF port (inline_exp) or libtorch's Sleef_expf16_u10,
+// scalar std::exp for the tail: to check either against torch's own float32 silu.
+at::Tensor silu_f32(at::Tensor x, bool inline_exp) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const float* p = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t n = x.numel();
+  int64_t i = 0;
+#if FOLIO_AVX512
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  if (inline_exp || Sleef_expf16_u10 != nullptr)
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(p + i);
+      const __m512 m = _mm512_sub_ps(zero, v);
+      const __m512 e = inline_exp ? exp_sleef(m) : Sleef_expf16_u10(m);
+      _mm512_storeu_ps(o + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+    }
+#endif
+  for (; i < n; ++i) o[i] = p[i] / (1.0f + std::exp(-p[i]));
+  return out;
+}
+
+bool has_sleef() {
+#if FOLIO_AVX512
+  return Sleef_expf16_u10 != nullptr;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "(x + residual) -> (RMSNorm(x + residual), x + residual)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm(x)", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k in place",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("row_sums", &row_sums, "row sums in ATen's cascade order with lanes-wide vectors");
+  m.def("silu_f32", &silu_f32, "float32 silu as the kernel computes it (checks)");
+  m.def("has_avx512", &has_avx512, "whether the vector paths were compiled");
+  m.def("has_sleef", &has_sleef, "whether Sleef_expf16_u10 was found in libtorch_cpu");
+}

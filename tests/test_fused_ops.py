@@ -1,0 +1,206 @@
+"""folio.models.fused_ops' kernels equal its torch reference code (what Transformers computes) bit for bit.
+
+bf16 inputs of the SmolLM2-135M / Qwen2-0.5B shapes (and odd sizes that take the scalar tails), T = 1, 7,
+64, 300: outputs compared as raw bits (NaN included), residual outputs identical; float32 inputs and a
+disabled kernel take the reference path. The first test builds the kernel (~15 s on 2 cores, once per
+machine: later runs load it from ~/.cache/folio/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from folio.csrc_build import CppKernel
+from folio.models import fused_ops as F
+from folio.models.layers import RMSNorm, RotaryEmbedding
+
+TOKENS = (1, 7, 64, 300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    e = F.load_extension()
+    if e is None:
+        if shutil.which("c++") is None or shutil.which("ninja") is None:
+            pytest.skip(f"no C++ toolchain: {F.extension_error()}")
+        pytest.fail(f"the fused ops kernel did not build: {F.extension_error()}")
+    return e
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.dtype == torch.bfloat16:
+        return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+    return torch.equal(a, b)
+
+
+def norm(h: int, seed: int) -> RMSNorm:
+    g = torch.Generator().manual_seed(seed)
+    n = RMSNorm(h, 1e-5)
+    n.weight.data = (torch.rand(h, generator=g) + 0.5).to(torch.bfloat16)
+    return n
+
+
+def test_sum_order_matches_torch(ext):
+    lanes = F.sum_lanes()
+    g = torch.Generator().manual_seed(0)
+    for n in (3, 8, 17, 100, 576, 896, 1024, 1536, 4096, 5000, 20000):
+        x = (torch.randn(8, n, generator=g) * 2).pow(2)
+        assert torch.equal(ext.row_sums(x, lanes), x.sum(-1)), n
+
+
+@pytest.mark.parametrize("h", [576, 896, 100, 2048])
+@pytest.mark.parametrize("t", TOKENS)
+def test_rms_norm_bit_exact(h, t):
+    g = torch.Generator().manual_seed(h * 1000 + t)
+    n = norm(h, t)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    res = (torch.randn(t, h, generator=g) * 8).to(torch.bfloat16)
+    ref_out, ref_res = F.ref_rms_norm(x, n.weight, n.eps, res)
+    out, new_res = F.fused_add_rms_norm(x, res, n.weight, n.eps)
+    assert same_bits(new_res, ref_res)
+    assert same_bits(out, ref_out)
+    assert same_bits(F.rms_norm(x, n.weight, n.eps), F.ref_rms_norm(x, n.weight, n.eps))
+
+
+def test_rms_norm_non_contiguous_and_3d():
+    h = 576
+    n = norm(h, 3)
+    big = torch.randn(5, 2 * h).to(torch.bfloat16)
+    x = big[:, :h]  # row stride 2h
+    res = torch.randn(5, h).to(torch.bfloat16)
+    ref_out, ref_res = F.ref_rms_norm(x, n.weight, n.eps, res)
+    out, new_res = F.fused_add_rms_norm(x, res, n.weight, n.eps)
+    assert same_bits(out, ref_out) and same_bits(new_res, ref_res)
+    x3 = torch.randn(2, 3, h).to(torch.bfloat16)
+    assert same_bits(F.rms_norm(x3, n.weight, n.eps), F.ref_rms_norm(x3, n.weight, n.eps))
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (4, 4, 48)])
+@pytest.mark.parametrize("t", TOKENS)
+def test_rotary_bit_exact_in_place(hq, hkv, d, t):
+    rot = RotaryEmbedding(d, 4096, 10000.0, None)
+    g = torch.Generator().manual_seed(t * 7 + d)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16) * 3
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # views, as in LlamaAttention
+    q, k = q.view(-1, hq, d), k.view(-1, hkv, d)
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    ref_q, ref_k = F.ref_rotary(positions, q, k, rot.cos, rot.sin)
+    v_before = v.clone()
+    out_q, out_k = F.rotary_embedding_(positions, q, k, rot.cos, rot.sin)
+    assert out_q is q and out_k is k
+    assert same_bits(q, ref_q) and same_bits(k, ref_k)
+    assert same_bits(v, v_before)
+
+
+def test_rotary_int32_positions():
+    rot = RotaryEmbedding(64, 512, 1e6, {"rope_type": "llama3", "factor": 8.0,
+                                           "original_max_position_embeddings": 128})
+    q = torch.randn(7, 9, 64).to(torch.bfloat16)
+    k = torch.randn(7, 3, 64).to(torch.bfloat16)
+    positions = torch.arange(7, dtype=torch.int32) * 70
+    ref_q, ref_k = F.ref_rotary(positions.long(), q, k, rot.cos, rot.sin)
+    F.rotary_embedding_(positions, q, k, rot.cos, rot.sin)
+    assert same_bits(q, ref_q) and same_bits(k, ref_k)
+
+
+def test_rotary_position_out_of_range():
+    rot = RotaryEmbedding(64, 16, 10000.0, None)
+    q = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        F.rotary_embedding_(torch.tensor([16]), q, q.clone(), rot.cos, rot.sin)
+
+
+@pytest.mark.parametrize("i", [1536, 4864, 100])
+@pytest.mark.parametrize("t", TOKENS)
+def test_silu_and_mul_bit_exact(i, t):
+    g = torch.Generator().manual_seed(i + t)
+    gate_up = (torch.randn(t, 2 * i, generator=g) * 4).to(torch.bfloat16)
+    if t == 7:  # extremes: exp overflow/underflow, infinities, NaN
+        gate_up[0, :8] = torch.tensor([-200.0, 200.0, float("inf"), float("-inf"), float("nan"), -88.0, 88.0, 0.0])
+        gate_up[1, i:i + 8] = torch.tensor([float("inf")] * 4 + [1e38, -1e38, 0.0, float("nan")])
+    assert same_bits(F.silu_and_mul(gate_up), F.ref_silu_and_mul(gate_up))
+
+
+def test_silu_and_mul_3d():
+    gate_up = torch.randn(2, 3, 2 * 1536).to(torch.bfloat16)
+    assert same_bits(F.silu_and_mul(gate_up), F.ref_silu_and_mul(gate_up))
+
+
+def test_float32_takes_the_reference_path():
+    n = RMSNorm(96, 1e-6)
+    n.weight.data = torch.rand(96) + 0.5
+    x, res = torch.randn(7, 96), torch.randn(7, 96)
+    out, new_res = F.fused_add_rms_norm(x, res, n.weight, n.eps)
+    ref_out, ref_res = F.ref_rms_norm(x, n.weight, n.eps, res)
+    assert out.dtype == torch.float32 and same_bits(out, ref_out) and same_bits(new_res, ref_res)
+    assert same_bits(F.rms_norm(x, n.weight, n.eps), F.ref_rms_norm(x, n.weight, n.eps))
+    # bf16 activations with a float32 weight: torch promotes the output to float32; so does the fallback
+    xb = x.to(torch.bfloat16)
+    assert same_bits(F.rms_norm(xb, n.weight, n.eps), F.ref_rms_norm(xb, n.weight, n.eps))
+    rot = RotaryEmbedding(32, 64, 10000.0, None)
+    q, k = torch.randn(7, 4, 32), torch.randn(7, 2, 32)
+    pos = torch.arange(7)
+    ref_q, ref_k = F.ref_rotary(pos, q, k, rot.cos, rot.sin)
+    F.rotary_embedding_(pos, q, k, rot.cos, rot.sin)
+    assert same_bits(q, ref_q) and same_bits(k, ref_k)
+    gu = torch.randn(7, 64)
+    assert same_bits(F.silu_and_mul(gu), F.ref_silu_and_mul(gu))
+
+
+def test_disabled_kernel_falls_back(monkeypatch):
+    monkeypatch.setenv("FOLIO_DISABLE_CPU_KERNELS", "1")
+    monkeypatch.setattr(F, "KERNEL", CppKernel("folio_cpu_fused_ops", F.KERNEL.source, "test kernel", "reference"))
+    assert F.load_extension() is None and "disabled" in F.extension_error()
+    n = norm(576, 1)
+    x, res = torch.randn(7, 576).to(torch.bfloat16), torch.randn(7, 576).to(torch.bfloat16)
+    out, new_res = F.fused_add_rms_norm(x, res, n.weight, n.eps)
+    ref_out, ref_res = F.ref_rms_norm(x, n.weight, n.eps, res)
+    assert same_bits(out, ref_out) and same_bits(new_res, ref_res)
+    gu = torch.randn(7, 3072).to(torch.bfloat16)
+    assert same_bits(F.silu_and_mul(gu), F.ref_silu_and_mul(gu))
+    rot = RotaryEmbedding(64, 64, 10000.0, None)
+    q, k = torch.randn(7, 9, 64).to(torch.bfloat16), torch.randn(7, 3, 64).to(torch.bfloat16)
+    ref_q, ref_k = F.ref_rotary(torch.arange(7), q, k, rot.cos, rot.sin)
+    F.rotary_embedding_(torch.arange(7), q, k, rot.cos, rot.sin)
+    assert same_bits(q, ref_q) and same_bits(k, ref_k)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_silu_float32_intermediate_matches_torch(ext, inline):
+    """Stronger than the bf16 checks: SiLU's float32 result (before rounding) equals torch's float32 silu."""
+    if not ext.has_avx512() or (not inline and not ext.has_sleef()):
+        pytest.skip("vector path not built / Sleef not exported")
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.rand(1 << 19, generator=g) * 240 - 120, torch.randn(1 << 19, generator=g) * 4])
+    x[:5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])
+    assert torch.equal(ext.silu_f32(x, inline).view(torch.int32), torch.nn.functional.silu(x).view(torch.int32))
+    if inline:
+        assert F.inline_exp()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_silu_and_mul_both_exp_paths(ext, inline):
+    gate_up = (torch.randn(300, 2 * 1536) * 4).to(torch.bfloat16)
+    assert same_bits(ext.silu_and_mul(gate_up, inline), F.ref_silu_and_mul(gate_up))
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
+    import logging
+
+    from folio import csrc_build
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension: no compiler")
+
+    monkeypatch.setattr(csrc_build, "build_and_load", broken)
+    monkeypatch.setattr(F, "KERNEL", CppKernel("folio_cpu_fused_ops", F.KERNEL.source, "CPU fused elementwise kernel",
+                                               "using the torch reference ops"))
+    with caplog.at_level(logging.WARNING, logger="folio"):
+        gu = torch.randn(3, 64).to(torch.bfloat16)
+        assert same_bits(F.silu_and_mul(gu), F.ref_silu_and_mul(gu))
+        assert same_bits(F.silu_and_mul(gu), F.ref_silu_and_mul(gu))
+    assert caplog.text.count("no compiler") == 1 and "no compiler" in F.extension_error()
