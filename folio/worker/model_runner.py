@@ -69,8 +69,7 @@ class ModelRunner:
                 jobs.append(job)
 
         if rows:
-            logits = self.model.compute_logits(hidden[sample_rows]).float()
-            out = self.sampler(logits, rows)
+            out = self.sampler(self.model.compute_logits(hidden[sample_rows]), rows)  # it makes its own fp32 copy
             samplers = [i for i in sched.scheduled if i.samples]
             for item, token, lp in zip(samplers, out.sampled_token_ids, out.logprobs):
                 output.sampled[item.request.request_id] = SampledToken(token, lp)
