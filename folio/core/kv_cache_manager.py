@@ -58,9 +58,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_stats.queries += request.num_tokens
-        self.prefix_stats.hits += len(hits) * self.block_size
         return hits
+
+    def record_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count one admitted request's prefix-cache lookup (not the attempts that found no room)."""
+        if self.enable_prefix_caching:
+            self.prefix_stats.queries += num_tokens
+            self.prefix_stats.hits += num_cached
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached_blocks: list[KVCacheBlock] = ()) -> bool:

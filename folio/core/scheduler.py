@@ -207,6 +207,7 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new, cached):
                 break
             self.waiting.pop()
+            self.kv_cache.record_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
