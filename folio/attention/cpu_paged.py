@@ -24,7 +24,6 @@ reference backend for that call.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,8 +33,6 @@ import torch
 from folio.attention.backend import AttentionBackend, BatchLayout
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
-
-logger = logging.getLogger(__name__)
 
 KERNEL = CppKernel("folio_cpu_paged_attention", CSRC / "cpu_paged_attention.cpp",
                    what="CPU paged attention kernel", fallback="using the torch SDPA reference backend")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -21,9 +20,6 @@ from folio.loader.gguf_loader import load_gguf_cached
 from folio.models.model_config import ModelConfig
 from folio.models.registry import build_model, check_supported
 from folio.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class LoadedModel:

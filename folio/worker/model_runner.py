@@ -7,7 +7,6 @@ only at the positions that sample (and at prompt positions of requests that aske
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,9 +19,6 @@ from folio.models import fused_ops
 from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
 from folio.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class _PromptLogprobsJob:
