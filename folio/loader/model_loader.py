@@ -21,6 +21,7 @@ from folio.models.model_config import ModelConfig
 from folio.models.registry import build_model, check_supported
 from folio.tokenizer import Tokenizer
 
+
 @dataclass
 class LoadedModel:
     path: str

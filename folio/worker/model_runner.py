@@ -20,6 +20,7 @@ from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
 from folio.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
+
 @dataclass
 class _PromptLogprobsJob:
     request_id: str
