@@ -41,7 +41,8 @@ def allowed_tokens(logits: torch.Tensor, params: SamplingParams, tol: float = 1e
         keep &= x >= kth - tol * (1 + abs(kth))
     if params.top_p < 1:
         p = torch.softmax(x.masked_fill(~keep, -math.inf), 0)
-        mass_of_more_likely = torch.stack([p[p > pi].sum() for pi in p])
+        # "more likely" beyond rounding: probabilities that float32 cannot tell apart are ties either way
+        mass_of_more_likely = torch.stack([p[p > pi * (1 + tol)].sum() for pi in p])
         keep &= mass_of_more_likely < params.top_p + tol
     return set(torch.nonzero(keep).flatten().tolist())
 
@@ -63,6 +64,7 @@ def test_all_greedy_is_argmax_and_skips_random_path(monkeypatch):
         raise AssertionError("all-greedy batch must not take the random path")
 
     monkeypatch.setattr(sampler_mod, "_sample_random", fail)
+    monkeypatch.setattr(Sampler, "_sample", fail)  # plain greedy rows never need the float32 copy
     out = sample(logits, [row(SamplingParams(temperature=0.0)) for _ in range(5)])
     assert out.sampled_token_ids == logits.float().argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 5
@@ -80,6 +82,43 @@ def test_mixed_batch():
     argmax = logits.argmax(dim=-1).tolist()
     assert out.sampled_token_ids[:3] == argmax[:3]
     assert 0 <= out.sampled_token_ids[3] < 50
+
+
+def test_plain_greedy_rows_beside_rows_that_need_the_full_path():
+    """Greedy rows with logprobs, penalties, logit_bias or pending min_tokens take the full path; the
+    others the fast argmax; each row gets what it would get alone."""
+    torch.manual_seed(2)
+    logits = torch.randn(6, 40, dtype=torch.bfloat16)
+    greedy = SamplingParams(temperature=0.0)
+    rows = [row(greedy),
+            row(SamplingParams(temperature=0.0, logprobs=2)),
+            row(greedy, output=[1]),
+            row(SamplingParams(temperature=0.0, logit_bias={7: 100.0})),
+            row(SamplingParams(temperature=0.0, min_tokens=3), stop={int(logits[4].float().argmax())}),
+            row(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=[int(logits[5].float().argmax())])]
+    out = sample(logits, rows)
+    alone = [sample(logits[i:i + 1], [r]) for i, r in enumerate(rows)]
+    assert out.sampled_token_ids == [a.sampled_token_ids[0] for a in alone]
+    assert out.sampled_token_ids[3] == 7
+    assert out.sampled_token_ids[4] != int(logits[4].float().argmax())
+    assert out.logprobs[1] is not None and out.logprobs[1].token_ids[0] == out.sampled_token_ids[1]
+    assert [lp is None for lp in out.logprobs] == [True, False, True, True, True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 15), (2, 16), (5, 17), (4, 1000), (3, 49152)])
+def test_argmax_rows_equals_torch_argmax(dtype, shape):
+    """The argmax kernel returns torch's indices: first of tied maxima, first NaN, all -inf, strided rows."""
+    from folio.sample.argmax import argmax_rows
+
+    g = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(*shape, generator=g).to(dtype)
+    ties = (x * 2).round().clamp(-2, 2).to(dtype)
+    nan = x.clone()
+    nan[:, shape[1] // 2:] = float("nan")
+    cases = [x, ties, nan, torch.full(shape, -math.inf, dtype=dtype), x[:, : max(1, shape[1] // 2)]]
+    for case in cases:
+        assert torch.equal(argmax_rows(case), case.argmax(dim=-1))
 
 
 def test_empty_batch_and_shape_mismatch():

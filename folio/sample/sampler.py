@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from folio.sample.argmax import argmax_rows
 from folio.sampling_params import SamplingParams
 
 
@@ -56,6 +57,26 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+        plain = [i for i, r in enumerate(rows) if _is_plain_greedy(r)]
+        if len(plain) == len(rows):  # the common case: read the model's logits once, copy nothing
+            return SamplerOutput(sampled_token_ids=argmax_rows(logits).tolist(), logprobs=[None] * len(rows))
+        if not plain:
+            return self._sample(logits, rows)
+        # a mixed batch: plain greedy rows take the fast path, the others the full one
+        others = sorted(set(range(len(rows))) - set(plain))
+        fast = argmax_rows(logits[torch.tensor(plain, device=logits.device)]).tolist()
+        full = self._sample(logits[torch.tensor(others, device=logits.device)], [rows[i] for i in others])
+        tokens: list[int] = [0] * len(rows)
+        logprobs: list[Optional[SampledLogprobs]] = [None] * len(rows)
+        for i, token in zip(plain, fast):
+            tokens[i] = token
+        for i, token, lp in zip(others, full.sampled_token_ids, full.logprobs):
+            tokens[i], logprobs[i] = token, lp
+        return SamplerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The full path: raw logprobs, logits processors, greedy or random choice."""
         # A private float32 copy: processors work in place and the caller's tensor stays untouched.
         logits = logits.to(torch.float32, copy=True)
         device = logits.device
@@ -68,7 +89,7 @@ class Sampler:
 
         _process_logits(logits, rows)
 
-        sampled = logits.argmax(dim=-1)  # the answer for greedy rows; random rows are overwritten below
+        sampled = argmax_rows(logits)  # the answer for greedy rows; random rows are overwritten below
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if random_rows:
             index = torch.tensor(random_rows, dtype=torch.long, device=device)
@@ -80,6 +101,14 @@ class Sampler:
             for i, entry in zip(lp_rows, gathered):
                 logprobs[i] = entry
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    """Greedy, and nothing that needs the float32 copy: no logprobs, no processor that changes a logit."""
+    p = row.params
+    return (p.is_greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.frequency_penalty and not p.presence_penalty
+            and (len(row.output_token_ids) >= p.min_tokens or not row.stop_token_ids))
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int],
@@ -180,7 +209,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         _apply_top_p(logits, top_p_rows, [rows[i].params.top_p for i in top_p_rows])
 
     probs = logits.softmax(dim=-1)
-    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+    return argmax_rows(probs / _exponential_noise(probs, rows))
 
 
 def _apply_top_k(logits: torch.Tensor, row_ids: list[int], top_k: list[int]) -> None:
