@@ -45,9 +45,7 @@ def make_layers(specs, hkv, d, dtype, block_size, min_bytes, rng):
     for n in need:
         tables.append(ids[pos:pos + n])
         pos += n
-    slots = [t[p // block_size] * block_size + p % block_size
-             for (ql, sl), t in zip(specs, tables) for p in range(sl - ql, sl)]
-    layout = BatchLayout([q for q, _ in specs], [s for _, s in specs], tables, torch.tensor(slots), block_size)
+    layout = BatchLayout.from_lists([q for q, _ in specs], [s for _, s in specs], tables, block_size)
     shape = (num_blocks, block_size, hkv, d)
     caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(n_layers)]
     return caches, layout

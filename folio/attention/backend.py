@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -21,11 +22,26 @@ import torch
 class BatchLayout:
     """The flattened batch of one step, as the model runner built it (no padding between requests)."""
 
-    query_lens: list[int]  # tokens each request computes this step
-    seq_lens: list[int]  # each request's context length once this step's tokens are in
-    block_tables: list[list[int]]  # each request's block ids
-    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    query_lens: np.ndarray  # [B] int64: tokens each request computes this step
+    seq_lens: np.ndarray  # [B] int64: each request's context length once this step's tokens are in
+    # [B, max blocks] int32: request i's block ids in its first ceil(seq_lens[i] / block_size) columns;
+    # the columns after those are unspecified
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each new token
     block_size: int
+
+    @classmethod
+    def from_lists(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                   block_size: int) -> "BatchLayout":
+        """A layout from per-request lists (tests, benchmarks): slots follow from the tables."""
+        width = max((len(t) for t in block_tables), default=0)
+        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        slots = []
+        for i, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
+        return cls(np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64), tables,
+                   torch.tensor(slots, dtype=torch.int64), block_size)
 
 
 class AttentionBackend(ABC):

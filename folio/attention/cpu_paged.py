@@ -58,7 +58,7 @@ class CPUPagedMetadata:
     layout: BatchLayout
     slot_mapping: torch.Tensor  # [T] int64
     reqs: torch.Tensor  # [B, 3] int32: first token in the batch, query length, context length
-    block_tables: torch.Tensor  # [B, max blocks] int32, zero padded
+    block_tables: torch.Tensor  # [B, max blocks] int32
     _reference: Any = field(default=None, repr=False)  # TorchSDPAMetadata, built only if a call needs it
 
 
@@ -74,22 +74,18 @@ class CPUPagedAttentionBackend(AttentionBackend):
         self.reference = TorchSDPABackend()
 
     def build_metadata(self, layout: BatchLayout) -> CPUPagedMetadata:
-        bs = layout.block_size
-        qlens = np.asarray(layout.query_lens, dtype=np.int64)
-        slens = np.asarray(layout.seq_lens, dtype=np.int64)
+        qlens, slens = layout.query_lens, layout.seq_lens
         b = len(qlens)
         reqs = np.empty((b, 3), dtype=np.int32)
         reqs[:, 0] = np.cumsum(qlens) - qlens
         reqs[:, 1] = qlens
         reqs[:, 2] = slens
-        nblocks = (slens + bs - 1) // bs
-        tables = np.zeros((b, int(nblocks.max()) if b else 0), dtype=np.int32)
-        for i, (table, n) in enumerate(zip(layout.block_tables, nblocks.tolist())):
-            if len(table) < n:
-                raise ValueError(f"request {i}: block table has {len(table)} blocks, context needs {n}")
-            tables[i, :n] = table[:n]
+        needed = -(-int(slens.max()) // layout.block_size) if b else 0
+        if layout.block_tables.shape[1] < needed:
+            raise ValueError(f"block tables have {layout.block_tables.shape[1]} columns, a context needs {needed}")
+        tables = layout.block_tables.to(torch.int32).contiguous()
         slot_mapping = layout.slot_mapping.to(torch.int64).contiguous()
-        return CPUPagedMetadata(layout, slot_mapping, torch.from_numpy(reqs), torch.from_numpy(tables))
+        return CPUPagedMetadata(layout, slot_mapping, torch.from_numpy(reqs), tables)
 
     def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache

@@ -33,17 +33,16 @@ class TorchSDPAMetadata:
     prefills: list[PrefillItem]
 
 
-def _context_slots(block_table: list[int], seq_len: int, block_size: int) -> torch.Tensor:
-    blocks = torch.tensor(block_table, dtype=torch.long)
+def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
     pos = torch.arange(seq_len)
-    return blocks[pos // block_size] * block_size + pos % block_size
+    return block_table.long()[pos // block_size] * block_size + pos % block_size
 
 
 class TorchSDPABackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> TorchSDPAMetadata:
         decode_idx, decode_slots, lens, prefills = [], [], [], []
         start = 0
-        for qlen, slen, table in zip(layout.query_lens, layout.seq_lens, layout.block_tables):
+        for qlen, slen, table in zip(layout.query_lens.tolist(), layout.seq_lens.tolist(), layout.block_tables):
             slots = _context_slots(table, slen, layout.block_size)
             if qlen == 1:
                 decode_idx.append(start)

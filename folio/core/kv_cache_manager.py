@@ -113,5 +113,6 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         self.num_cached_blocks = {rid: len(b) for rid, b in self.req_to_blocks.items()}  # never republish
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from index `start` on (its block table is append-only while it runs)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())[start:]]

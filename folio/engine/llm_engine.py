@@ -82,7 +82,8 @@ class LLMEngine:
 
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache, max_model_len)
-        self.runner = ModelRunner(loaded.model, cfg, dtype, num_blocks, config.block_size)
+        self.runner = ModelRunner(loaded.model, cfg, dtype, num_blocks, config.block_size, config.max_num_seqs,
+                                  max_model_len)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_model_len, loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -135,9 +136,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
-        block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id)
-                        for s in scheduled.scheduled}
-        model_output = self.runner.execute(scheduled, block_tables)
+        model_output = self.runner.execute(scheduled, self.kv_cache.block_ids)
         core_outputs = self.scheduler.update_from_output(scheduled, model_output)
         outputs, stopped = self.output_processor.process(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from folio.attention.backend import AttentionBackend, BatchLayout
+from folio.attention.backend import AttentionBackend
 from folio.attention.selector import get_attention_backend
 from folio.core.scheduler import ModelOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from folio.models import fused_ops
 from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
 from folio.sample import argmax
+from folio.worker.input_batch import BlockIdsFn, InputBatch
 from folio.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 
@@ -32,9 +32,10 @@ class _PromptLogprobsJob:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, num_blocks: int,
-                 block_size: int, backend: AttentionBackend | None = None) -> None:
+                 block_size: int, max_num_seqs: int, max_model_len: int,
+                 backend: AttentionBackend | None = None) -> None:
         self.model = model
-        self.block_size = block_size
+        self.inputs = InputBatch(max_num_seqs, max_model_len, block_size)
         self.backend = backend or get_attention_backend()
         if dtype == torch.bfloat16:
             fused_ops.prepare()  # the fused elementwise kernels serve bf16 only
@@ -46,13 +47,17 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelOutput:
+    def execute(self, sched: SchedulerOutput, block_ids: BlockIdsFn) -> ModelOutput:
+        """One forward pass and sampling for the scheduled requests; block_ids(request_id, start) gives a
+        request's block ids from index start on (only newly allocated blocks are asked for)."""
+        self.inputs.remove(sched.finished_ids)
+        self.inputs.remove(sched.preempted_ids)
         output = ModelOutput()
         if not sched.scheduled:
             return output
-        input_ids, positions, layout = self._flatten(sched.scheduled, block_tables)
-        ctx = StepContext(self.backend, self.backend.build_metadata(layout), self.kv_caches)
-        hidden = self.model(input_ids, positions, ctx)
+        step = self.inputs.prepare(sched.scheduled, block_ids)
+        ctx = StepContext(self.backend, self.backend.build_metadata(step.layout), self.kv_caches)
+        hidden = self.model(step.input_ids, step.positions, ctx)
 
         sample_rows, rows, jobs = [], [], []
         end = 0
@@ -76,23 +81,6 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[job.hidden_rows]).float()
             output.prompt_logprobs[job.request_id] = compute_prompt_logprobs(logits, job.targets, job.num_logprobs)
         return output
-
-    def _flatten(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]):
-        ids, pos, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
-        for item in scheduled:
-            req, start = item.request, item.request.num_computed_tokens
-            stop = start + item.num_tokens
-            table = block_tables[req.request_id]
-            p = np.arange(start, stop)
-            ids.extend(req.all_token_ids[start:stop])
-            pos.append(p)
-            slots.append(np.asarray(table, dtype=np.int64)[p // self.block_size] * self.block_size + p % self.block_size)
-            query_lens.append(item.num_tokens)
-            seq_lens.append(stop)
-            tables.append(table)
-        slot_mapping = torch.from_numpy(np.concatenate(slots))
-        layout = BatchLayout(query_lens, seq_lens, tables, slot_mapping, self.block_size)
-        return torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(pos)), layout
 
     @staticmethod
     def _prompt_logprobs_job(item: ScheduledRequest, first_row: int) -> _PromptLogprobsJob | None:

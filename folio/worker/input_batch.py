@@ -1,0 +1,122 @@
+"""Persistent input buffers of the model runner, updated incrementally from step to step.
+
+Every request the runner is computing owns a row of two arrays that live as long as the engine: its token
+ids and its block table. A step only writes what changed since the previous one (usually one sampled token
+per request, and a block id every `block_size` tokens; a whole prompt when a request arrives), then builds
+the step's flattened inputs (token ids, positions, cache slots, the [B, max blocks] block table) with a few
+vectorised numpy gathers over those rows, instead of per-request Python lists rebuilt every step.
+
+Rows are released when a request finishes or is preempted (SchedulerOutput.finished_ids / preempted_ids);
+a preempted request gets a fresh row when it is scheduled again, since its blocks changed. Each step also
+checks each row's token count against the request, so a row never serves stale tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from folio.attention.backend import BatchLayout
+from folio.core.scheduler import ScheduledRequest
+
+# block_ids(request_id, start) -> the request's block ids from index `start` on
+BlockIdsFn = Callable[[str, int], list[int]]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    layout: BatchLayout
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        # np.zeros maps zero pages lazily: only the token positions requests actually reach take memory
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
+        # per row: tokens and blocks written so far (plain lists: the fastest per-item access in Python)
+        self.num_tokens: list[int] = [0] * max_num_reqs
+        self.num_blocks: list[int] = [0] * max_num_reqs
+        self.rows: dict[str, int] = {}
+        self.free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        """Release the rows of requests that finished or were preempted."""
+        for request_id in request_ids:
+            row = self.rows.pop(request_id, None)
+            if row is not None:
+                self.free_rows.append(row)
+
+    def prepare(self, scheduled: list[ScheduledRequest], block_ids: BlockIdsFn) -> StepInputs:
+        """Bring the rows of this step's requests up to date, then gather the step's flattened inputs."""
+        rows, starts, query_lens = [], [], []
+        bs = self.block_size
+        for item in scheduled:
+            req = item.request
+            row = self.rows.get(req.request_id)
+            if row is None:
+                row = self._add_row(req.request_id)
+            if self.num_tokens[row] != req.num_tokens:
+                self._sync_tokens(row, req.all_token_ids)
+            start = req.num_computed_tokens
+            needed = -(-(start + item.num_tokens) // bs)
+            have = self.num_blocks[row]
+            if have < needed:
+                new = block_ids(req.request_id, have)
+                if have + len(new) < needed:
+                    raise ValueError(f"request {req.request_id}: {have + len(new)} blocks for "
+                                     f"{start + item.num_tokens} tokens")
+                self.block_table[row, have:have + len(new)] = new
+                self.num_blocks[row] = have + len(new)
+            rows.append(row)
+            starts.append(start)
+            query_lens.append(item.num_tokens)
+
+        rows_a = np.asarray(rows, dtype=np.int64)
+        starts_a = np.asarray(starts, dtype=np.int64)
+        qlens = np.asarray(query_lens, dtype=np.int64)
+        seq_lens = starts_a + qlens
+        ends = np.cumsum(qlens)
+        # token t of the step belongs to request i = token_req[t], at position starts[i] + (t - first[i])
+        token_req = np.repeat(np.arange(len(rows)), qlens)
+        positions = np.arange(int(ends[-1])) + np.repeat(starts_a - (ends - qlens), qlens)
+        token_rows = rows_a[token_req]
+        input_ids = self.token_ids[token_rows, positions].astype(np.int64)
+        slots = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        # columns past a request's own blocks may hold a former occupant's ids: kernels read seq_lens only
+        tables = self.block_table[rows_a, :max_blocks]
+        layout = BatchLayout(qlens, seq_lens, torch.from_numpy(tables), torch.from_numpy(slots), bs)
+        return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), layout)
+
+    def _add_row(self, request_id: str) -> int:
+        if not self.free_rows:  # more requests than max_num_seqs: the scheduler never does this, but grow
+            self._grow()
+        row = self.free_rows.pop()
+        self.rows[request_id] = row
+        self.num_tokens[row] = 0
+        self.num_blocks[row] = 0
+        return row
+
+    def _sync_tokens(self, row: int, all_token_ids: list[int]) -> None:
+        n, have = len(all_token_ids), self.num_tokens[row]
+        if n > self.max_model_len:
+            raise ValueError(f"request of {n} tokens exceeds max_model_len {self.max_model_len}")
+        start = have if have < n else 0  # a shorter request than the row: rewrite it whole
+        self.token_ids[row, start:n] = all_token_ids[start:n]
+        self.num_tokens[row] = n
+
+    def _grow(self) -> None:
+        old = len(self.num_tokens)
+        self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self.num_tokens += [0] * old
+        self.num_blocks += [0] * old
+        self.free_rows += list(range(2 * old - 1, old - 1, -1))
