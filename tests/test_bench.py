@@ -64,6 +64,9 @@ def test_throughput_reports_rates_and_a_breakdown_that_adds_up(llama_dir, tmp_pa
     assert b["decode"]["num_steps"] >= 6 and b["prefill"]["num_steps"] >= 2
     assert b["decode"]["num_steps"] + b["prefill"]["num_steps"] == b["num_steps"]
     assert b["decode"]["mean_tokens"] == b["decode"]["mean_requests"] <= 4
+    for kind in (b["decode"], b["prefill"]):  # each kind's own phase table adds up to its mean step
+        assert set(kind["phase_ms"]) == set(PHASES)
+        assert sum(kind["phase_ms"].values()) == pytest.approx(kind["mean_ms"])
     text = capsys.readouterr().out
     assert "output tokens/s" in text and "step breakdown" in text and "attention" in text
 

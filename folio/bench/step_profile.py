@@ -41,6 +41,7 @@ class StepKind:
     mean_ms: Optional[float]
     mean_requests: Optional[float]  # requests in the batch
     mean_tokens: Optional[float]  # tokens computed per step
+    phase_ms: dict[str, float]  # per step of this kind, each of PHASES (empty when there is none)
 
 
 @dataclass
@@ -60,13 +61,14 @@ class _Step:
     requests: int
     tokens: int
     decode_only: bool
+    phase_ns: dict[str, int]  # what the wrappers saw during this step
 
 
 class StepProfile:
     """Accumulates phase times while installed; `breakdown()` reads them out."""
 
     def __init__(self) -> None:
-        self._ns: dict[str, int] = defaultdict(int)
+        self._ns: dict[str, int] = defaultdict(int)  # the step being run
         self._steps: list[_Step] = []
         self._shape = (0, 0, False)  # (requests, tokens, decode_only) of the step being run
 
@@ -97,29 +99,40 @@ class StepProfile:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._steps.append(_Step(time.perf_counter_ns() - start, *self._shape))
+                self._steps.append(_Step(time.perf_counter_ns() - start, *self._shape, phase_ns=dict(self._ns)))
+                self._ns.clear()
         return step
 
     def breakdown(self) -> StepBreakdown:
         total_ns = sum(s.ns for s in self._steps)
         n = len(self._steps)
-        ns = dict(self._ns)
-        forward = ns.pop("model forward", 0)
-        ns["model forward"] = forward - ns.get("attention", 0)
-        ns["other"] = total_ns - sum(ns.values())
-        phases = {name: PhaseTime(ns.get(name, 0) / 1e9, ns.get(name, 0) / 1e6 / max(n, 1),
-                                  100.0 * ns.get(name, 0) / total_ns if total_ns else 0.0) for name in PHASES}
+        ns = _exclusive(self._steps)
+        phases = {name: PhaseTime(ns[name] / 1e9, ns[name] / 1e6 / max(n, 1),
+                                  100.0 * ns[name] / total_ns if total_ns else 0.0) for name in PHASES}
+        forward = sum(s.phase_ns.get("model forward", 0) for s in self._steps)
         return StepBreakdown(n, total_ns / 1e9, total_ns / 1e6 / max(n, 1), forward / 1e6 / max(n, 1), phases,
                              _kind([s for s in self._steps if s.decode_only]),
                              _kind([s for s in self._steps if s.tokens and not s.decode_only]))
 
 
+def _exclusive(steps: list[_Step]) -> dict[str, int]:
+    """Summed phase times of the steps, made exclusive: forward without attention, other = the rest."""
+    ns: dict[str, int] = defaultdict(int)
+    for s in steps:
+        for name, t in s.phase_ns.items():
+            ns[name] += t
+    ns["model forward"] -= ns["attention"]
+    ns["other"] = sum(s.ns for s in steps) - sum(ns[name] for name in PHASES if name != "other")
+    return ns
+
+
 def _kind(steps: list[_Step]) -> StepKind:
     if not steps:
-        return StepKind(0, None, None, None)
+        return StepKind(0, None, None, None, {})
     n = len(steps)
+    ns = _exclusive(steps)
     return StepKind(n, sum(s.ns for s in steps) / 1e6 / n, sum(s.requests for s in steps) / n,
-                    sum(s.tokens for s in steps) / n)
+                    sum(s.tokens for s in steps) / n, {name: ns[name] / 1e6 / n for name in PHASES})
 
 
 @contextlib.contextmanager

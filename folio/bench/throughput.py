@@ -133,14 +133,16 @@ def print_result(result: ThroughputResult) -> None:
         return
     print(f"  step breakdown: {b.num_steps} steps, mean {b.step_mean_ms:.2f} ms "
           f"(model forward with attention {b.model_forward_with_attention_ms:.2f} ms)")
-    print(f"    {'phase':<20}{'ms/step':>10}{'%':>8}")
+    kinds = [(label, kind) for label, kind in (("decode-only", b.decode), ("with prefill", b.prefill))
+             if kind.num_steps]
+    print(f"    {'phase':<20}{'ms/step':>10}{'%':>8}" + "".join(f"{label + ' ms':>17}" for label, _ in kinds))
     for name in PHASES:
         phase = b.phases[name]
-        print(f"    {name:<20}{phase.per_step_ms:>10.2f}{phase.percent:>8.1f}")
-    for label, kind in (("decode-only steps", b.decode), ("steps with prefill", b.prefill)):
-        if kind.num_steps:
-            print(f"    {label}: {kind.num_steps}, mean {kind.mean_ms:.2f} ms, {kind.mean_requests:.1f} requests, "
-                  f"{kind.mean_tokens:.1f} tokens")
+        print(f"    {name:<20}{phase.per_step_ms:>10.2f}{phase.percent:>8.1f}"
+              + "".join(f"{kind.phase_ms[name]:>17.2f}" for _, kind in kinds))
+    for label, kind in kinds:
+        print(f"    steps {label}: {kind.num_steps}, mean {kind.mean_ms:.2f} ms, {kind.mean_requests:.1f} requests, "
+              f"{kind.mean_tokens:.1f} tokens")
 
 
 def prepare(args: argparse.Namespace, config: EngineConfig) -> tuple[LLMEngine, list[BenchRequest]]:

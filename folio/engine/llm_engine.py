@@ -22,6 +22,7 @@ from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.loader.model_loader import load_model
+from folio.memory import available_memory_bytes
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
@@ -31,14 +32,6 @@ logger = logging.getLogger("folio")
 
 DEFAULT_KV_CACHE_BYTES = 4 << 30
 DEFAULT_KV_CACHE_FRACTION = 0.4
-
-
-def available_memory_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
 def kv_cache_budget(setting: Union[int, float, None]) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from folio.models import fused_ops
+from folio.models import fused_ops, small_batch_gemm
 
 
 def _uninitialized(*shape: int) -> nn.Parameter:
@@ -34,24 +34,34 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 class Linear(nn.Module):
     """y = x W^T + b. In bf16 on the CPU the weight is reordered once, at load, into oneDNN's blocked layout
     (`prepack`); plain F.linear reorders it on every call, which costs 10-40% of a decode step's matmuls.
-    The results are bit-identical. float32 stays on F.linear (MKL), whose numbers Transformers' match."""
+    The results are bit-identical. Batches of at most small_batch_gemm.MAX_ROWS rows may instead go to a
+    kernel that streams the plain weight faster (`small_batches`). float32 stays on F.linear (MKL), whose
+    numbers Transformers' match."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _uninitialized(out_features, in_features)
         self.bias = _uninitialized(out_features) if bias else None
         self.packed: Optional[torch.Tensor] = None
+        self.small_batches = False
 
-    def prepack(self, keep_weight: bool = False) -> None:
-        """Switch to the packed weight; the plain one is freed unless something else shares it."""
+    def can_prepack(self) -> bool:
+        return _can_prepack(self.weight)
+
+    def prepack(self, keep_weight: bool = False, small_batches: bool = False) -> None:
+        """Switch to the packed weight. The plain one is kept for the small-batch kernel, or when something
+        else shares it; otherwise it is freed."""
         if not _can_prepack(self.weight):
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_FOR_BATCH)
-        if not keep_weight:
+        self.small_batches = small_batches and small_batch_gemm.supports(self.weight)
+        if not (keep_weight or self.small_batches):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if self.small_batches and x.dim() == 2 and x.shape[0] <= small_batch_gemm.MAX_ROWS:
+                return small_batch_gemm.linear(x, self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from folio.attention.backend import AttentionBackend
+from folio.models import small_batch_gemm
 from folio.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 from folio.models.model_config import ModelConfig
 
@@ -111,10 +112,17 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def prepack(self) -> None:
-        """Once weights are loaded: move every matmul weight to the CPU's fast layout (see Linear)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+        """Once weights are loaded: move every matmul weight to the CPU's fast layout (see Linear), keeping
+        plain copies for the small-batch kernel when they are cheap enough (see small_batch_gemm)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.can_prepack()]
+        if not linears:
+            return
+        shared = self.lm_head if self.config.tie_word_embeddings else None  # its plain weight is the embedding
+        copies = sum(m.weight.numel() * m.weight.element_size() for m in linears if m is not shared)
+        keep_copies = small_batch_gemm.worth_copies(copies)
+        for module in linears:
+            module.prepack(keep_weight=module is shared,
+                           small_batches=keep_copies or (module is shared and small_batch_gemm.available()))
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the model, stacking q/k/v and gate/up."""

@@ -1,0 +1,98 @@
+"""The small-batch bf16 kernel (folio.models.small_batch_gemm) against oneDNN's packed GEMM, side by side.
+
+1. Every linear layer of a model (random bf16 weights, more bytes than the caches hold, so each pass reads
+   them from memory as a decode step does) multiplied by M = 1..3 rows: ms per pass, GB/s, ratio.
+2. End to end: single-sequence decode of the default model with the kernel on and off, alternating, the
+   median of each (ms per output token).
+
+    python benchmarks/small_batch_gemm_bench.py [--rounds 3] [--skip-engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from folio.bench.noise import OtherLoad, note
+from folio.models import small_batch_gemm
+
+MODELS = {  # hidden, q + 2 kv width, intermediate, layers
+    "SmolLM2-135M": (576, 960, 1536, 30),
+    "Qwen2-0.5B": (896, 1152, 4864, 24),
+}
+
+
+def layer_pass(model: str, m: int, rounds: int) -> tuple[float, float, float]:
+    hidden, qkv, inter, layers = MODELS[model]
+    shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers
+    weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
+
+    def onednn():
+        for w, p in zip(weights, packed):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+    def kernel():
+        for w in weights:
+            small_batch_gemm.linear(xs[w.shape[1]], w, None)
+
+    times = {onednn: [], kernel: []}
+    for f in times:
+        f()
+    for _ in range(rounds * 3):
+        for f, ts in times.items():
+            start = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - start)
+    nbytes = sum(w.numel() * 2 for w in weights)
+    return statistics.median(times[onednn]), statistics.median(times[kernel]), nbytes
+
+
+def engine_decode(rounds: int) -> None:
+    from folio.entrypoints.llm import LLM
+    from folio.sampling_params import SamplingParams
+
+    llm = LLM(dtype="bfloat16", max_num_seqs=1)
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    prompt = {"prompt_token_ids": list(range(1000, 1032))}
+    on = small_batch_gemm.MAX_ROWS
+    results: dict[str, list[float]] = {"kernel": [], "oneDNN": []}
+    llm.generate(prompt, params, use_tqdm=False)
+    for _ in range(rounds):
+        for name, rows in (("kernel", on), ("oneDNN", 0)):
+            small_batch_gemm.MAX_ROWS = rows
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            m = out.metrics
+            results[name].append((m.last_token_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1))
+    small_batch_gemm.MAX_ROWS = on
+    k, o = statistics.median(results["kernel"]), statistics.median(results["oneDNN"])
+    print(f"  default model, batch-1 decode: oneDNN {o * 1e3:.2f} ms/token, kernel {k * 1e3:.2f} ms/token "
+          f"({o / k:.2f}x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip-engine", action="store_true", help="only the per-layer comparison")
+    args = ap.parse_args()
+    if not small_batch_gemm.available():
+        raise SystemExit(f"small-batch kernel unavailable here: {small_batch_gemm.KERNEL.error or 'no AVX512-BF16'}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16")
+    load = OtherLoad()
+    for model in MODELS:
+        for m in range(1, small_batch_gemm.MAX_ROWS + 1):
+            o, k, nbytes = layer_pass(model, m, args.rounds)
+            print(f"  {model:13s} M={m}  all linear layers ({nbytes / 1e6:.0f} MB): oneDNN {o * 1e3:6.2f} ms "
+                  f"({nbytes / o / 1e9:4.1f} GB/s)   kernel {k * 1e3:6.2f} ms ({nbytes / k / 1e9:4.1f} GB/s)   "
+                  f"{o / k:4.2f}x")
+    if not args.skip_engine:
+        engine_decode(args.rounds)
+    print(f"  {note(load.cores())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The small-batch bf16 linear kernel: its results, and when Linear and the models use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from folio.models import small_batch_gemm
+from folio.models.layers import Linear
+
+pytestmark = pytest.mark.skipif(not small_batch_gemm.available(),
+                                reason="small-batch kernel needs AVX512-BF16 and a working compiler")
+
+
+def bf16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps separate a and b (same-sign values; bf16 bit patterns are ordered like ints)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("n,k", [(1, 32), (5, 96), (1000, 576), (37, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_exact_product_to_one_bf16_step(m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
+    got = small_batch_gemm.linear(x, w, b)
+    exact = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # float32 sums, one rounding to bf16: the correctly rounded result or its neighbour
+    want = exact.to(torch.bfloat16)
+    same_sign = (got.float() * want.float() >= 0)
+    assert bool((bf16_ulps_apart(got, want)[same_sign] <= 1).all())
+    assert bool(((got.float() - exact.float()).abs()[~same_sign] < 1e-2).all())  # near zero
+
+
+def test_strided_rows_and_errors():
+    x = torch.randn(2, 128).to(torch.bfloat16)[:, :64]  # row stride 128
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    assert torch.equal(small_batch_gemm.linear(x, w, None), small_batch_gemm.linear(x.contiguous(), w, None))
+    with pytest.raises(RuntimeError, match="K % 32"):
+        small_batch_gemm.linear(torch.randn(1, 40).to(torch.bfloat16), torch.randn(3, 40).to(torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match="M <= 3"):
+        small_batch_gemm.linear(torch.randn(4, 64).to(torch.bfloat16), w, None)
+
+
+def packed_linear(small_batches: bool, k: int = 64) -> Linear:
+    layer = Linear(k, 48, bias=True)
+    layer.weight.data = torch.randn(48, k).to(torch.bfloat16)
+    layer.bias.data = torch.randn(48).to(torch.bfloat16)
+    layer.prepack(small_batches=small_batches)
+    return layer
+
+
+def test_linear_sends_small_batches_to_the_kernel(monkeypatch):
+    layer = packed_linear(small_batches=True)
+    reference = layer.weight.float()
+    calls = []
+    real = small_batch_gemm.linear
+    monkeypatch.setattr(small_batch_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (1, 3, 4, 16):
+        x = torch.randn(m, 64).to(torch.bfloat16)
+        y = layer(x)
+        assert torch.allclose(y.float(), x.float() @ reference.T + layer.bias.float(), rtol=2e-2, atol=5e-2)
+    assert calls == [1, 3]  # 4 and 16 rows stay on oneDNN
+
+
+def test_without_small_batches_the_plain_weight_is_freed():
+    layer = packed_linear(small_batches=False)
+    assert layer.weight is None and layer.packed is not None and not layer.small_batches
+    assert packed_linear(small_batches=True, k=40).weight is None  # K % 32 != 0: kernel cannot serve it
+
+
+def test_model_keeps_copies_only_within_the_memory_share(monkeypatch, llama_dir):
+    from folio.loader.model_loader import load_model
+
+    def linears(net):
+        return {name: m for name, m in net.named_modules() if isinstance(m, Linear)}
+
+    net = load_model(llama_dir, torch.bfloat16, None).model
+    assert all(m.small_batches and m.weight is not None for m in linears(net).values())
+
+    monkeypatch.setattr(small_batch_gemm, "MAX_MEMORY_FRACTION", 0.0)
+    net = load_model(llama_dir, torch.bfloat16, None).model
+    for name, m in linears(net).items():
+        assert m.packed is not None
+        assert (m.weight is not None) == (m.small_batches is True) == (name == "lm_head" and net.config.tie_word_embeddings)
