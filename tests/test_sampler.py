@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from folio.sample import sampler as sampler_mod
+from folio.sample import sampler as sampler_mod, sampling_ops
 from folio.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from folio.sampling_params import SamplingParams
 
@@ -109,7 +109,7 @@ def test_plain_greedy_rows_beside_rows_that_need_the_full_path():
 @pytest.mark.parametrize("shape", [(1, 1), (3, 15), (2, 16), (5, 17), (4, 1000), (3, 49152)])
 def test_argmax_rows_equals_torch_argmax(dtype, shape):
     """The argmax kernel returns torch's indices: first of tied maxima, first NaN, all -inf, strided rows."""
-    from folio.sample.argmax import argmax_rows
+    from folio.sample.sampling_ops import argmax_rows
 
     g = torch.Generator().manual_seed(shape[1])
     x = torch.randn(*shape, generator=g).to(dtype)
@@ -260,6 +260,29 @@ def processed(logits: list[list[float]], rows: list[SamplingRow]) -> list[list[f
     t = torch.tensor(logits)
     sampler_mod._process_logits(t, rows)
     return t.tolist()
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("u, want", [(0.0, [1, 0]), (1 - 2 ** -24, [2, 1])])
+def test_inverse_transform_draw_never_lands_on_zero_probability_tokens(monkeypatch, use_kernel, u, want):
+    """At both ends of u's range the draw stays on tokens with probability: zeros before, between and after."""
+    if not use_kernel:
+        monkeypatch.setattr(sampling_ops, "_kernel_for", lambda *args: None)
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.25, 0.75, 0.0, 0.0, 0.0]])
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.fill_(u))
+    assert sampler_mod._draw(probs, [row(SamplingParams(temperature=1.0))] * 2).tolist() == want
+
+
+def test_draw_kernel_agrees_with_the_torch_reference(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    probs = torch.rand(64, 3001, generator=g) ** 4
+    probs[:, ::7] = 0.0
+    probs /= probs.sum(dim=-1, keepdim=True)
+    u = torch.rand(64, generator=g)
+    kernel = sampling_ops.draw_rows(probs, u)
+    monkeypatch.setattr(sampling_ops, "_kernel_for", lambda *args: None)
+    assert torch.equal(kernel, sampling_ops.draw_rows(probs, u))
+    assert bool((probs.gather(1, kernel.unsqueeze(1)) > 0).all())
 
 
 def test_repetition_penalty_divides_positive_multiplies_negative():

@@ -22,7 +22,7 @@ from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.loader.model_loader import load_model
-from folio.memory import available_memory_bytes
+from folio.memory import available_memory_bytes, keep_freed_memory
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
@@ -49,6 +49,7 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        keep_freed_memory()  # every step's large activations reuse the heap instead of faulting pages in
         torch.manual_seed(config.seed)
         dtype = config.torch_dtype
         loaded = load_model(config.model, dtype, config.max_model_len)

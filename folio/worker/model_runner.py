@@ -17,7 +17,7 @@ from folio.core.scheduler import ModelOutput, SampledToken, ScheduledRequest, Sc
 from folio.models import fused_ops
 from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
-from folio.sample import argmax
+from folio.sample import sampling_ops
 from folio.worker.input_batch import BlockIdsFn, InputBatch
 from folio.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
@@ -39,7 +39,7 @@ class ModelRunner:
         self.backend = backend or get_attention_backend()
         if dtype == torch.bfloat16:
             fused_ops.prepare()  # the fused elementwise kernels serve bf16 only
-        argmax.prepare()
+        sampling_ops.prepare()
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # zeros, not empty: padded reads of never-written slots must be finite (masked, but NaN * 0 is NaN)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))

@@ -1,13 +1,21 @@
-// Row-wise argmax of a float32 or bf16 [B, V] tensor, the same answer as torch.argmax(x, dim=-1).
+// The sampler's two full passes over a logits batch, as CPU kernels.
 //
+// argmax_rows: row-wise argmax of a float32 or bf16 [B, V] tensor, the same answer as torch.argmax(x, dim=-1).
 // torch's CPU argmax on a [64, 151936] batch of logits takes 6.5 ms in float32 and 19 ms in bf16 (a scalar
 // reduction); one streaming AVX-512 pass per row, rows spread over the threads, takes about 1 ms: greedy
-// decoding reads every logit exactly once and nothing else.
+// decoding reads every logit exactly once and nothing else. Semantics kept from torch: the first index of
+// the maximum wins ties; a NaN counts as larger than any number (torch propagates it), so a row with a NaN
+// returns its first NaN. Each vector lane keeps its own running maximum with a strict `>` (so the first
+// occurrence within the lane), the lanes are merged by value then by the lowest index; a row holding any
+// NaN is rescanned by the scalar loop.
 //
-// Semantics kept from torch: the first index of the maximum wins ties; a NaN counts as larger than any number
-// (torch propagates it), so a row with a NaN returns its first NaN. Each vector lane keeps its own running
-// maximum with a strict `>` (so the first occurrence within the lane), the lanes are merged by value then by
-// the lowest index; a row holding any NaN is rescanned by the scalar loop.
+// draw_rows: inverse-transform sampling, one token per row of float32 probabilities [B, V] given u [B] in
+// [0, 1): the first index whose running sum exceeds u * (row total). torch's cumsum + searchsorted does the
+// same in 5.5 ms for [64, 49152] (cumsum is a sequential pass per row that writes a whole [B, V] tensor);
+// here the total is a vectorised sum and the scan skips 16 probabilities at a time while the running sum
+// stays below the target, sums in double (as torch's cumsum accumulates). Zero probabilities (masked tokens)
+// are never returned: the scan needs a strictly larger running sum, and if rounding lets the target reach
+// the end, the last token with a positive probability is returned.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -103,6 +111,56 @@ void argmax_rows_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+int64_t draw_row(const float* p, int64_t V, float u) {
+  double total = 0.0;
+  int64_t j = 0;
+#if FOLIO_AVX512
+  __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+  for (; j + 16 <= V; j += 16) {
+    const __m512 v = _mm512_loadu_ps(p + j);
+    acc0 = _mm512_add_pd(acc0, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+    acc1 = _mm512_add_pd(acc1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+  }
+  total = _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
+#endif
+  for (; j < V; ++j) total += p[j];
+  const double target = (double)u * total;
+  double run = 0.0;
+  j = 0;
+#if FOLIO_AVX512
+  for (; j + 16 <= V; j += 16) {  // skip whole groups of 16 while they stay at or below the target
+    const __m512 v = _mm512_loadu_ps(p + j);
+    const double group = _mm512_reduce_add_pd(_mm512_add_pd(
+        _mm512_cvtps_pd(_mm512_castps512_ps256(v)),
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))));
+    if (run + group > target) break;
+    run += group;
+  }
+#endif
+  for (; j < V; ++j) {
+    run += p[j];
+    if (run > target && p[j] > 0.f) return j;
+  }
+  for (j = V - 1; j > 0 && !(p[j] > 0.f); --j) {}  // rounding carried the target past the end
+  return j;
+}
+
+at::Tensor draw_rows(at::Tensor probs, at::Tensor u) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.stride(1) == 1 && probs.size(1) > 0,
+              "probs must be float32 [B, V] with unit stride along V");
+  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == at::kFloat && u.is_contiguous() && u.size(0) == probs.size(0),
+              "u must be contiguous float32 [B]");
+  const int64_t B = probs.size(0), V = probs.size(1), stride = probs.stride(0);
+  at::Tensor out = at::empty({B}, probs.options().dtype(at::kLong));
+  const float* p = probs.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, V >= 16384 ? 1 : 16384 / V + 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) o[b] = draw_row(p + b * stride, V, up[b]);
+  });
+  return out;
+}
+
 at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1 && x.size(1) < (int64_t(1) << 31),
               "x must be [B, V] with unit stride along V, 0 < V < 2^31");
@@ -120,5 +178,7 @@ at::Tensor argmax_rows(at::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a float32 or bf16 [B, V] tensor",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("draw_rows", &draw_rows, "one inverse-transform draw per row of float32 probabilities, given u in [0, 1)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }
