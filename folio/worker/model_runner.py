@@ -1,8 +1,9 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass over the flattened batch, then samples.
 
 The batch carries no padding between requests: token ids, positions and cache slots of every scheduled
-token are concatenated; each request brings its query length and context length. Logits are computed
-only at the positions that sample (and at prompt positions of requests that asked for prompt logprobs).
+token are concatenated (gathered from the persistent per-request rows of worker/input_batch.py); each
+request brings its query length and context length. Logits are computed only at the positions that
+sample (and at prompt positions of requests that asked for prompt logprobs).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from folio.models import fused_ops
 from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
 from folio.sample import sampling_ops
-from folio.worker.input_batch import BlockIdsFn, InputBatch
 from folio.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from folio.worker.input_batch import BlockIdsFn, InputBatch
 
 
 @dataclass
