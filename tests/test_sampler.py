@@ -206,16 +206,17 @@ TRUNCATION_CASES = [
 ]
 
 
-@pytest.fixture(params=[3, 256], ids=["top_p_sort_fallback", "top_p_candidates"])
-def top_p_width(request, monkeypatch) -> int:
-    """Exercise both top_p paths: a width of 3 candidates rarely holds the nucleus of 20 tokens."""
-    monkeypatch.setattr(sampler_mod, "_TOP_P_CANDIDATES", request.param)
+@pytest.fixture(params=["kernel", "torch"])
+def kernels(request, monkeypatch) -> str:
+    """Exercise both implementations of the sampling ops: the C++ kernels and the torch reference."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampling_ops, "_kernel_for", lambda *args: None)
     return request.param
 
 
 @pytest.mark.parametrize("params", TRUNCATION_CASES, ids=repr)
 @pytest.mark.parametrize("seeded", [False, True])
-def test_truncation_never_emits_excluded_token(params: SamplingParams, seeded: bool, top_p_width: int):
+def test_truncation_never_emits_excluded_token(params: SamplingParams, seeded: bool, kernels: str):
     torch.manual_seed(2)
     logits = torch.randn(20) * 2
     allowed = allowed_tokens(logits, params)
@@ -229,11 +230,28 @@ def test_truncation_never_emits_excluded_token(params: SamplingParams, seeded: b
 
 
 @pytest.mark.parametrize("top_p,kept", [(0.25, 1), (0.5, 2), (0.75, 3), (0.76, 4)])
-def test_top_p_keeps_smallest_set_reaching_top_p(top_p: float, kept: int, top_p_width: int):
-    """Four equally likely tokens make every cumulative mass exact, so the boundary itself is tested."""
+def test_top_p_keeps_smallest_set_reaching_top_p(top_p: float, kept: int, kernels: str):
+    """Four equally likely tokens make every cumulative mass exact, so the boundary itself is tested; ties
+    are ranked by token index."""
     n = 400
     drawn = sample(torch.zeros(n, 4), [row(SamplingParams(top_p=top_p)) for _ in range(n)]).sampled_token_ids
-    assert len(set(drawn)) == kept
+    assert set(drawn) == set(range(kept))
+
+
+@pytest.mark.parametrize("vocab", [7, 5000, 49152])
+def test_top_p_mask_kernel_equals_the_sorted_reference(monkeypatch, vocab):
+    """Peaked and flat rows, ties across the boundary, zeros (masked tokens) and several top_p values."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=g) * torch.tensor([0.1, 1.0, 3.0, 8.0] * 3).unsqueeze(1)
+    logits[1] = (logits[1] * 4).round() / 4  # many exact ties
+    logits[2, ::3] = -math.inf
+    probs = logits.softmax(dim=-1)
+    top_p = torch.tensor([0.05, 0.3, 0.5, 0.9, 0.95, 0.999] * 2)
+    kernel = sampling_ops.top_p_mask(probs, top_p)
+    monkeypatch.setattr(sampling_ops, "_kernel_for", lambda *args: None)
+    reference = sampling_ops.top_p_mask(probs, top_p)
+    assert torch.equal(kernel, reference)
+    assert bool(kernel.gather(1, probs.argmax(dim=-1, keepdim=True)).all())
 
 
 # --- the sampled distribution -----------------------------------------------------------------------------
@@ -380,18 +398,18 @@ def sampling_cases(draw):
                             top_p=draw(st.floats(1e-6, 1.0)),
                             min_p=draw(st.floats(0.0, 1.0)),
                             seed=draw(st.one_of(st.none(), st.integers(0, 2**31))))
-    return torch.tensor(values), params, draw(st.integers(1, vocab))
+    return torch.tensor(values), params, draw(st.booleans())
 
 
 @settings(max_examples=150, deadline=None)
 @given(sampling_cases())
 def test_sampled_token_is_always_allowed_and_finite(case):
-    logits, params, top_p_width = case
+    logits, params, use_kernels = case
     n = 32
     rows = [row(params, generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + i))
             for i in range(n)]
     allowed = allowed_tokens(logits, params, tol=1e-3)
-    with mock.patch.object(sampler_mod, "_TOP_P_CANDIDATES", top_p_width):
+    with mock.patch.object(sampling_ops, "_kernel_for", sampling_ops._kernel_for if use_kernels else lambda *a: None):
         drawn = sample(logits.expand(n, -1), rows).sampled_token_ids
     for token in drawn:
         assert token in allowed and math.isfinite(logits[token])

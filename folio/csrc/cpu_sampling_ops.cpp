@@ -16,6 +16,15 @@
 // stays below the target, sums in double (as torch's cumsum accumulates). Zero probabilities (masked tokens)
 // are never returned: the scan needs a strictly larger running sum, and if rounding lets the target reach
 // the end, the last token with a positive probability is returned.
+//
+// top_p_nucleus: per row of probabilities [B, V] and top_p [B], the smallest set of most likely tokens whose
+// mass reaches top_p * (row total), ties ranked by token index (as a stable descending sort ranks them): a
+// token is kept while the mass ranked before it is below the target, so the most likely token always
+// stays. Returned as a bool mask: the tokens with p > tau, and those with p == tau up to the last kept index.
+// Without sorting the vocabulary (torch's sort of [64, 49152] takes 120 ms): one pass buckets the
+// probabilities by the top 12 bits of their float32 pattern (monotonic for p >= 0) and sums each bucket's
+// mass; a scan from the top bucket finds the bucket where the mass reaches the target; a second pass
+// collects that bucket's tokens, which are sorted to place the boundary exactly.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,9 +32,13 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -161,6 +174,72 @@ at::Tensor draw_rows(at::Tensor probs, at::Tensor u) {
   return out;
 }
 
+constexpr int BUCKET_SHIFT = 20;  // 32 - 12 bits
+constexpr int NUM_BUCKETS = 1 << 12;
+
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+// The nucleus of one row as (tau, last): tokens with p > tau, and those with p == tau up to index `last`.
+std::pair<float, int64_t> top_p_row(const float* p, int64_t V, float top_p, std::vector<double>& mass,
+                                    std::vector<std::pair<float, int64_t>>& edge) {
+  std::fill(mass.begin(), mass.end(), 0.0);
+  double total = 0.0;
+  for (int64_t j = 0; j < V; ++j) {
+    const float x = p[j];
+    if (x > 0.f) {
+      mass[bits_of(x) >> BUCKET_SHIFT] += x;
+      total += x;
+    }
+  }
+  const double target = (double)top_p * total;
+  double before = 0.0;  // mass of the tokens ranked before the current one
+  int b = NUM_BUCKETS - 1;
+  for (; b > 0; --b) {
+    if (before + mass[b] >= target) break;
+    before += mass[b];
+  }
+  // the nucleus is every token of the buckets above b, then bucket b's tokens by rank while the mass
+  // ranked before them is below the target
+  edge.clear();
+  for (int64_t j = 0; j < V; ++j)
+    if (p[j] > 0.f && (int)(bits_of(p[j]) >> BUCKET_SHIFT) == b) edge.emplace_back(p[j], j);
+  if (edge.empty()) return {0.f, V - 1};  // rounding: the target was not reached, keep everything
+  std::sort(edge.begin(), edge.end(), [](const std::pair<float, int64_t>& x, const std::pair<float, int64_t>& y) {
+    return x.first > y.first || (x.first == y.first && x.second < y.second);
+  });
+  size_t kept = 0;
+  while (kept < edge.size() && before < target) before += edge[kept++].first;
+  return {edge[kept - 1].first, edge[kept - 1].second};  // kept >= 1: before < target on entry
+}
+
+// the nucleus of every row as a bool [B, V] mask
+at::Tensor top_p_mask(at::Tensor probs, at::Tensor top_p) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.stride(1) == 1 && probs.size(1) > 0,
+              "probs must be float32 [B, V] with unit stride along V");
+  TORCH_CHECK(top_p.dim() == 1 && top_p.scalar_type() == at::kFloat && top_p.is_contiguous() &&
+                  top_p.size(0) == probs.size(0), "top_p must be contiguous float32 [B]");
+  const int64_t B = probs.size(0), V = probs.size(1), stride = probs.stride(0);
+  at::Tensor mask = at::empty({B, V}, probs.options().dtype(at::kBool));
+  const float* p = probs.data_ptr<float>();
+  const float* tp = top_p.data_ptr<float>();
+  bool* m = mask.data_ptr<bool>();
+  at::parallel_for(0, B, V >= 16384 ? 1 : 16384 / V + 1, [&](int64_t b0, int64_t b1) {
+    std::vector<double> mass(NUM_BUCKETS);
+    std::vector<std::pair<float, int64_t>> edge;
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* row = p + b * stride;
+      const auto [tau, last] = top_p_row(row, V, tp[b], mass, edge);
+      bool* out = m + b * V;
+      for (int64_t j = 0; j < V; ++j) out[j] = row[j] > tau || (row[j] == tau && j <= last);
+    }
+  });
+  return mask;
+}
+
 at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1 && x.size(1) < (int64_t(1) << 31),
               "x must be [B, V] with unit stride along V, 0 < V < 2^31");
@@ -178,6 +257,8 @@ at::Tensor argmax_rows(at::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a float32 or bf16 [B, V] tensor",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("top_p_mask", &top_p_mask, "per row, the top_p nucleus as a bool mask",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("draw_rows", &draw_rows, "one inverse-transform draw per row of float32 probabilities, given u in [0, 1)",
         pybind11::call_guard<pybind11::gil_scoped_release>());

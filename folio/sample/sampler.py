@@ -9,13 +9,14 @@ on its neighbours and a seeded request's tokens depend only on its seed and its 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-from folio.sample.sampling_ops import argmax_rows, draw_rows
+from folio.sample.sampling_ops import argmax_rows, draw_rows, top_p_mask
 from folio.sampling_params import SamplingParams
 
 
@@ -46,9 +47,6 @@ class SamplerOutput:
     sampled_token_ids: list[int]  # one per row
     logprobs: list[Optional[SampledLogprobs]]  # None for rows without params.logprobs
 
-
-# top_p looks at this many most likely tokens before falling back to a full sort (see _apply_top_p).
-_TOP_P_CANDIDATES = 256
 
 
 class Sampler:
@@ -220,39 +218,31 @@ def _apply_top_k(logits: torch.Tensor, row_ids: list[int], top_k: list[int]) -> 
     topk(max k) instead of a full-vocabulary sort; the k-th value itself is unique, so the result does
     not depend on how topk orders ties or on the other rows' k.
     """
-    index = torch.tensor(row_ids, device=logits.device)
     k = torch.tensor(top_k, device=logits.device).unsqueeze(1)
-    sub = logits[index]
-    kth = sub.topk(max(top_k), dim=-1).values.gather(1, k - 1)
-    logits[index] = sub.masked_fill_(sub < kth, -math.inf)
+    with _rows(logits, row_ids) as sub:
+        kth = sub.topk(max(top_k), dim=-1).values.gather(1, k - 1)
+        sub.masked_fill_(sub < kth, -math.inf)
 
 
 def _apply_top_p(logits: torch.Tensor, row_ids: list[int], top_p: list[float]) -> None:
-    """In place on the given rows: keep the smallest most-likely-first set whose mass reaches top_p.
+    """In place on the given rows: keep the smallest most-likely-first set whose mass reaches top_p
+    (sampling_ops.top_p_mask: no sort of the vocabulary; it depends only on the row's own logits)."""
+    with _rows(logits, row_ids) as sub:
+        keep = top_p_mask(sub.softmax(dim=-1), torch.tensor(top_p, dtype=torch.float32, device=logits.device))
+        sub.masked_fill_(~keep, -math.inf)
 
-    A full-vocabulary sort costs ~10 ms a row on CPU at V=150k, and nuclei are small: look at the
-    top _TOP_P_CANDIDATES first and sort only the rows whose candidates hold less than top_p. The
-    width is a constant, so which path a row takes depends on its own logits, never on the batch.
-    """
+
+@contextlib.contextmanager
+def _rows(logits: torch.Tensor, row_ids: list[int]) -> Iterator[torch.Tensor]:
+    """The given rows to modify in place: logits itself when that is all of them (no [R, V] copies, which at
+    64 x 151936 cost more than the arithmetic), else a gathered copy written back afterwards."""
+    if len(row_ids) == logits.shape[0]:
+        yield logits
+        return
     index = torch.tensor(row_ids, device=logits.device)
     sub = logits[index]
-    probs = sub.softmax(dim=-1)
-    p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
-    sorted_probs, order = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[1]), dim=-1)
-    keep = _nucleus(sorted_probs, order, p, probs.shape[1])
-    short = (sorted_probs.sum(dim=-1, keepdim=True) < p).squeeze(1)
-    if short.any():
-        sorted_probs, order = probs[short].sort(dim=-1, descending=True)
-        keep[short] = _nucleus(sorted_probs, order, p[short], probs.shape[1])
-    logits[index] = sub.masked_fill_(~keep, -math.inf)
-
-
-def _nucleus(sorted_probs: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, V] keep mask: a token stays while the mass before it is < top_p, so the top token always stays
-    (mass 0 before it, top_p > 0); tokens beyond the sorted candidates are dropped."""
-    keep_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
-    keep = torch.zeros(sorted_probs.shape[0], vocab_size, dtype=torch.bool, device=sorted_probs.device)
-    return keep.scatter_(1, order, keep_sorted)
+    yield sub
+    logits[index] = sub
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""The sampler's passes over a whole logits batch: row-wise argmax (greedy) and inverse-transform draws.
+"""The sampler's passes over a whole logits batch: row-wise argmax (greedy), top-p thresholds and
+inverse-transform draws.
 
-On CPU both are C++ kernels (folio/csrc/cpu_sampling_ops.cpp): torch's argmax is a scalar reduction (19 ms for
-bf16 [64, 151936] logits, 6.5 ms in float32, more than a decode step's attention for a small model) and its
-cumsum a sequential pass writing a whole tensor (5.5 ms for [64, 49152]); the kernels stream each row once
-or twice and take about 1 ms. The torch code below is the reference and the fallback (other devices and
+On CPU they are C++ kernels (folio/csrc/cpu_sampling_ops.cpp): torch's argmax is a scalar reduction (19 ms for
+bf16 [64, 151936] logits, 6.5 ms in float32, more than a decode step's attention for a small model), its
+cumsum a sequential pass writing a whole tensor (5.5 ms for [64, 49152]) and the nucleus needs a sort (120 ms
+for [64, 49152]); the kernels stream each row once or twice and take about 1 ms. The torch code below is the reference and the fallback (other devices and
 dtypes, or no kernel: build failed, FOLIO_DISABLE_CPU_KERNELS=1), with the same semantics.
 """
 
@@ -32,6 +33,19 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) of a [B, V] tensor, as int64 [B]: first index among ties, first NaN."""
     ext = _kernel_for(logits, (torch.float32, torch.bfloat16))
     return ext.argmax_rows(logits) if ext is not None else logits.argmax(dim=-1)
+
+
+def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] bool: per row of probs (non-negative weights) and top_p [B], the smallest set of most likely
+    tokens whose mass reaches top_p * total, ties ranked by token index (a stable descending sort): a token
+    is kept while the mass ranked before it is below the target, so the most likely token always stays."""
+    ext = _kernel_for(probs, (torch.float32,))
+    if ext is not None and top_p.dtype == torch.float32 and top_p.is_cpu:
+        return ext.top_p_mask(probs, top_p.contiguous())
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = ordered.cumsum(dim=-1) - ordered  # mass ranked before each token
+    keep_sorted = before < top_p.unsqueeze(1) * ordered.sum(dim=-1, keepdim=True)  # a prefix, >= 1 long
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
 
 
 def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
