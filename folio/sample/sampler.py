@@ -48,7 +48,6 @@ class SamplerOutput:
     logprobs: list[Optional[SampledLogprobs]]  # None for rows without params.logprobs
 
 
-
 class Sampler:
     """Stateless: all per-request state (history, generator) comes in with the rows."""
 
@@ -87,12 +86,14 @@ class Sampler:
 
         _process_logits(logits, rows)
 
-        sampled = argmax_rows(logits)  # the answer for greedy rows; random rows are overwritten below
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, dtype=torch.long, device=device)
-            mine = logits if len(random_rows) == len(rows) else logits[index]  # logits is private: no copy
-            sampled[index] = _sample_random(mine, [rows[i] for i in random_rows])
+        if len(random_rows) == len(rows):
+            sampled = _sample_random(logits, rows)  # logits is private: modified in place, no copy
+        else:
+            sampled = argmax_rows(logits)  # the answer for greedy rows; random rows are overwritten below
+            if random_rows:
+                index = torch.tensor(random_rows, dtype=torch.long, device=device)
+                sampled[index] = _sample_random(logits[index], [rows[i] for i in random_rows])
 
         logprobs: list[Optional[SampledLogprobs]] = [None] * len(rows)
         if lp_rows:
