@@ -46,6 +46,7 @@ namespace {
 
 constexpr int TILE = 16;  // keys per softmax tile (one AVX-512 register of scores)
 constexpr int MAX_ROWS = 64;  // target rows (query tokens x heads) per item
+constexpr int TRANSPOSE_MIN_ROWS = 16;  // rows per kv head from which a tile's K is transposed once (prefill)
 constexpr float LOG2E = 1.4426950408889634f;
 
 struct Params {
@@ -357,6 +358,21 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
           vr[j] = reinterpret_cast<const float*>(vp[j]);
         }
       }
+      // Many rows per kv head (a prefill tile): transpose the tile's K once into bf16 pairs, kt[d2][j] =
+      // (k_j[2 d2], k_j[2 d2 + 1]), so that each row's 16 scores come out of D/2 dot products with a
+      // broadcast pair of q, with no horizontal sums (a third of the per-row work of the path below).
+      const bool transposed = DP && RH >= TRANSPOSE_MIN_ROWS;
+      uint32_t* kt = reinterpret_cast<uint32_t*>(kbuf);  // kbuf is free in the DP path: D/2 x 16 dwords
+      if (transposed) {
+        for (int j = 0; j < TILE; ++j) {
+          if (j < nt) {
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(kp[j]);
+            for (int d2 = 0; d2 < D / 2; ++d2) kt[d2 * TILE + j] = src[d2];
+          } else {
+            for (int d2 = 0; d2 < D / 2; ++d2) kt[d2 * TILE + j] = 0;
+          }
+        }
+      }
       // scores (base 2) and the online-softmax update, row by row
       for (int r = rbeg; r < rend; ++r) {
         pf.step();
@@ -368,20 +384,31 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
           __m512 a[16];
           if constexpr (DP) {
 #if defined(__AVX512BF16__)
-            __m512bh qv[NV / 2];
             const uint16_t* qrow = reinterpret_cast<const uint16_t*>(qf) + (size_t)r * D;
-            for (int c = 0; c < NV / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow + 32 * c);
-            for (int j = 0; j < 16; ++j) {
-              if (j < nt) {
-                __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kp[j]));
-                for (int c = 1; c < NV / 2; ++c)
-                  x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)_mm512_loadu_si512(kp[j] + 32 * c));
-                a[j] = x;
-              } else {
-                a[j] = _mm512_setzero_ps();
+            if (transposed) {
+              const uint32_t* q2 = reinterpret_cast<const uint32_t*>(qrow);
+              __m512 x[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+              for (int d2 = 0; d2 < D / 2; d2 += 4) {  // D / 2 is a multiple of 16 here
+                for (int c = 0; c < 4; ++c)
+                  x[c] = _mm512_dpbf16_ps(x[c], (__m512bh)_mm512_set1_epi32((int)q2[d2 + c]),
+                                          (__m512bh)_mm512_loadu_si512(kt + (d2 + c) * TILE));
               }
+              s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(x[0], x[1]), _mm512_add_ps(x[2], x[3])), sc);
+            } else {
+              __m512bh qv[NV / 2];
+              for (int c = 0; c < NV / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow + 32 * c);
+              for (int j = 0; j < 16; ++j) {
+                if (j < nt) {
+                  __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kp[j]));
+                  for (int c = 1; c < NV / 2; ++c)
+                    x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)_mm512_loadu_si512(kp[j] + 32 * c));
+                  a[j] = x;
+                } else {
+                  a[j] = _mm512_setzero_ps();
+                }
+              }
+              s = _mm512_mul_ps(hsum16(a), sc);
             }
-            s = _mm512_mul_ps(hsum16(a), sc);
 #endif
           } else {
             __m512 qv[NV];
