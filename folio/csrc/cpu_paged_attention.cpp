@@ -17,7 +17,9 @@
 // (m, l, acc) are merged afterwards (flash-decoding).
 //
 // The cache may be float32 or bfloat16; all arithmetic is in float32 (bf16 q.k with vdpbf16ps, whose
-// products are exact and whose sums are float32). The AVX-512 path needs head_dim to be a multiple of 16
+// products are exact and whose sums are float32). With a bf16 cache, an item of many rows per kv head (a
+// prefill tile) transposes each key tile once into bf16 pairs, so a row's 16 scores come straight out of
+// D/2 dot products with a broadcast pair of q instead of 16 dot products and a horizontal sum. The AVX-512 path needs head_dim to be a multiple of 16
 // (16..256 listed in pick_kernel); any other head_dim, or a build without AVX-512, uses the scalar path.
 //
 // Layouts: q [T, Hq, D], k/v [T, Hkv, D] (any token/head strides, unit stride along D); caches
