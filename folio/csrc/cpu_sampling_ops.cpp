@@ -49,6 +49,9 @@
 
 namespace {
 
+// Rows per parallel task: a row of 16k logits or more is ~10 us of work, already worth a thread of its own.
+inline int64_t row_grain(int64_t V) { return V >= 16384 ? 1 : 16384 / V + 1; }
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
@@ -112,8 +115,7 @@ void argmax_rows_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t B = x.size(0), V = x.size(1), stride = x.stride(0);
   const T* base = x.data_ptr<T>();
   int64_t* o = out.data_ptr<int64_t>();
-  // a row of 150k logits is ~50 us of work: one row per task is already worth a thread
-  at::parallel_for(0, B, V >= 16384 ? 1 : 16384 / V + 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, B, row_grain(V), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
 #if FOLIO_AVX512
       o[b] = argmax_avx512(base + b * stride, V);
@@ -168,7 +170,7 @@ at::Tensor draw_rows(at::Tensor probs, at::Tensor u) {
   const float* p = probs.data_ptr<float>();
   const float* up = u.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, V >= 16384 ? 1 : 16384 / V + 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, B, row_grain(V), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) o[b] = draw_row(p + b * stride, V, up[b]);
   });
   return out;
@@ -227,7 +229,7 @@ at::Tensor top_p_mask(at::Tensor probs, at::Tensor top_p) {
   const float* p = probs.data_ptr<float>();
   const float* tp = top_p.data_ptr<float>();
   bool* m = mask.data_ptr<bool>();
-  at::parallel_for(0, B, V >= 16384 ? 1 : 16384 / V + 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, B, row_grain(V), [&](int64_t b0, int64_t b1) {
     std::vector<double> mass(NUM_BUCKETS);
     std::vector<std::pair<float, int64_t>> edge;
     for (int64_t b = b0; b < b1; ++b) {
