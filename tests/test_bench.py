@@ -71,6 +71,18 @@ def test_throughput_reports_rates_and_a_breakdown_that_adds_up(llama_dir, tmp_pa
     assert "output tokens/s" in text and "step breakdown" in text and "attention" in text
 
 
+def test_throughput_with_random_sampling(llama_dir, tmp_path):
+    out = str(tmp_path / "tp.json")
+    report = _run(["bench", "throughput", "--model", llama_dir, *ENGINE_FLAGS, "--num-prompts", "4", "--input-len",
+                   "12", "--output-len", "6", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20",
+                   "--warmup-prompts", "0", "--no-breakdown", "--json", out], out)
+    assert report["output_tokens"] == 24  # EOS ignored under sampling too
+    assert "temperature 0.8, top_p 0.9, top_k 20" in report["workload"]
+    default = _run(["bench", "throughput", "--model", llama_dir, *ENGINE_FLAGS, "--num-prompts", "2", "--input-len",
+                    "8", "--output-len", "2", "--warmup-prompts", "0", "--no-breakdown", "--json", out], out)
+    assert default["workload"].endswith("greedy")
+
+
 def test_throughput_chat_dataset_without_breakdown(llama_dir, tmp_path):
     out = str(tmp_path / "tp.json")
     report = _run(["bench", "throughput", "--model", llama_dir, *ENGINE_FLAGS, "--dataset", "chat",

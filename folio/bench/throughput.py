@@ -59,17 +59,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                         help="time the phases of each step (default: on; off runs the engine without wrappers)")
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    sampling = parser.add_argument_group("sampling (default: greedy)")
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The workload's sampling settings (EOS ignored: every request generates exactly its output length)."""
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
+
+
+def describe_sampling(params: SamplingParams) -> str:
+    if params.is_greedy:
+        return "greedy"
+    return f"temperature {params.temperature:g}, top_p {params.top_p:g}, top_k {params.top_k}"
 
 
 def model_name(config: EngineConfig) -> str:
     return config.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
 
 
-def _generate(engine: LLMEngine, requests: list[BenchRequest], output_len: Optional[int] = None) -> list[RequestOutput]:
+def _generate(engine: LLMEngine, requests: list[BenchRequest], sampling: SamplingParams,
+              output_len: Optional[int] = None) -> list[RequestOutput]:
     """Run requests to completion; output_len overrides each request's own (for warm-up)."""
     ids = []
     for request in requests:
-        params = SamplingParams(temperature=0.0, max_tokens=output_len or request.output_len, ignore_eos=True)
+        params = dataclasses.replace(sampling, max_tokens=output_len or request.output_len)
         rid = engine.next_request_id()
         engine.add_request(rid, {"prompt_token_ids": request.prompt_token_ids}, params,
                            output_kind=OutputKind.FINAL_ONLY)
@@ -82,20 +101,22 @@ def _generate(engine: LLMEngine, requests: list[BenchRequest], output_len: Optio
     return [finished[i] for i in ids]
 
 
-def warm_up(engine: LLMEngine, requests: list[BenchRequest], num_prompts: int) -> None:
+def warm_up(engine: LLMEngine, requests: list[BenchRequest], num_prompts: int,
+            sampling: SamplingParams = GREEDY) -> None:
     """First calls of each kernel shape pay for set-up (oneDNN primitives, allocator growth); keep that out of
     the measurement, and leave no cached prefix behind that the measured run could hit."""
     if num_prompts > 0:
-        _generate(engine, requests[:num_prompts], WARMUP_OUTPUT_LEN)
+        _generate(engine, requests[:num_prompts], sampling, WARMUP_OUTPUT_LEN)
         engine.reset_prefix_cache()
 
 
-def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, breakdown: bool) -> ThroughputResult:
+def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, breakdown: bool,
+            sampling: SamplingParams = GREEDY) -> ThroughputResult:
     """Run the workload once, all requests arriving together, and report throughput and latencies."""
     with profile_steps(engine) if breakdown else contextlib.nullcontext() as profile:
         load = OtherLoad()
         start = time.perf_counter()
-        outputs = _generate(engine, requests)
+        outputs = _generate(engine, requests, sampling)
         elapsed = time.perf_counter() - start
         other_cores = load.cores()
     generated = [len(o.outputs[0].token_ids) for o in outputs]
@@ -154,8 +175,9 @@ def prepare(args: argparse.Namespace, config: EngineConfig) -> tuple[LLMEngine, 
 
 def main(args: argparse.Namespace, config: EngineConfig) -> int:
     engine, requests = prepare(args, config)
-    warm_up(engine, requests, args.warmup_prompts)
-    result = measure(engine, requests, describe(args), args.breakdown)
+    sampling = sampling_params(args)
+    warm_up(engine, requests, args.warmup_prompts, sampling)
+    result = measure(engine, requests, f"{describe(args)}, {describe_sampling(sampling)}", args.breakdown, sampling)
     print_result(result)
     if args.json:
         write_json(args.json, result)
