@@ -89,6 +89,14 @@ struct Scratch {
   }
 };
 
+// Row r of a key partition's partial result: running max, running sum, unnormalised accumulator [D].
+inline void store_partial(float* partial, int r, int D, float m, float l, const float* acc) {
+  float* p = partial + (size_t)r * (D + 2);
+  p[0] = m;
+  p[1] = l;
+  std::memcpy(p + 2, acc, sizeof(float) * D);
+}
+
 Scratch& thread_scratch() {
   static thread_local Scratch s;
   return s;
@@ -165,10 +173,7 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial) {
   for (int r = 0; r < R; ++r) {
     const float* a = acc + (size_t)r * D;
     if (partial) {
-      float* p = partial + (size_t)r * (D + 2);
-      p[0] = m[r];
-      p[1] = l[r];
-      std::memcpy(p + 2, a, sizeof(float) * D);
+      store_partial(partial, r, D, m[r], l[r], a);
     } else {
       const int hh = r / RH, rr = r % RH;
       const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
@@ -506,10 +511,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
     }
     const int hh = r / RH, rr = r % RH;
     if (partial) {
-      float* pp = partial + (size_t)r * (D + 2);
-      pp[0] = m[r];
-      pp[1] = l[r];
-      std::memcpy(pp + 2, a, sizeof(float) * D);
+      store_partial(partial, r, D, m[r], l[r], a);
     } else {
       const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
       T* dst = static_cast<T*>(P.out) + ((int64_t)(qs + qi) * P.Hkv * G + head) * D;
