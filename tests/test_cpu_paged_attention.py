@@ -80,13 +80,18 @@ def check_against_reference(backend, step, dtype):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     else:
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2)
-        # both see the same bf16 inputs: against float32 attention on them, the kernel (float32 throughout)
-        # must be at least about as close as the reference
+        # both see the same bf16 inputs: against float32 attention on them, the kernel must be about as close
+        # as the reference (float32, rounded once). The kernel rounds the probabilities to bf16 for P.V, as
+        # torch's CPU flash attention does: an output moves by at most 2^-9 of the largest |v| before its own
+        # rounding to bf16 (at most 2^-8 of its size from there).
         exact, _ = run(TorchSDPABackend(), q.float(), k.float(), v.float(),
                        (cache[0].float(), cache[1].float()), layout)
-        err_new = (out.float() - exact).abs().max().item()
-        err_ref = (ref.float() - exact).abs().max().item()
-        assert err_new <= err_ref + 4e-3, (err_new, err_ref)
+        err_new = (out.float() - exact).abs()
+        err_ref = (ref.float() - exact).abs()
+        v_max = max(cache[1].float().abs().max().item(), v.float().abs().max().item())
+        bound = v_max * 2 ** -9 + exact.abs() * 2 ** -8 + 1e-4
+        assert (err_new <= bound).all(), (err_new - bound).max()
+        assert err_new.mean() <= 1.25 * err_ref.mean(), (err_new.mean(), err_ref.mean())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

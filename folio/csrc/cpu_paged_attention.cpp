@@ -16,11 +16,15 @@
 // thread busy (a single long decode), the keys of an item are split into partitions whose partial
 // (m, l, acc) are merged afterwards (flash-decoding).
 //
-// The cache may be float32 or bfloat16; all arithmetic is in float32 (bf16 q.k with vdpbf16ps, whose
-// products are exact and whose sums are float32). With a bf16 cache, an item of many rows per kv head (a
-// prefill tile) transposes each key tile once into bf16 pairs, so a row's 16 scores come straight out of
-// D/2 dot products with a broadcast pair of q instead of 16 dot products and a horizontal sum. The AVX-512 path needs head_dim to be a multiple of 16
-// (16..256 listed in pick_kernel); any other head_dim, or a build without AVX-512, uses the scalar path.
+// The cache may be float32 or bfloat16. Softmax and accumulation are in float32. With a bf16 cache and
+// AVX512-BF16 (head_dim a multiple of 32), q.k and P.V are vdpbf16ps dot products straight from the cache:
+// products of bf16 are exact, sums float32, and P is rounded to bf16 for P.V (as torch's CPU flash attention
+// and FlashAttention on GPUs do). Each tile of V is interleaved once by pairs of keys for that; an item of
+// several rows per kv head (grouped-query decode, prefill tiles) also transposes each tile of K once into
+// bf16 pairs, so that a row's 16 scores come out of D/2 dot products with a broadcast pair of q instead of
+// 16 dot products and a horizontal sum. Other bf16 cases widen K and V tiles to float32. The AVX-512 path
+// needs head_dim to be a multiple of 16 (16..256 listed in pick_kernel); any other head_dim, or a build
+// without AVX-512, uses the scalar path.
 //
 // Layouts: q [T, Hq, D], k/v [T, Hkv, D] (any token/head strides, unit stride along D); caches
 // [num_blocks, block_size, Hkv, D] contiguous; reqs int32 [B, 3] = (first token in the batch, query length,
@@ -48,7 +52,7 @@ namespace {
 
 constexpr int TILE = 16;  // keys per softmax tile (one AVX-512 register of scores)
 constexpr int MAX_ROWS = 64;  // target rows (query tokens x heads) per item
-constexpr int TRANSPOSE_MIN_ROWS = 16;  // rows per kv head from which a tile's K is transposed once (prefill)
+constexpr int TRANSPOSE_MIN_ROWS = 4;  // rows per kv head from which a tile's K is transposed once (measured)
 constexpr float LOG2E = 1.4426950408889634f;
 
 struct Params {
@@ -205,34 +209,33 @@ inline void store16(at::BFloat16* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
-// 2^x for x <= 0 (scores already shifted by their max); -inf gives 0.
+// 2^x for x <= 0 (scores shifted by their running max); -inf gives 0. A degree-5 polynomial
+// (fitted near-minimax on [-1/2, 1/2]) gives 2^f to a relative 1.5e-7, about one float32 rounding.
 inline __m512 exp2_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 t = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));  // |t| <= ln2/2
-  // exp(t), Taylor to degree 7: relative error < 6e-9 on |t| <= 0.347
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.f));
+  const __m512 f = _mm512_sub_ps(x, n);  // |f| <= 1/2
+  __m512 p = _mm512_set1_ps(0.0013276268728077412f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00967547856271267f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
   return _mm512_scalef_ps(p, n);
 }
 
-// Issues the prefetches of a tile's K and V rows a few lines at a time.
+// Issues the prefetches of a tile's K and V rows, a few keys at a time.
 struct LinePrefetcher {
   const char* k = nullptr;
   const char* v = nullptr;
-  int64_t rows[TILE];  // byte offset of each token's row
-  int n = 0, lines = 0, per_step = 0, j = 0, e = 0;
+  int64_t rows[TILE];  // byte offset of each key's row
+  int n = 0, lines = 0, per_step = 0, j = 0;
   inline void step() {
-    for (int c = 0; c < per_step && j < n; ++c) {
-      _mm_prefetch(k + rows[j] + 64 * e, _MM_HINT_T1);
-      _mm_prefetch(v + rows[j] + 64 * e, _MM_HINT_T1);
-      if (++e == lines) { e = 0; ++j; }
+    for (const int end = std::min(n, j + per_step); j < end; ++j) {
+      for (int e = 0; e < lines; ++e) {
+        _mm_prefetch(k + rows[j] + 64 * e, _MM_HINT_T1);
+        _mm_prefetch(v + rows[j] + 64 * e, _MM_HINT_T1);
+      }
     }
   }
 };
@@ -259,20 +262,67 @@ inline __m512 hsum16(__m512 a[16]) {
   return _mm512_permutexvar_ps(idx, f);
 }
 
+#if defined(__AVX512BF16__)
+// A tile's K rows (nt <= 16 keys of D = 32 * NC bf16; keys past nt read as zero) transposed into bf16 pairs,
+// kt[d2 * TILE + j] = (k_j[2 d2], k_j[2 d2 + 1]), by 16 x 16 dword transposes (64 shuffles per 32 values).
+template <int NC>
+inline void transpose_k_tile(const at::BFloat16* const* kp, int nt, uint32_t* kt) {
+  for (int c = 0; c < NC; ++c) {
+    __m512i r[16], t[16];
+    for (int j = 0; j < 16; ++j) r[j] = j < nt ? _mm512_loadu_si512(kp[j] + 32 * c) : _mm512_setzero_si512();
+    for (int k = 0; k < 8; ++k) {
+      t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+      t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; ++k) {  // then r[4k + cc], 128-bit lane L: keys 4k..4k+3 of dword column 4L + cc
+      r[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+      r[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+      r[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+      r[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int cc = 0; cc < 4; ++cc) {  // 4 x 4 transpose of 128-bit lanes
+      const __m512i v0 = _mm512_shuffle_i32x4(r[cc], r[4 + cc], 0x44);
+      const __m512i v1 = _mm512_shuffle_i32x4(r[cc], r[4 + cc], 0xEE);
+      const __m512i v2 = _mm512_shuffle_i32x4(r[8 + cc], r[12 + cc], 0x44);
+      const __m512i v3 = _mm512_shuffle_i32x4(r[8 + cc], r[12 + cc], 0xEE);
+      uint32_t* dst = kt + (16 * c + cc) * TILE;  // dword column 4L + cc goes to dst + 4L * TILE
+      _mm512_storeu_si512(dst, _mm512_shuffle_i32x4(v0, v2, 0x88));
+      _mm512_storeu_si512(dst + 4 * TILE, _mm512_shuffle_i32x4(v0, v2, 0xDD));
+      _mm512_storeu_si512(dst + 8 * TILE, _mm512_shuffle_i32x4(v1, v3, 0x88));
+      _mm512_storeu_si512(dst + 12 * TILE, _mm512_shuffle_i32x4(v1, v3, 0xDD));
+    }
+  }
+}
+
+// A tile's V rows interleaved by pairs of keys, for P.V with vdpbf16ps: vector i * 2NC + 2c + h holds the
+// bf16 pairs (v_2i[d], v_2i+1[d]) for the 16 values d = 32c + 8L + 4h + 0..3 (L = 128-bit lane). Keys past
+// nt read as zero, so that a zero probability never meets a NaN from an unwritten row.
+template <int NC>
+inline void interleave_v_tile(const at::BFloat16* const* vp, int nt, uint32_t* vt) {
+  for (int i = 0; 2 * i < nt; ++i) {
+    for (int c = 0; c < NC; ++c) {
+      const __m512i a = _mm512_loadu_si512(vp[2 * i] + 32 * c);
+      const __m512i b = 2 * i + 1 < nt ? _mm512_loadu_si512(vp[2 * i + 1] + 32 * c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vt + (i * 2 * NC + 2 * c) * 16, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(vt + (i * 2 * NC + 2 * c + 1) * 16, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+#endif
+
 template <typename T, int NV>
 void attend_item_avx512(const Params& P, const Item& it, float* partial) {
   constexpr int D = NV * 16;
   constexpr bool BF16 = std::is_same<T, at::BFloat16>::value;
-  // bf16 cache, head_dim a multiple of 32: V rows are widened in registers as even/odd halves (2 ops per
-  // 32 values), so the accumulator holds each 32-chunk permuted (evens, then odds) until the end.
-  constexpr bool PERM = BF16 && NV % 2 == 0;
 #if defined(__AVX512BF16__)
-  constexpr bool DP = PERM;  // q . k with vdpbf16ps straight from the cache: no widening of K at all
+  // bf16 cache, head_dim a multiple of 32: q.k and P.V with vdpbf16ps straight from the cache (products of
+  // bf16 are exact, sums float32; P is rounded to bf16 for P.V, as torch's CPU flash attention does). The
+  // accumulator then holds each 32 values of d permuted (see interleave_v_tile) until the end.
+  constexpr bool DP = BF16 && NV % 2 == 0;
 #else
   constexpr bool DP = false;
 #endif
-  constexpr bool WIDEN_K = BF16 && !DP;  // bf16 K widened into a float tile buffer
-  constexpr bool WIDEN_V = BF16 && !PERM;
+  constexpr bool WIDEN = BF16 && !DP;  // otherwise bf16 K and V rows are widened into float tile buffers
   constexpr int RC = NV >= 24 ? 1 : 24 / NV;  // rows whose V accumulators stay in registers together
 
   const int G = P.G;
@@ -283,15 +333,15 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
   const int qs = rq[0], qlen = rq[1], L = rq[2], off = L - qlen;
   const int kend = std::min(it.k1, off + it.q1);
 
-  float* mem = thread_scratch().get((size_t)R * (2 * D + TILE + 3) + 2 * TILE * D + 64);
+  float* mem = thread_scratch().get((size_t)R * (2 * D + TILE + 18) + 2 * TILE * D + 64);
   float* qf = mem;  // DP: raw bf16 q rows (D halves per row)
   float* acc = qf + (size_t)R * D;
-  float* S = acc + (size_t)R * D;
-  float* m = S + (size_t)R * TILE;
-  float* l = m + R;
-  float* corr = l + R;
-  float* kbuf = corr + R;
-  float* vbuf = kbuf + TILE * D;
+  float* S = acc + (size_t)R * D;  // a tile's probabilities: float rows of TILE, or (DP) TILE / 2 bf16 pairs
+  float* lv = S + (size_t)R * TILE;  // per-lane partial sums of the probabilities, TILE per row
+  float* m = lv + (size_t)R * TILE;
+  float* corr = m + R;
+  float* kbuf = corr + R;  // a tile of K: widened floats, or (DP) transposed bf16 pairs
+  float* vbuf = kbuf + TILE * D;  // a tile of V: widened floats, or (DP) interleaved bf16 pairs
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
   const T* q = static_cast<const T*>(P.q);
@@ -306,8 +356,8 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
       for (int c = 0; c < NV; ++c) store16(qf + (size_t)r * D + 16 * c, _mm512_mul_ps(load16(src + 16 * c), sc));
     }
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)r * D + 16 * c, _mm512_setzero_ps());
+    _mm512_storeu_ps(lv + (size_t)r * TILE, _mm512_setzero_ps());
     m[r] = NEG_INF;
-    l[r] = 0.f;
   }
 
   const T* kc = static_cast<const T*>(P.k_cache);
@@ -340,7 +390,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
         pf.rows[j] = ((int64_t)bt[blk] * P.block_size + o) * row_stride * (int64_t)sizeof(T);
         if (++o == P.block_size) { o = 0; ++blk; }
       }
-      pf.per_step = (pf.n * pf.lines + R - 1) / R;
+      pf.per_step = (pf.n + R - 1) / R;
     }
     for (int hh = 0; hh < NH; ++hh) {
       const int64_t hoff = (int64_t)(it.h0 + hh) * D;
@@ -352,34 +402,28 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
       for (int j = 0; j < nt; ++j) {
         kp[j] = kc + tok[j] + hoff;
         vp[j] = vc + tok[j] + hoff;
-        if constexpr (WIDEN_K) {
+        if constexpr (WIDEN) {
           for (int c = 0; c < NV; ++c) store16(kbuf + j * D + 16 * c, load16(kp[j] + 16 * c));
-          kr[j] = kbuf + j * D;
-        } else {
-          kr[j] = reinterpret_cast<const float*>(kp[j]);
-        }
-        if constexpr (WIDEN_V) {
           for (int c = 0; c < NV; ++c) store16(vbuf + j * D + 16 * c, load16(vp[j] + 16 * c));
+          kr[j] = kbuf + j * D;
           vr[j] = vbuf + j * D;
         } else {
+          kr[j] = reinterpret_cast<const float*>(kp[j]);
           vr[j] = reinterpret_cast<const float*>(vp[j]);
         }
       }
-      // Many rows per kv head (a prefill tile): transpose the tile's K once into bf16 pairs, kt[d2][j] =
-      // (k_j[2 d2], k_j[2 d2 + 1]), so that each row's 16 scores come out of D/2 dot products with a
-      // broadcast pair of q, with no horizontal sums (a third of the per-row work of the path below).
+#if defined(__AVX512BF16__)
+      // Several rows per kv head (grouped-query decode, prefill tiles): transpose the tile's K once into
+      // bf16 pairs, so that each row's 16 scores come out of D/2 dot products with a broadcast pair of q,
+      // with no horizontal sums.
       const bool transposed = DP && RH >= TRANSPOSE_MIN_ROWS;
-      uint32_t* kt = reinterpret_cast<uint32_t*>(kbuf);  // kbuf is free in the DP path: D/2 x 16 dwords
-      if (transposed) {
-        for (int j = 0; j < TILE; ++j) {
-          if (j < nt) {
-            const uint32_t* src = reinterpret_cast<const uint32_t*>(kp[j]);
-            for (int d2 = 0; d2 < D / 2; ++d2) kt[d2 * TILE + j] = src[d2];
-          } else {
-            for (int d2 = 0; d2 < D / 2; ++d2) kt[d2 * TILE + j] = 0;
-          }
-        }
+      uint32_t* kt = reinterpret_cast<uint32_t*>(kbuf);
+      uint32_t* vt = reinterpret_cast<uint32_t*>(vbuf);
+      if constexpr (DP) {
+        if (transposed) transpose_k_tile<NV / 2>(kp, nt, kt);
+        interleave_v_tile<NV / 2>(vp, nt, vt);
       }
+#endif
       // scores (base 2) and the online-softmax update, row by row
       for (int r = rbeg; r < rend; ++r) {
         pf.step();
@@ -433,41 +477,55 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
           }
           s = _mm512_mask_blend_ps((__mmask16)((1u << lim) - 1u), ninf, s);
         }
-        const float mt = _mm512_reduce_max_ps(s);
         const float mo = m[r];
-        const float mn = std::max(mo, mt);
-        if (mn == NEG_INF) {  // nothing visible to this row yet
-          corr[r] = 1.f;
-          _mm512_storeu_ps(S + (size_t)r * TILE, _mm512_setzero_ps());
+        const float mn = std::max(mo, _mm512_reduce_max_ps(s));
+        __m512 p = _mm512_setzero_ps();
+        float cr = 1.f;
+        if (mn != NEG_INF) {  // else nothing is visible to this row yet
+          p = exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(mn)));
+          cr = mn == mo ? 1.f : (mo == NEG_INF ? 0.f : std::exp2(mo - mn));
+          m[r] = mn;
+          float* lr = lv + (size_t)r * TILE;
+          _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(cr), p));
+        }
+        corr[r] = cr;
+#if defined(__AVX512BF16__)
+        if constexpr (DP) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(S + (size_t)r * TILE), (__m256i)_mm512_cvtneps_pbh(p));
           continue;
         }
-        const __m512 p = exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(mn)));
-        const float cr = mn == mo ? 1.f : (mo == NEG_INF ? 0.f : std::exp2(mo - mn));
-        corr[r] = cr;
-        l[r] = l[r] * cr + _mm512_reduce_add_ps(p);
-        m[r] = mn;
+#endif
         _mm512_storeu_ps(S + (size_t)r * TILE, p);
       }
-      // acc_r = acc_r * corr_r + sum_j p_rj v_j
-      if constexpr (PERM) {
-        const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
-        for (int r0 = rbeg; r0 < rend; r0 += RC) {
-          const int rc = std::min(RC, rend - r0);
-          __m512 av[RC][NV];
-          for (int i = 0; i < RC; ++i) {
-            if (i < rc) {
-              const __m512 cr = _mm512_set1_ps(corr[r0 + i]);
-              for (int c = 0; c < NV; ++c)
-                av[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(r0 + i) * D + 16 * c), cr);
+      // acc_r = acc_r * corr_r + sum_j p_rj v_j, RC rows at a time with their accumulators in registers
+      for (int r0 = rbeg; r0 < rend; r0 += RC) {
+        const int rc = std::min(RC, rend - r0);
+        __m512 av[RC][NV];
+        for (int i = 0; i < RC; ++i) {
+          if (i < rc) {
+            const __m512 cr = _mm512_set1_ps(corr[r0 + i]);
+            for (int c = 0; c < NV; ++c)
+              av[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(r0 + i) * D + 16 * c), cr);
+          }
+        }
+        if constexpr (DP) {
+#if defined(__AVX512BF16__)
+          const uint32_t* pb = reinterpret_cast<const uint32_t*>(S);  // row r: TILE / 2 pairs at r * TILE
+          for (int jp = 0; 2 * jp < nt; ++jp) {
+            __m512bh vv[NV];
+            for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + (jp * NV + c) * 16);
+            for (int i = 0; i < RC; ++i) {
+              if (i < rc) {
+                const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pb[(size_t)(r0 + i) * TILE + jp]);
+                for (int c = 0; c < NV; ++c) av[i][c] = _mm512_dpbf16_ps(av[i][c], vv[c], pj);
+              }
             }
           }
+#endif
+        } else {
           for (int j = 0; j < nt; ++j) {
             __m512 vv[NV];
-            for (int c = 0; c < NV / 2; ++c) {
-              const __m512i x = _mm512_loadu_si512(vp[j] + 32 * c);
-              vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-              vv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
-            }
+            for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vr[j] + 16 * c);
             for (int i = 0; i < RC; ++i) {
               if (i < rc) {
                 const __m512 pj = _mm512_set1_ps(S[(size_t)(r0 + i) * TILE + j]);
@@ -475,47 +533,37 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
               }
             }
           }
-          for (int i = 0; i < RC; ++i) {
-            if (i < rc) {
-              for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)(r0 + i) * D + 16 * c, av[i][c]);
-            }
-          }
         }
-      } else {
-        for (int r = rbeg; r < rend; ++r) {
-          __m512 av[NV];
-          const __m512 cr = _mm512_set1_ps(corr[r]);
-          float* a = acc + (size_t)r * D;
-          for (int c = 0; c < NV; ++c) av[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), cr);
-          const float* p = S + (size_t)r * TILE;
-          for (int j = 0; j < nt; ++j) {
-            const __m512 pj = _mm512_set1_ps(p[j]);
-            for (int c = 0; c < NV; ++c) av[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr[j] + 16 * c), av[c]);
+        for (int i = 0; i < RC; ++i) {
+          if (i < rc) {
+            for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)(r0 + i) * D + 16 * c, av[i][c]);
           }
-          for (int c = 0; c < NV; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
         }
       }
     }
   }
 
-  const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  // DP: back to natural order. Of each 32 values, accumulator half h lane 4L + i holds d = 8L + 4h + i.
+  alignas(64) static const int32_t lo_idx[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t hi_idx[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
   for (int r = 0; r < R; ++r) {
     float* a = acc + (size_t)r * D;
-    if constexpr (PERM) {  // back to natural order: interleave the evens and odds of each 32-chunk
+    if constexpr (DP) {
+      const __m512i li = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
       for (int c = 0; c < NV / 2; ++c) {
-        const __m512 ev = _mm512_loadu_ps(a + 32 * c), od = _mm512_loadu_ps(a + 32 * c + 16);
-        _mm512_storeu_ps(a + 32 * c, _mm512_permutex2var_ps(ev, lo_idx, od));
-        _mm512_storeu_ps(a + 32 * c + 16, _mm512_permutex2var_ps(ev, hi_idx, od));
+        const __m512 h0 = _mm512_loadu_ps(a + 32 * c), h1 = _mm512_loadu_ps(a + 32 * c + 16);
+        _mm512_storeu_ps(a + 32 * c, _mm512_permutex2var_ps(h0, li, h1));
+        _mm512_storeu_ps(a + 32 * c + 16, _mm512_permutex2var_ps(h0, hi, h1));
       }
     }
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(lv + (size_t)r * TILE));
     const int hh = r / RH, rr = r % RH;
     if (partial) {
-      store_partial(partial, r, D, m[r], l[r], a);
+      store_partial(partial, r, D, m[r], l, a);
     } else {
       const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
       T* dst = static_cast<T*>(P.out) + ((int64_t)(qs + qi) * P.Hkv * G + head) * D;
-      const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
+      const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
       for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), inv));
     }
   }
