@@ -171,6 +171,7 @@ def test_roofline_with_small_buffers(llama_dir, tmp_path):
                    "--json", out], out)
     limits, cost, bound = report["limits"], report["cost"], report["bound"]
     assert limits["bandwidth_gb_s"] > 0 and set(limits["peak_gflops"]) == {"float32"}
+    assert len(limits["bandwidth_readings"]) == 2 and limits["bandwidth_gb_s"] == max(limits["bandwidth_readings"])
     assert all(set(r["gflops"]) == {"float32"} for r in limits["matmul"]) and limits["other_cores"] >= 0
     assert {r["name"] for r in limits["matmul"]} == {"qkv", "o", "gate_up", "down", "lm_head"}
     # the tiny llama: hidden 64, 4 heads of 16, 2 KV heads, intermediate 128, vocab 512, 2 layers

@@ -1,7 +1,8 @@
 """The fastest this machine could possibly run a workload, from two measured limits (the method of
 shared/design/performance-study.md §2-3):
 
-* memory bandwidth: a read-only sum over a buffer far larger than the last-level cache;
+* memory bandwidth: a read-only sum over a buffer far larger than the last-level cache (with --run, read again
+  after the run, since a shared machine's bandwidth moves within minutes; the bound uses the higher reading);
 * matrix throughput: `F.linear` at the model's own shapes with a large M, in the engine's dtype and float32.
 
 A decode step must stream every weight once, in the engine's dtype (folio dequantises GGUF files at load),
@@ -55,8 +56,9 @@ class MatmulRate:
 @dataclass
 class MachineLimits:
     threads: int
-    bandwidth_gb_s: float  # read-only, median
+    bandwidth_gb_s: float  # read-only: the highest reading (the bound is then the most optimistic one)
     bandwidth_buffer_mib: int
+    bandwidth_readings: list[float]  # each the median of --reps sums: before the limits, and after a --run
     matmul: list[MatmulRate]
     peak_gflops: dict[str, float]  # per dtype: the best of the model's shapes
     other_cores: float  # CPU other processes used meanwhile (folio.bench.noise)
@@ -167,12 +169,17 @@ def _median_seconds(fn: Callable[[], object], reps: int) -> float:
 
 
 @torch.inference_mode()
+def measure_bandwidth(bandwidth_mib: int, reps: int) -> float:
+    """Read bandwidth in GB/s: the median time of a float32 sum over a buffer far larger than the caches."""
+    buffer = torch.ones(bandwidth_mib * 2**20 // 4, dtype=torch.float32)  # ones, not empty: pages are touched
+    return buffer.numel() * 4 / _median_seconds(buffer.sum, reps) / 1e9
+
+
+@torch.inference_mode()
 def measure_limits(cfg: ModelConfig, dtypes: list[torch.dtype], bandwidth_mib: int, m: int,
                    reps: int) -> MachineLimits:
     load = OtherLoad()
-    buffer = torch.ones(bandwidth_mib * 2**20 // 4, dtype=torch.float32)  # ones, not empty: pages are touched
-    bandwidth = buffer.numel() * 4 / _median_seconds(buffer.sum, reps) / 1e9
-    del buffer
+    bandwidth = measure_bandwidth(bandwidth_mib, reps)
     rates = []
     for name, (k, n) in linear_shapes(cfg).items():
         gflops = {}
@@ -181,7 +188,7 @@ def measure_limits(cfg: ModelConfig, dtypes: list[torch.dtype], bandwidth_mib: i
             gflops[dtype_name(dtype)] = 2 * m * n * k / _median_seconds(lambda: F.linear(x, w), reps) / 1e9
         rates.append(MatmulRate(name, k, n, m, gflops))
     peaks = {d: max(r.gflops[d] for r in rates) for d in rates[0].gflops}
-    return MachineLimits(torch.get_num_threads(), bandwidth, bandwidth_mib, rates, peaks, load.cores())
+    return MachineLimits(torch.get_num_threads(), bandwidth, bandwidth_mib, [bandwidth], rates, peaks, load.cores())
 
 
 def decode_step_bound(cost: ModelCost, batch: int, context: float, bandwidth_gb_s: float,
@@ -224,7 +231,11 @@ def print_result(result: RooflineResult) -> None:
     limits, cost, bound = result.limits, result.cost, result.bound
     peak = limits.peak_gflops[result.dtype]
     print(f"folio bench roofline: {result.model} ({result.dtype}), {result.workload}, threads {limits.threads}")
-    print(f"  read bandwidth {limits.bandwidth_gb_s:.1f} GB/s (sum over {limits.bandwidth_buffer_mib} MiB)")
+    readings = ""
+    if len(limits.bandwidth_readings) > 1:
+        readings = (f"; before / after the run: {' / '.join(f'{b:.1f}' for b in limits.bandwidth_readings)}, "
+                    f"the bound uses the highest")
+    print(f"  read bandwidth {limits.bandwidth_gb_s:.1f} GB/s (sum over {limits.bandwidth_buffer_mib} MiB{readings})")
     print(f"  F.linear GFLOP/s at M={limits.matmul[0].m}:")
     print(f"    {'layer':<10}{'in -> out':>16}" + "".join(f"{d:>12}" for d in limits.peak_gflops))
     for r in limits.matmul:
@@ -265,9 +276,6 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
     cost = model_cost(cfg, dtype)
     limits = measure_limits(cfg, list(dict.fromkeys([dtype, torch.float32])), args.bandwidth_mib, args.matmul_m,
                             args.reps)
-    batch = max_batch(config, cost, args.num_prompts, args.input_len + output_len)
-    bound = workload_bound(cost, args.num_prompts, args.input_len, output_len, batch, config.max_num_batched_tokens,
-                           limits.bandwidth_gb_s, limits.peak_gflops[dtype_name(dtype)])
     run = None
     achieved = args.achieved_tok_s
     if args.run_throughput:
@@ -276,6 +284,12 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
         run = throughput.measure(engine, requests, describe(args), breakdown=True)
         throughput.print_result(run)
         achieved = run.output_tokens_per_s
+        # a shared machine's bandwidth moves by tens of percent within minutes: read it again after the run
+        limits.bandwidth_readings.append(measure_bandwidth(args.bandwidth_mib, args.reps))
+        limits.bandwidth_gb_s = max(limits.bandwidth_readings)
+    batch = max_batch(config, cost, args.num_prompts, args.input_len + output_len)
+    bound = workload_bound(cost, args.num_prompts, args.input_len, output_len, batch, config.max_num_batched_tokens,
+                           limits.bandwidth_gb_s, limits.peak_gflops[dtype_name(dtype)])
     result = RooflineResult(throughput.model_name(config), dtype_name(dtype), describe(args), limits, cost, bound,
                             achieved, None if achieved is None else achieved / bound.output_tokens_per_s, run)
     print_result(result)
