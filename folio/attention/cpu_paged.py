@@ -4,7 +4,8 @@
 before it calls SDPA. This backend hands the cache, the block tables and the step's request layout to one
 C++ call per layer (folio/csrc/cpu_paged_attention.cpp) that writes the new K/V rows into the cache and then
 walks each request's blocks directly: online softmax over tiles of 16 keys (FlashAttention style), float32
-accumulation, grouped-query attention without repeating K/V, causal masking offset by the cached context,
+accumulation (with a bf16 cache on AVX512-BF16, q.k and P.V are bf16 dot products, P rounded to bf16 as in
+torch's CPU flash attention), grouped-query attention without repeating K/V, causal masking offset by the cached context,
 OpenMP over (request, kv heads, query tile) and, when a batch is too small to fill the threads, over
 partitions of the context whose partial results are merged afterwards (flash-decoding). Decodes and
 prefill chunks go through the same kernel: it also beat SDPA on prefill, even SDPA on pre-gathered K/V
