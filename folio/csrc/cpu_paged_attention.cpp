@@ -333,7 +333,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
   const int qs = rq[0], qlen = rq[1], L = rq[2], off = L - qlen;
   const int kend = std::min(it.k1, off + it.q1);
 
-  float* mem = thread_scratch().get((size_t)R * (2 * D + TILE + 18) + 2 * TILE * D + 64);
+  float* mem = thread_scratch().get((size_t)R * (2 * D + 2 * TILE + 2) + 2 * TILE * D + 64);
   float* qf = mem;  // DP: raw bf16 q rows (D halves per row)
   float* acc = qf + (size_t)R * D;
   float* S = acc + (size_t)R * D;  // a tile's probabilities: float rows of TILE, or (DP) TILE / 2 bf16 pairs
