@@ -48,12 +48,12 @@ def wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> None:
     while time.monotonic() < deadline:
         stats = llm.scheduler_stats
         if (engine.scheduler.num_unfinished == 0 and not engine.output_processor.states
-                and engine.kv_cache.num_free_blocks == engine.kv_cache.pool.num_blocks
+                and engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.pool.num_blocks
                 and stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0):
             return
         time.sleep(0.005)
     raise AssertionError(f"engine not idle: {engine.scheduler.num_unfinished} requests, "
-                         f"{engine.kv_cache.num_free_blocks}/{engine.kv_cache.pool.num_blocks} blocks free")
+                         f"{engine.kv_cache_manager.num_free_blocks}/{engine.kv_cache_manager.pool.num_blocks} blocks free")
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ def test_bad_prompts_rejected_and_engine_keeps_serving(engine, prompt, match):
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outputs] == ["good"] and len(outputs[0].outputs[0].token_ids) == 4
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.pool.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.pool.num_blocks
 
 
 def test_bad_request_level_params(engine):

@@ -57,7 +57,7 @@ def test_preemption_matches(llama_dir, attention_backend):
     assert engine.scheduler.num_preemptions > 0
     expected = [hf_greedy(llama_dir, p, MAX_TOKENS)[:48 - len(p)] for p in PROMPTS]
     assert _tokens(outputs) == expected
-    assert engine.kv_cache.num_free_blocks == 12
+    assert engine.kv_cache_manager.num_free_blocks == 12
 
 
 def test_requests_added_while_others_decode(llama_dir, attention_backend):

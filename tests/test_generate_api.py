@@ -53,7 +53,7 @@ def test_stop_strings_never_in_text(llm):
                         use_tqdm=False)[0].outputs[0]
     assert kept.text == free.text[:free.text.index(stop) + 3]
     assert not llm.llm_engine.has_unfinished_requests()
-    assert llm.llm_engine.kv_cache.num_free_blocks == llm.llm_engine.kv_cache.pool.num_blocks
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.kv_cache_manager.pool.num_blocks
 
 
 def test_stop_token_ids_and_ignore_eos(llm):
@@ -101,9 +101,9 @@ def test_abort_frees_blocks_and_reports(llama_dir):
     engine = llm.llm_engine
     engine.add_request("a", {"prompt_token_ids": list(range(5, 45))}, SamplingParams(n=2, max_tokens=50))
     engine.step()
-    assert engine.kv_cache.num_free_blocks < engine.kv_cache.pool.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks < engine.kv_cache_manager.pool.num_blocks
     final = engine.abort_request("a")
     assert [c.finish_reason for c in final[0].outputs] == ["abort", "abort"] and final[0].finished
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.pool.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.pool.num_blocks
     assert engine.step() == []

@@ -8,12 +8,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import hf_greedy
+from fake_runner import fake_runner_output
 from folio import LLM, SamplingParams
 from folio.config import EngineConfig
 from folio.core.block_hash import extend_block_hashes
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import Request, RequestStatus
-from folio.core.scheduler import ModelOutput, SampledToken, Scheduler
+from folio.core.scheduler import Scheduler
 
 PREFIX = list(range(30, 70))  # 40 tokens: two and a half blocks of 16
 SUFFIXES = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [300, 301, 302, 303, 304, 305]]
@@ -28,9 +29,9 @@ def _count_model_tokens(llm) -> list[int]:
     runner, counts = llm.llm_engine.runner, []
     execute = runner.execute
 
-    def counting(sched, tables):
+    def counting(sched):
         counts.append(sched.num_tokens)
-        return execute(sched, tables)
+        return execute(sched)
 
     runner.execute = counting
     return counts
@@ -94,7 +95,7 @@ def test_n_samples_share_the_prompt(llama_dir):
         peak = 0
         while engine.has_unfinished_requests():
             engine.step()
-            peak = max(peak, engine.kv_cache.pool.num_blocks - engine.kv_cache.num_free_blocks)
+            peak = max(peak, engine.kv_cache_manager.pool.num_blocks - engine.kv_cache_manager.num_free_blocks)
         return peak, sum(counts)
 
     (shared_blocks, shared_tokens), (separate_blocks, separate_tokens) = peak_blocks(True), peak_blocks(False)
@@ -111,9 +112,8 @@ def test_lru_eviction_order():
         return Request(rid, tokens, SamplingParams(max_tokens=1))
 
     a, b = request("a", [1, 2, 3, 4, 5]), request("b", [7, 8, 9, 10, 11])
-    for r in (a, b):
-        assert kv.allocate_slots(r, 5)
-    a_ids, b_ids = kv.block_ids("a"), kv.block_ids("b")
+    a_ids, b_ids = kv.allocate_slots(a, 5), kv.allocate_slots(b, 5)  # the ids of the blocks each gained
+    assert a_ids == kv.block_ids("a") and b_ids == kv.block_ids("b") and len(a_ids) == 3
     kv.free(a)
     kv.free(b)
     # never-hashed partial blocks first (most recently freed at the very front), then cached blocks
@@ -122,11 +122,10 @@ def test_lru_eviction_order():
     c = request("c", [1, 2, 3, 4, 99])  # hits a's two full blocks and revives them from the free list
     hits = kv.find_cached(c)
     assert [blk.block_id for blk in hits] == a_ids[:2]
-    assert kv.allocate_slots(c, 1, hits)
-    assert kv.block_ids("c")[:2] == a_ids[:2]
+    assert kv.allocate_slots(c, 1, hits) == kv.block_ids("c")  # the hits, then one new block
+    assert kv.block_ids("c")[:2] == a_ids[:2] and kv.allocate_slots(c, 0) == []
     d = request("d", [50, 51, 52, 53, 54, 55])  # 3 blocks: the remaining partial first, then b's, evicting them
-    assert kv.allocate_slots(d, 6)
-    assert kv.block_ids("d") == [a_ids[2], b_ids[1], b_ids[0]]
+    assert kv.allocate_slots(d, 6) == kv.block_ids("d") == [a_ids[2], b_ids[1], b_ids[0]]
     assert kv.pool.lookup(b.block_hashes[1]) is None and kv.pool.lookup(b.block_hashes[0]) is None
     assert kv.pool.lookup(a.block_hashes[0]) is not None
 
@@ -141,7 +140,7 @@ def test_prefix_cache_invariants_under_random_workloads(reqs, num_blocks, block_
     max_model_len = min(num_blocks * block_size, 48)
     cfg = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=5)
     sched = Scheduler(cfg, KVCacheManager(num_blocks, block_size), max_model_len)
-    kv, pool = sched.kv_cache, sched.kv_cache.pool
+    kv, pool = sched.kv_cache_manager, sched.kv_cache_manager.pool
     all_requests = []
     for i, (p, extra, max_tokens, abort) in enumerate(reqs):
         tokens = (prefixes[p] + [rng.randrange(1, 50) for _ in range(extra)])[:max_model_len - 1]
@@ -154,12 +153,10 @@ def test_prefix_cache_invariants_under_random_workloads(reqs, num_blocks, block_
             break
         out = sched.schedule()
         for item in out.scheduled:
-            r, table = item.request, kv.block_ids(item.request.request_id)
-            for pos in range(r.num_computed_tokens, r.num_computed_tokens + item.num_tokens):
+            r, table = sched.requests[item.request_id], kv.block_ids(item.request_id)
+            for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_tokens):
                 slot_tokens[table[pos // block_size] * block_size + pos % block_size] = r.all_token_ids[pos]
-        sampled = {s.request.request_id: SampledToken(rng.choice([0, 3, 4]) if rng.random() < 0.1 else 5)
-                   for s in out.scheduled if s.samples}
-        sched.update_from_output(out, ModelOutput(sampled=sampled))
+        sched.update_from_output(out, fake_runner_output(sched, out, lambda: rng.choice([0, 3, 4]) if rng.random() < 0.1 else 5))
         # every block's reference count is the number of live requests holding it
         holders: dict[int, int] = {}
         for blocks in kv.req_to_blocks.values():
@@ -199,7 +196,7 @@ def test_preempted_request_resumes_from_its_cached_blocks(llama_dir):
     # without the cache every preemption would recompute the whole request; with it, far less is redone
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama_dir, p["prompt_token_ids"], 20)[:28]
                                                      for p in prompts]
-    assert engine.kv_cache.prefix_stats.hits > 0
+    assert engine.kv_cache_manager.prefix_stats.hits > 0
 
 
 def test_beam_search_equals_transformers_num_beams(llama_dir):

@@ -12,17 +12,24 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from folio.sample import sampler as sampler_mod, sampling_ops
-from folio.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from folio.sample.logits_processors import LogitsProcessor, default_logits_processors
+from folio.sample.sampler import Sampler, compute_prompt_logprobs
+from folio.sample.sampling_metadata import SamplingMetadata
 from folio.sampling_params import SamplingParams
+from folio.worker.request_state import RequestState
 
 torch.set_num_threads(1)
-sample = Sampler()
+sampler = Sampler()
+
+
+def sample(logits: torch.Tensor, rows: list[RequestState]):
+    """One step of the sampler: the step's metadata built from the rows, then the batch sampled."""
+    return sampler(logits, SamplingMetadata.build(rows, default_logits_processors()))
 
 
 def row(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None,
-        generator: torch.Generator | None = None, stop: set[int] | None = None) -> SamplingRow:
-    return SamplingRow(params=params, prompt_token_ids=list(prompt or [0]), output_token_ids=list(output or []),
-                       generator=generator, stop_token_ids=set(stop or ()))
+        generator: torch.Generator | None = None, stop: set[int] | None = None) -> RequestState:
+    return RequestState("r", list(prompt or [0]), params, frozenset(stop or ()), generator, list(output or []))
 
 
 def allowed_tokens(logits: torch.Tensor, params: SamplingParams, tol: float = 1e-6) -> set[int]:
@@ -105,6 +112,54 @@ def test_plain_greedy_rows_beside_rows_that_need_the_full_path():
     assert [lp is None for lp in out.logprobs] == [True, False, True, True, True, True]
 
 
+class AllowedTokens(LogitsProcessor):
+    """A stand-in for a grammar's token mask: requests whose prompt starts with 0 may only emit given tokens."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = allowed
+        self.calls: list[list[int]] = []
+
+    def applies(self, request: RequestState) -> bool:
+        return request.prompt_token_ids[0] == 0
+
+    def apply(self, logits: torch.Tensor, rows: list[int], requests: list[RequestState]) -> None:
+        self.calls.append(list(rows))
+        mask = torch.full((logits.shape[1],), -math.inf)
+        mask[self.allowed] = 0.0
+        logits[torch.tensor(rows)] += mask
+
+
+def test_a_new_logits_processor_joins_the_list_without_changing_the_sampler():
+    torch.manual_seed(4)
+    logits = torch.randn(5, 30)
+    processor = AllowedTokens([3, 17])
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=5.0, seed=1)
+    rows = [row(greedy, prompt=[5]), row(greedy, prompt=[0]), row(hot, prompt=[0], generator=torch.Generator()),
+            row(greedy, prompt=[6], output=[2]), row(hot, prompt=[0], generator=torch.Generator())]
+    metadata = SamplingMetadata.build(rows, default_logits_processors() + [processor])
+    assert metadata.fast_rows == [0, 3] and metadata.full_rows == [1, 2, 4]
+    assert [(type(p), r) for p, r in metadata.processors] == [(AllowedTokens, [0, 1, 2])]
+    for _ in range(20):
+        out = sampler(logits, metadata)
+        assert out.sampled_token_ids[0] == int(logits[0].argmax()) and out.sampled_token_ids[3] == int(logits[3].argmax())
+        assert {out.sampled_token_ids[i] for i in (1, 2, 4)} <= {3, 17}
+    assert processor.calls == [[0, 1, 2]] * 20  # positions within the full rows, only those that need it
+
+
+def test_processors_see_only_their_rows():
+    """Penalties and logit_bias on a few rows of a batch leave the other rows' logits exactly as they were."""
+    torch.manual_seed(6)
+    logits = torch.randn(4, 12)
+    rows = [row(SamplingParams(repetition_penalty=1.5), prompt=[1, 2], output=[3]),
+            row(SamplingParams(logprobs=1)),
+            row(SamplingParams(logit_bias={4: 1.0}, frequency_penalty=0.25), output=[4, 4]),
+            row(SamplingParams(top_k=3))]
+    got = torch.tensor(processed(logits.tolist(), rows))
+    assert torch.equal(got[[1, 3]], logits[[1, 3]])
+    assert not torch.equal(got[0], logits[0]) and not torch.equal(got[2], logits[2])
+    assert got[2, 4] == logits[2, 4] + 1.0 - 2 * 0.25
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 15), (2, 16), (5, 17), (4, 1000), (3, 49152)])
 def test_argmax_rows_equals_torch_argmax(dtype, shape):
@@ -148,7 +203,7 @@ class FakeRequest:
         seed = self.rid * 1_000_003 + sum((i + 1) * t for i, t in enumerate(self.output))
         return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
 
-    def row(self) -> SamplingRow:
+    def row(self) -> RequestState:
         return row(self.params, prompt=[1, 2, 3], output=self.output, generator=self.generator)
 
 
@@ -274,9 +329,13 @@ def test_temperature_sampling_follows_softmax(temperature: float, seeded: bool):
 
 # --- logits processors ------------------------------------------------------------------------------------
 
-def processed(logits: list[list[float]], rows: list[SamplingRow]) -> list[list[float]]:
+def processed(logits: list[list[float]], rows: list[RequestState]) -> list[list[float]]:
+    """The logits after the logits processors (rows that need none of them, or the fast path, stay as given)."""
     t = torch.tensor(logits)
-    sampler_mod._process_logits(t, rows)
+    metadata = SamplingMetadata.build(rows, default_logits_processors())
+    full = t[metadata.full_rows]
+    sampler_mod.process_logits(full, metadata)
+    t[metadata.full_rows] = full
     return t.tolist()
 
 

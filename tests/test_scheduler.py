@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import Request, RequestStatus
-from folio.core.scheduler import ModelOutput, SampledToken, Scheduler
+from fake_runner import fake_runner_output
+from folio.core.scheduler import Scheduler
 from folio.sampling_params import SamplingParams
 
 EOS = 0
@@ -33,8 +34,7 @@ def make_request(rid, prompt_len, max_tokens=4, priority=0, arrival=0.0, **param
 
 def run_step(sched, token=7):
     out = sched.schedule()
-    sampled = {s.request.request_id: SampledToken(token) for s in out.scheduled if s.samples}
-    return out, sched.update_from_output(out, ModelOutput(sampled=sampled))
+    return out, sched.update_from_output(out, fake_runner_output(sched, out, token))
 
 
 def test_running_first_then_waiting_with_chunked_prefill():
@@ -42,10 +42,10 @@ def test_running_first_then_waiting_with_chunked_prefill():
     for i, n in enumerate([6, 8, 3]):
         sched.add_request(make_request(i, n))
     out, _ = run_step(sched)
-    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("0", 6), ("1", 4)]
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("0", 6), ("1", 4)]
     out, _ = run_step(sched)
     # request 0 decodes one token, request 1 finishes its prompt, request 2 is admitted with what is left
-    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("0", 1), ("1", 4), ("2", 3)]
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("0", 1), ("1", 4), ("2", 3)]
 
 
 def test_max_num_seqs_limits_admission():
@@ -73,7 +73,7 @@ def test_priority_policy_orders_and_preempts_by_priority():
     sched.add_request(make_request("low", 8, priority=5, arrival=0.0))
     sched.add_request(make_request("high", 8, priority=0, arrival=1.0))
     out, _ = run_step(sched)
-    assert [s.request.request_id for s in out.scheduled] == ["high", "low"]
+    assert [s.request_id for s in out.scheduled] == ["high", "low"]
     out, _ = run_step(sched)
     assert out.preempted_ids == ["low"]
 
@@ -88,7 +88,7 @@ def test_stop_conditions():
     assert reasons == {"eos": ("stop", None), "ignore": (None, None), "stopid": ("stop", EOS)}
     _, outs = run_step(sched, token=EOS)
     assert [(o.request_id, o.finish_reason) for o in outs] == [("ignore", "length")]
-    assert sched.kv_cache.num_free_blocks == 16
+    assert sched.kv_cache_manager.num_free_blocks == 16
 
 
 def test_min_tokens_delays_stop_and_max_model_len_ends():
@@ -114,7 +114,7 @@ def test_block_accounting_under_random_workloads(reqs, num_blocks, block_size, b
     max_model_len = min(num_blocks * block_size, 64)
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=budget, max_seqs=6,
                            max_model_len=max_model_len)
-    pool = sched.kv_cache.pool
+    pool = sched.kv_cache_manager.pool
     submitted = []
     for i, (plen, max_tokens, abort_later) in enumerate(reqs):
         plen = min(plen, max_model_len - 1)
@@ -125,14 +125,13 @@ def test_block_accounting_under_random_workloads(reqs, num_blocks, block_size, b
         if not sched.num_unfinished:
             break
         out = sched.schedule()
-        sampled = {s.request.request_id: SampledToken(rng.choice([EOS, 5, 6, 7]) if rng.random() < 0.2 else 9)
-                   for s in out.scheduled if s.samples}
-        for o in sched.update_from_output(out, ModelOutput(sampled=sampled)):
+        sampled = fake_runner_output(sched, out, lambda: rng.choice([EOS, 5, 6, 7]) if rng.random() < 0.2 else 9)
+        for o in sched.update_from_output(out, sampled):
             if o.finish_reason:
                 finished.add(o.request_id)
         # invariants after every step
         owners: dict[int, str] = {}
-        for rid, blocks in sched.kv_cache.req_to_blocks.items():
+        for rid, blocks in sched.kv_cache_manager.req_to_blocks.items():
             for b in blocks:
                 assert b.ref_cnt == 1, "no block is shared unless deliberately"
                 assert b.block_id not in owners, f"block {b.block_id} held by {owners.get(b.block_id)} and {rid}"
@@ -147,4 +146,4 @@ def test_block_accounting_under_random_workloads(reqs, num_blocks, block_size, b
     assert sched.num_unfinished == 0, "every request finished: none starved"
     assert pool.num_free_blocks == num_blocks
     assert sorted(pool.free_queue.block_ids()) == list(range(num_blocks))
-    assert not sched.kv_cache.req_to_blocks
+    assert not sched.kv_cache_manager.req_to_blocks

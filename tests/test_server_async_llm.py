@@ -182,7 +182,7 @@ def test_shutdown_aborts_or_finishes_in_flight_and_refuses_new(llama_dir, grace,
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert tokens == 400 if finish == "length" else tokens < 400
     assert took < 20 and not llm._thread.is_alive()
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.pool.num_blocks
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.kv_cache_manager.pool.num_blocks
 
 
 def test_stat_loggers_see_every_step(llm, recorder):

@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
+from folio.core.request import Request
 from folio.engine.llm_engine import LLMEngine
 
 # Printed in this order; each is a share of the step.
@@ -81,14 +82,15 @@ class StepProfile:
                 self._ns[phase] += time.perf_counter_ns() - start
         return timed
 
-    def _schedule(self, fn: Callable) -> Callable:
+    def _schedule(self, fn: Callable, requests: dict[str, Request]) -> Callable:
+        """Times the scheduler and reads the step's shape from its output (requests: the scheduler's own)."""
         timed = self._timed(fn, "scheduling")
 
         def schedule(*args: Any, **kwargs: Any) -> Any:
             out = timed(*args, **kwargs)
             items = out.scheduled
             self._shape = (len(items), sum(i.num_tokens for i in items),
-                           bool(items) and all(i.request.num_computed_tokens >= i.request.num_prompt_tokens
+                           bool(items) and all(i.num_computed_tokens >= requests[i.request_id].num_prompt_tokens
                                                for i in items))
             return out
         return schedule
@@ -142,7 +144,7 @@ def profile_steps(engine: LLMEngine) -> Iterator[StepProfile]:
     runner = engine.runner
     wrappers = [
         (engine, "step", profile._step),
-        (engine.scheduler, "schedule", profile._schedule),
+        (engine.scheduler, "schedule", lambda fn: profile._schedule(fn, engine.scheduler.requests)),
         (engine.scheduler, "update_from_output", lambda fn: profile._timed(fn, "scheduling")),
         (engine.scheduler, "finish_requests", lambda fn: profile._timed(fn, "scheduling")),
         (runner.backend, "build_metadata", lambda fn: profile._timed(fn, "attention metadata")),

@@ -13,6 +13,7 @@ layer writes the step's new K/V into the cache before any attention reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from folio.core.block_hash import extend_block_hashes
 from folio.core.block_pool import BlockPool, KVCacheBlock
@@ -67,23 +68,25 @@ class KVCacheManager:
             self.prefix_stats.hits += num_cached
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[KVCacheBlock] = ()) -> bool:
-        """Make room for `num_new_tokens` tokens after the computed ones and the given cache hits;
-        False (and nothing taken) if the pool is short."""
+                       cached_blocks: list[KVCacheBlock] = ()) -> Optional[list[int]]:
+        """Make room for `num_new_tokens` tokens after the computed ones and the given cache hits. Returns the
+        ids of the blocks the request gained (the hits, then new blocks; often none), or None (and nothing
+        taken) if the pool is short."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(cached_blocks)
         revived = sum(1 for b in cached_blocks if b.ref_cnt == 0)  # hits sitting in the free list
         if needed + revived > self.pool.num_free_blocks:
-            return False
+            return None
         for block in cached_blocks:
             self.pool.touch(block)
+        first_new = len(blocks)
         blocks.extend(cached_blocks)
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
         if self.enable_prefix_caching:
             self._publish_full_blocks(request, blocks, min(num_computed + num_new_tokens, request.num_tokens))
-        return True
+        return [b.block_id for b in blocks[first_new:]]
 
     def _publish_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         start = self.num_cached_blocks.get(request.request_id, 0)

@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from folio.sampling_params import SamplingParams
 
 
@@ -54,9 +52,7 @@ class Request:
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already handed out (never twice)
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (prefix caching)
     output_token_ids: list[int] = field(default_factory=list)
-    # prompt + output in one list, appended to in place: the model runner slices it every step.
-    all_token_ids: list[int] = field(init=False)
-    generator: Optional[torch.Generator] = field(init=False, default=None)
+    all_token_ids: list[int] = field(init=False)  # prompt + output in one list (block hashes read it)
     # Tokens that end the request (and that min_tokens must hold back): stop_token_ids, plus EOS unless ignore_eos.
     stop_token_ids: frozenset[int] = field(init=False)
 
@@ -64,8 +60,6 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         eos = frozenset() if self.sampling_params.ignore_eos else self.eos_token_ids
         self.stop_token_ids = frozenset(self.sampling_params.stop_token_ids) | eos
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

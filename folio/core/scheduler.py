@@ -8,6 +8,11 @@ One rule serves every case. Each step, with `max_num_batched_tokens` to give out
   2. then, if nothing was preempted this step, waiting requests are admitted while budget, blocks and
      `max_num_seqs` allow, their prompts chunked to what is left of the budget.
 Prefill chunks and decode tokens of different requests then go through the same forward pass.
+
+The step's result is a SchedulerOutput message (folio.core.step_contract) for the model runner: a request's
+unchanging facts the first time it is scheduled, then per step only its counts and new block ids. The
+runner's answer comes back through `update_from_output`, which appends the sampled tokens to the core's own
+Requests and ends those that hit a stop condition.
 """
 
 from __future__ import annotations
@@ -21,46 +26,8 @@ from typing import Iterable, Optional
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens whose KV this step computes, starting at request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the last known token, so the step yields a new token."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    # Requests that ended since the previous step: the model runner drops whatever it kept for them.
-    finished_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-
-@dataclass
-class SampledToken:
-    """What the model runner produced for one request that sampled this step."""
-
-    token_id: int
-    logprobs: Optional[object] = None  # folio.sample.sampler.SampledLogprobs
-
-
-@dataclass
-class ModelOutput:
-    """The model runner's result for a step, keyed by request id."""
-
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
-    # prompt logprobs of the prompt positions each request's chunk computed this step
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+from folio.core.step_contract import (ModelRunnerOutput, NewRequestData, SampledLogprobs, ScheduledRequestData,
+                                      SchedulerOutput)
 
 
 @dataclass
@@ -69,8 +36,8 @@ class CoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[object]
-    prompt_logprobs: Optional[list] = None
+    new_logprobs: list[SampledLogprobs]
+    prompt_logprobs: Optional[list[SampledLogprobs]] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
     first_scheduled_time: Optional[float] = None
@@ -127,9 +94,9 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
         self.config = config
-        self.kv_cache = kv_cache
+        self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -156,11 +123,11 @@ class Scheduler:
             self._finish(request, status)
 
     def reset_prefix_cache(self) -> None:
-        self.kv_cache.reset_prefix_cache()
+        self.kv_cache_manager.reset_prefix_cache()
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv_cache.free(request)
+        self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
@@ -169,8 +136,8 @@ class Scheduler:
         return len(self.requests)
 
     def stats(self) -> SchedulerStats:
-        prefix = self.kv_cache.prefix_stats
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache.usage, self.num_preemptions,
+        prefix = self.kv_cache_manager.prefix_stats
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage, self.num_preemptions,
                               prefix.queries, prefix.hits)
 
     # ---- the step ------------------------------------------------------------------------------------
@@ -187,34 +154,38 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv_cache.allocate_slots(request, num_new):
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; self.running shrank, so i now points at the next one
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(ScheduledRequestData(request.request_id, request.num_computed_tokens, num_new,
+                                                      new_blocks))
             budget -= num_new
             i += 1
 
         while (not out.preempted_ids and budget > 0 and len(self.waiting)
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()  # waiting requests have no computed tokens (new or preempted)
-            cached = self.kv_cache.find_cached(request)
-            num_cached = len(cached) * self.kv_cache.block_size
+            cached = self.kv_cache_manager.find_cached(request)
+            num_cached = len(cached) * self.kv_cache_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, cached):
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, cached)
+            if new_blocks is None:
                 break
             self.waiting.pop()
-            self.kv_cache.record_lookup(request.num_tokens, num_cached)
+            self.kv_cache_manager.record_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
-            if request.first_scheduled_time is None:
+            if request.first_scheduled_time is None:  # new to the runner too (a resumed one it still knows)
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
+                out.new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
+                                                       request.sampling_params, request.stop_token_ids))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(ScheduledRequestData(request.request_id, num_cached, num_new, new_blocks))
             budget -= num_new
         return out
 
@@ -227,11 +198,11 @@ class Scheduler:
         """Free a running request's blocks and requeue it to recompute everything it knows."""
         self.running.remove(request)
         for scheduled in out.scheduled:
-            if scheduled.request is request:  # already given tokens this step: take them back
+            if scheduled.request_id == request.request_id:  # already given tokens this step: take them back
                 out.scheduled.remove(scheduled)
                 break
-        self.kv_cache.unpublish_uncomputed(request)
-        self.kv_cache.free(request)
+        self.kv_cache_manager.unpublish_uncomputed(request)
+        self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -239,33 +210,50 @@ class Scheduler:
         self.waiting.add_front(request)
         out.preempted_ids.append(request.request_id)
 
-    def update_from_output(self, out: SchedulerOutput, model_output: ModelOutput) -> list[CoreOutput]:
+    def update_from_output(self, out: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[CoreOutput]:
         """Advance computed tokens, append sampled tokens, and finish requests that hit a stop condition."""
         outputs = []
         for scheduled in out.scheduled:
-            request = scheduled.request
+            request = self.requests[scheduled.request_id]
             request.num_computed_tokens += scheduled.num_tokens
-            prompt_logprobs = model_output.prompt_logprobs.get(request.request_id)
-            if prompt_logprobs:
-                request.num_prompt_logprobs += len(prompt_logprobs)
-            result = model_output.sampled.get(request.request_id)
-            if result is None:  # a prefill chunk that does not reach the end of the prompt yet
+            prompt_logprobs = self._new_prompt_logprobs(request, scheduled, runner_output)
+            sampled = runner_output.sampled.get(request.request_id)
+            if sampled is None:  # a prefill chunk that does not reach the end of the prompt yet
                 if prompt_logprobs is not None:
                     outputs.append(CoreOutput(request.request_id, [], [], prompt_logprobs=prompt_logprobs))
                 continue
-            request.append_output_token(result.token_id)
-            status = self._check_stop(request, result.token_id)
+            status = None
+            new_token_ids = []
+            for token_id in sampled.token_ids:  # tokens after a stop are dropped
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    break
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
             outputs.append(CoreOutput(
-                request.request_id, [result.token_id],
-                [result.logprobs] if result.logprobs is not None else [],
+                request.request_id, new_token_ids, sampled.logprobs[:len(new_token_ids)],
                 prompt_logprobs=prompt_logprobs,
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=request.stop_reason, first_scheduled_time=request.first_scheduled_time,
                 num_cached_tokens=request.num_cached_tokens))
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, scheduled: ScheduledRequestData,
+                             runner_output: ModelRunnerOutput) -> Optional[list[SampledLogprobs]]:
+        """The prompt logprobs of this step's chunk that were not handed out before (a recomputation after a
+        preemption computes them again); None when there are none."""
+        entries = runner_output.prompt_logprobs.get(request.request_id)
+        if entries is None:
+            return None
+        entries = entries[max(0, request.num_prompt_logprobs - scheduled.num_computed_tokens):]
+        if not entries:
+            return None
+        request.num_prompt_logprobs += len(entries)
+        return entries
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params

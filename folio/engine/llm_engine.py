@@ -1,7 +1,7 @@
 """LLMEngine: step-level control of the engine (add_request, step, abort_request).
 
 Data flows one way through a step: scheduler -> model runner -> scheduler bookkeeping -> output
-processing. Requests that a stop string ended in output processing are finished in the scheduler at once,
+processing. The scheduler and the runner only exchange the step contract's messages (folio.core.step_contract). Requests that a stop string ended in output processing are finished in the scheduler at once,
 so their blocks are free before the next step.
 """
 
@@ -74,8 +74,8 @@ class LLMEngine:
                     "request: %.1fx", num_blocks, config.block_size, capacity, num_blocks * bytes_per_block / 2**20,
                     max_model_len, capacity / max_model_len)
 
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache, max_model_len)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, max_model_len)
         self.runner = ModelRunner(loaded.model, cfg, dtype, num_blocks, config.block_size, config.max_num_seqs,
                                   max_model_len)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_model_len, loaded.eos_token_ids)
@@ -129,9 +129,9 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
-        model_output = self.runner.execute(scheduled, self.kv_cache.block_ids)
-        core_outputs = self.scheduler.update_from_output(scheduled, model_output)
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -16,7 +16,7 @@ from folio.core.scheduler import CoreOutput
 from folio.detokenizer import IncrementalDetokenizer
 from folio.engine.input_processor import ProcessedPrompt, child_request_id
 from folio.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from folio.sample.sampler import SampledLogprobs
+from folio.core.step_contract import SampledLogprobs
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
 

@@ -1,29 +1,29 @@
 """Persistent input buffers of the model runner, updated incrementally from step to step.
 
 Every request the runner is computing owns a row of two arrays that live as long as the engine: its token
-ids and its block table. A step only writes what changed since the previous one (usually one sampled token
-per request, and a block id every `block_size` tokens; a whole prompt when a request arrives), then builds
-the step's flattened inputs (token ids, positions, cache slots, the [B, max blocks] block table) with a few
-vectorised numpy gathers over those rows, instead of per-request Python lists rebuilt every step.
+ids and its block table. A step only writes what changed since the previous one (the token each request
+sampled, appended by the runner; the block ids the step's message brings, a new one every `block_size`
+tokens; a whole row when a request arrives or resumes), then builds the step's flattened inputs (token ids,
+positions, cache slots, the [B, max blocks] block table) with a few vectorised numpy gathers over those rows,
+instead of per-request Python lists rebuilt every step.
 
 Rows are released when a request finishes or is preempted (SchedulerOutput.finished_ids / preempted_ids);
-a preempted request gets a fresh row when it is scheduled again, since its blocks changed. Each step also
-checks each row's token count against the request, so a row never serves stale tokens.
+a preempted request gets a fresh row when it is scheduled again, filled from the runner's RequestState,
+and its message then brings its whole new block table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
 
 from folio.attention.backend import BatchLayout
-from folio.core.scheduler import ScheduledRequest
-
-# block_ids(request_id, start) -> the request's block ids from index `start` on
-BlockIdsFn = Callable[[str, int], list[int]]
+from folio.core.kv_cache_manager import cdiv
+from folio.core.step_contract import ScheduledRequestData
+from folio.worker.request_state import RequestState
 
 
 @dataclass
@@ -37,7 +37,7 @@ class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         # np.zeros maps zero pages lazily: only the token positions requests actually reach take memory
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
@@ -54,31 +54,34 @@ class InputBatch:
             if row is not None:
                 self.free_rows.append(row)
 
-    def prepare(self, scheduled: list[ScheduledRequest], block_ids: BlockIdsFn) -> StepInputs:
+    def append_token(self, request_id: str, token_id: int) -> None:
+        """A token the runner sampled for a request: it is the next position's input."""
+        row = self.rows[request_id]
+        n = self.num_tokens[row]
+        if n >= self.max_model_len:
+            raise ValueError(f"request {request_id} would exceed max_model_len {self.max_model_len}")
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+
+    def prepare(self, scheduled: list[ScheduledRequestData], requests: Mapping[str, RequestState]) -> StepInputs:
         """Bring the rows of this step's requests up to date, then gather the step's flattened inputs."""
         rows, starts, query_lens = [], [], []
-        bs = self.block_size
         for item in scheduled:
-            req = item.request
-            row = self.rows.get(req.request_id)
+            row = self.rows.get(item.request_id)
             if row is None:
-                row = self._add_row(req.request_id)
-            if self.num_tokens[row] != req.num_tokens:
-                self._sync_tokens(row, req.all_token_ids)
-            start = req.num_computed_tokens
-            needed = -(-(start + item.num_tokens) // bs)
-            have = self.num_blocks[row]
-            if have < needed:
-                new = block_ids(req.request_id, have)
-                if have + len(new) < needed:
-                    raise ValueError(f"request {req.request_id}: {have + len(new)} blocks for "
-                                     f"{start + item.num_tokens} tokens")
+                row = self._add_row(requests[item.request_id])
+            start = item.num_computed_tokens
+            have, new = self.num_blocks[row], item.new_block_ids
+            if new:
                 self.block_table[row, have:have + len(new)] = new
-                self.num_blocks[row] = have + len(new)
+                have = self.num_blocks[row] = have + len(new)
+            if have * self.block_size < start + item.num_tokens:
+                raise ValueError(f"request {item.request_id}: {have} blocks for {start + item.num_tokens} tokens")
             rows.append(row)
             starts.append(start)
             query_lens.append(item.num_tokens)
 
+        bs = self.block_size
         rows_a = np.asarray(rows, dtype=np.int64)
         starts_a = np.asarray(starts, dtype=np.int64)
         qlens = np.asarray(query_lens, dtype=np.int64)
@@ -90,28 +93,27 @@ class InputBatch:
         token_rows = rows_a[token_req]
         input_ids = self.token_ids[token_rows, positions].astype(np.int64)
         slots = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        max_blocks = -(-int(seq_lens.max()) // bs)
+        max_blocks = cdiv(int(seq_lens.max()), bs)
         # columns past a request's own blocks may hold a former occupant's ids: kernels read seq_lens only
         tables = self.block_table[rows_a, :max_blocks]
         layout = BatchLayout(qlens, seq_lens, torch.from_numpy(tables), torch.from_numpy(slots), bs)
         return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), layout)
 
-    def _add_row(self, request_id: str) -> int:
+    def _add_row(self, request: RequestState) -> int:
+        """A fresh row holding the request's tokens so far; its block table starts empty."""
         if not self.free_rows:  # more requests than max_num_seqs: the scheduler never does this, but grow
             self._grow()
-        row = self.free_rows.pop()
-        self.rows[request_id] = row
-        self.num_tokens[row] = 0
-        self.num_blocks[row] = 0
-        return row
-
-    def _sync_tokens(self, row: int, all_token_ids: list[int]) -> None:
-        n, have = len(all_token_ids), self.num_tokens[row]
+        n = request.num_tokens
         if n > self.max_model_len:
             raise ValueError(f"request of {n} tokens exceeds max_model_len {self.max_model_len}")
-        start = have if have < n else 0  # a shorter request than the row: rewrite it whole
-        self.token_ids[row, start:n] = all_token_ids[start:n]
+        row = self.free_rows.pop()
+        self.rows[request.request_id] = row
+        prompt_len = len(request.prompt_token_ids)
+        self.token_ids[row, :prompt_len] = request.prompt_token_ids
+        self.token_ids[row, prompt_len:n] = request.output_token_ids
         self.num_tokens[row] = n
+        self.num_blocks[row] = 0
+        return row
 
     def _grow(self) -> None:
         old = len(self.num_tokens)

@@ -1,5 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass over the flattened batch, then samples.
 
+It works from the step messages alone (folio.core.step_contract): the per-request state it needs (tokens,
+block tables, generators, sampling history) is its own, built from those messages and its own samples.
+
 The batch carries no padding between requests: token ids, positions and cache slots of every scheduled
 token are concatenated (gathered from the persistent per-request rows of worker/input_batch.py); each
 request brings its query length and context length. Logits are computed only at the positions that
@@ -14,13 +17,16 @@ import torch
 
 from folio.attention.backend import AttentionBackend
 from folio.attention.selector import get_attention_backend
-from folio.core.scheduler import ModelOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from folio.core.step_contract import ModelRunnerOutput, SampledTokens, ScheduledRequestData, SchedulerOutput
 from folio.models import fused_ops
 from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
 from folio.sample import sampling_ops
-from folio.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-from folio.worker.input_batch import BlockIdsFn, InputBatch
+from folio.sample.logits_processors import default_logits_processors
+from folio.sample.sampler import Sampler, compute_prompt_logprobs
+from folio.sample.sampling_metadata import SamplingMetadata
+from folio.worker.input_batch import InputBatch
+from folio.worker.request_state import RequestState
 
 
 @dataclass
@@ -37,6 +43,7 @@ class ModelRunner:
                  backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.inputs = InputBatch(max_num_seqs, max_model_len, block_size)
+        self.requests: dict[str, RequestState] = {}
         self.backend = backend or get_attention_backend()
         if dtype == torch.bfloat16:
             fused_ops.prepare()  # the fused elementwise kernels serve bf16 only
@@ -46,55 +53,61 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                           for _ in range(cfg.num_hidden_layers)]
         self.sampler = Sampler()
+        self.logits_processors = default_logits_processors()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_ids: BlockIdsFn) -> ModelOutput:
-        """One forward pass and sampling for the scheduled requests; block_ids(request_id, start) gives a
-        request's block ids from index start on (only newly allocated blocks are asked for)."""
-        self.inputs.remove(sched.finished_ids)
-        self.inputs.remove(sched.preempted_ids)
-        output = ModelOutput()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward pass over the scheduled requests and sampling for those that reach their last token."""
+        self._update_states(sched)
+        output = ModelRunnerOutput()
         if not sched.scheduled:
             return output
-        step = self.inputs.prepare(sched.scheduled, block_ids)
+        step = self.inputs.prepare(sched.scheduled, self.requests)
         ctx = StepContext(self.backend, self.backend.build_metadata(step.layout), self.kv_caches)
         hidden = self.model(step.input_ids, step.positions, ctx)
 
-        sample_rows, rows, jobs = [], [], []
+        sample_rows, samplers, jobs = [], [], []
         end = 0
         for item in sched.scheduled:
-            req, start = item.request, end
+            request, start = self.requests[item.request_id], end
             end += item.num_tokens
-            if item.samples:
+            if item.num_computed_tokens + item.num_tokens == request.num_tokens:  # reaches its last known token
                 sample_rows.append(end - 1)
-                rows.append(SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
-                                        req.generator, req.stop_token_ids))
-            job = self._prompt_logprobs_job(item, start)
-            if job is not None:
-                jobs.append(job)
+                samplers.append(request)
+            if request.params.prompt_logprobs is not None:
+                job = self._prompt_logprobs_job(item, request, start)
+                if job is not None:
+                    jobs.append(job)
 
-        if rows:
-            out = self.sampler(self.model.compute_logits(hidden[sample_rows]), rows)  # it makes its own fp32 copy
-            samplers = [i for i in sched.scheduled if i.samples]
-            for item, token, lp in zip(samplers, out.sampled_token_ids, out.logprobs):
-                output.sampled[item.request.request_id] = SampledToken(token, lp)
+        if samplers:
+            metadata = SamplingMetadata.build(samplers, self.logits_processors)
+            out = self.sampler(self.model.compute_logits(hidden[sample_rows]), metadata)  # it makes its own fp32 copy
+            for request, token, lp in zip(samplers, out.sampled_token_ids, out.logprobs):
+                request.output_token_ids.append(token)
+                self.inputs.append_token(request.request_id, token)
+                output.sampled[request.request_id] = SampledTokens([token], [lp] if lp is not None else [])
         for job in jobs:
             logits = self.model.compute_logits(hidden[job.hidden_rows]).float()
             output.prompt_logprobs[job.request_id] = compute_prompt_logprobs(logits, job.targets, job.num_logprobs)
         return output
 
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        """Forget finished requests, drop the block tables of preempted ones, take in new ones."""
+        for request_id in sched.finished_ids:
+            self.requests.pop(request_id, None)
+        self.inputs.remove(sched.finished_ids)
+        self.inputs.remove(sched.preempted_ids)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = RequestState.from_new_request(new)
+
     @staticmethod
-    def _prompt_logprobs_job(item: ScheduledRequest, first_row: int) -> _PromptLogprobsJob | None:
-        """Prompt logprobs for the prompt positions this chunk computes."""
-        req = item.request
-        k = req.sampling_params.prompt_logprobs
-        if k is None:
-            return None
-        # a recomputation after preemption skips the positions already handed out
-        start = max(req.num_computed_tokens, req.num_prompt_logprobs)
-        stop = min(req.num_computed_tokens + item.num_tokens, req.num_prompt_tokens - 1)  # p predicts token p + 1
+    def _prompt_logprobs_job(item: ScheduledRequestData, request: RequestState,
+                             first_row: int) -> _PromptLogprobsJob | None:
+        """Prompt logprobs for the prompt positions this chunk computes (p predicts token p + 1). After a
+        preemption they are computed again; the core drops those it has already handed out."""
+        start = item.num_computed_tokens
+        stop = min(start + item.num_tokens, len(request.prompt_token_ids) - 1)
         if stop <= start:
             return None
-        first = first_row + start - req.num_computed_tokens
-        return _PromptLogprobsJob(req.request_id, slice(first, first + stop - start),
-                                  req.prompt_token_ids[start + 1:stop + 1], k)
+        return _PromptLogprobsJob(request.request_id, slice(first_row, first_row + stop - start),
+                                  request.prompt_token_ids[start + 1:stop + 1], request.params.prompt_logprobs)

@@ -1,0 +1,39 @@
+"""RequestState: all the model runner knows about one request, built from the step messages alone.
+
+It is created from a NewRequestData and lives until the request appears in a SchedulerOutput's finished_ids,
+across preemptions (so a seeded request's generator keeps its state, exactly as if it had not been preempted).
+The runner appends each token it samples; the core appends the same tokens to its own Request when it reads
+the runner's output, so the two views agree without sharing anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from folio.core.step_contract import NewRequestData
+from folio.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]  # held back by min_tokens: EOS (unless ignore_eos) + params.stop_token_ids
+    # Its own generator when params.seed is set, so its draws depend only on its seed and history; None draws
+    # from the global RNG.
+    generator: Optional[torch.Generator] = None
+    output_token_ids: list[int] = field(default_factory=list)  # sampled so far
+
+    @classmethod
+    def from_new_request(cls, new: NewRequestData) -> "RequestState":
+        seed = new.sampling_params.seed
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        return cls(new.request_id, new.prompt_token_ids, new.sampling_params, new.stop_token_ids, generator)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
