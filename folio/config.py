@@ -7,15 +7,7 @@ from typing import Optional, Union
 
 import torch
 
-
-def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16 make bf16 matmuls fast; without them bf16 is emulated and slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+from folio.platforms.cpu_features import has_fast_bf16
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -60,7 +52,7 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+            return torch.bfloat16 if has_fast_bf16() else torch.float32
         try:
             return _DTYPES[self.dtype]
         except KeyError:

@@ -24,6 +24,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from folio.platforms.cpu_features import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -39,23 +41,12 @@ def cache_root() -> Path:
     return Path(root) / "torch_extensions"
 
 
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def build_key(source: Path, cflags: Sequence[str], ldflags: Sequence[str]) -> str:
     """Hash of everything the built library depends on: -march=native ties it to this CPU's features."""
     h = hashlib.sha256()
     for part in (Path(source).read_bytes(), " ".join(list(cflags) + list(ldflags)).encode(),
                  torch.__version__.encode(), sys.version.encode(), platform.machine().encode(),
-                 cpu_flags().encode(), os.environ.get("CXX", "c++").encode()):
+                 (cpu_flags() or platform.processor()).encode(), os.environ.get("CXX", "c++").encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
