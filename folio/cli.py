@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import re
 import sys
 from typing import Optional, Sequence, Union
 
+from folio import envs
 from folio.bench import baseline, make_model, roofline, serve, throughput
 from folio.config import EngineConfig
 from folio.engine.llm_engine import LLMEngine
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 "
                                                            "for all interfaces)")
     serve.add_argument("--port", type=int, default=8000, help="default: 8000; 0 picks a free port")
-    serve.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"),
+    serve.add_argument("--api-key", default=envs.api_key(),
                        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                             "$FOLIO_API_KEY, else no key)")
     serve.add_argument("--served-model-name", help="the model's name in the API (default: the model path, or "
@@ -224,7 +224,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _with_model_arg(build_parser().parse_args(argv))
-    if args.command != "serve" and "FOLIO_LOGGING_LEVEL" not in os.environ:
+    if args.command != "serve" and envs.logging_level() is None:
         logging.getLogger("folio").setLevel(logging.WARNING)  # the terminal is for their output, not start-up facts
     try:
         return args.run(args)

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from folio import envs
 from folio.platforms.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,7 @@ STALE_LOCK_S = 15 * 60
 
 def cache_root() -> Path:
     """Where built kernels live: $FOLIO_CACHE_DIR (default ~/.cache/folio) / torch_extensions."""
-    root = os.environ.get("FOLIO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "folio")
-    return Path(root) / "torch_extensions"
+    return envs.cache_dir() / "torch_extensions"
 
 
 def build_key(source: Path, cflags: Sequence[str], ldflags: Sequence[str]) -> str:
@@ -103,7 +103,7 @@ class CppKernel:
             return self._ext
         with self._lock:
             if not self._tried:
-                if os.environ.get("FOLIO_DISABLE_CPU_KERNELS") == "1":
+                if envs.disable_cpu_kernels():
                     self.error = "disabled by FOLIO_DISABLE_CPU_KERNELS=1"
                 else:
                     try:

@@ -24,7 +24,6 @@ import contextlib
 import ipaddress
 import json
 import math
-import os
 import random
 import time
 import urllib.parse
@@ -33,6 +32,7 @@ from typing import Any, Optional
 
 import httpx
 
+from folio import envs
 from folio.bench.report import Summary, summarize, write_json
 from folio.bench.workload import BenchRequest, add_workload_arguments, client_requests, describe
 
@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="completions (/v1/completions) or chat (/v1/chat/completions; needs a chat dataset) "
                              "(default: completions)")
     parser.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
-    parser.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"),
+    parser.add_argument("--api-key", default=envs.api_key(),
                         help="sent as 'Authorization: Bearer KEY' (default: $FOLIO_API_KEY, else none)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="mean requests/s of Poisson arrivals; inf sends all at once (default: inf)")
