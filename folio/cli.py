@@ -35,6 +35,7 @@ def _engine_options() -> argparse.ArgumentParser:
 
 
 def _flag_help(option: dataclasses.Field) -> str:
+    """The definition's help and its default, a bool shown as on/off; % escaped for argparse's formatting."""
     default = option.metadata["default_means"] or option.default
     if isinstance(default, bool):
         default = "on" if default else "off"
