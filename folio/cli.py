@@ -1,8 +1,8 @@
 """The `folio` command: `serve` (OpenAI-compatible server), `generate` (batch completions), `chat` (terminal chat),
 `bench` (throughput, serving latency, the Transformers baseline, the roofline, random-weight test models).
 
-Engine options are defined once, in `_engine_options`, and shared by every subcommand through argparse parents;
-a test checks that each EngineConfig field has its flag.
+Engine options are defined once, in folio.config; `_engine_options` makes their flags, shared by every subcommand
+that runs the engine through argparse parents.
 """
 
 from __future__ import annotations
@@ -10,54 +10,49 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
-import re
 import sys
-from typing import Optional, Sequence, Union
+import typing
+from typing import Any, Optional, Sequence
 
+from folio import envs
 from folio.bench import baseline, make_model, roofline, serve, throughput
-from folio.config import EngineConfig
+from folio.config import EngineConfig, engine_options
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
 from folio.entrypoints.llm import LLM
 from folio.sampling_params import SamplingParams
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def _memory(text: str) -> Union[int, float]:
-    """'4GiB', '512M', '1000000' -> bytes; '0.3' -> a fraction of available memory."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 4GiB, 512MiB) or a fraction (e.g. 0.3), got {text!r}")
-    number, unit = match.groups()
-    if "." in number and not unit:
-        return float(number)
-    return int(float(number) * _UNITS[unit])
-
 
 def _engine_options() -> argparse.ArgumentParser:
-    """Every EngineConfig field as a flag; defaults live in EngineConfig alone (a flag left out is not passed)."""
+    """A flag for every engine option, made from its definition in folio.config: defaults live there alone
+    (a flag left out is not passed)."""
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group("engine options")
-    group.add_argument("--model", help="Hugging Face model folder or .gguf file (default: the embedded "
-                                       "SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default: auto = bfloat16 where the CPU "
-                                       "has fast bf16, else float32)")
-    group.add_argument("--block-size", type=int, help="tokens per KV cache block (default: 16)")
-    group.add_argument("--kv-cache-memory", type=_memory,
-                       help="KV cache size: bytes (4GiB, 512MiB) or a fraction of available memory (0.3) "
-                            "(default: the smaller of 4 GiB and 40%% of available memory)")
-    group.add_argument("--max-num-seqs", type=int, help="most requests in a batch (default: 256)")
-    group.add_argument("--max-num-batched-tokens", type=int, help="most tokens in one step (default: 2048)")
-    group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    group.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="default: fcfs")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       help="reuse the KV cache of earlier prompts' full blocks (default: on)")
-    group.add_argument("--seed", type=int, help="random seed of the engine; for generate and chat also each "
-                                                "request's sampling seed (default: 0, requests unseeded)")
-    group.add_argument("--num-threads", type=int, help="torch threads (default: the cores this process may use)")
+    for _, option, option_type in engine_options():
+        group.add_argument(f"--{option.name.replace('_', '-')}", help=_flag_help(option),
+                           **_flag_kwargs(option, option_type))
     return parser
+
+
+def _flag_help(option: dataclasses.Field) -> str:
+    """The definition's help and its default, a bool shown as on/off; % escaped for argparse's formatting."""
+    default = option.metadata["default_means"] or option.default
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    return f"{option.metadata['help']} (default: {default})".replace("%", "%%")
+
+
+def _flag_kwargs(option: dataclasses.Field, option_type: Any) -> dict[str, Any]:
+    """argparse keywords: the definition's own, else what the field's type implies (bool: --x/--no-x)."""
+    kwargs = dict(option.metadata["cli"])
+    if kwargs.keys() & {"type", "action"}:
+        return kwargs
+    types = [t for t in typing.get_args(option_type) or (option_type,) if t is not type(None)]
+    if types == [bool]:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif types in ([int], [float]):
+        kwargs["type"] = types[0]
+    return kwargs  # anything else is taken as the string given
 
 
 def _sampling_options() -> argparse.ArgumentParser:
@@ -70,10 +65,14 @@ def _sampling_options() -> argparse.ArgumentParser:
     return parser
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given as flags, by their flat names."""
+    return {option.name: getattr(args, option.name) for _, option, _ in engine_options()
+            if getattr(args, option.name, None) is not None}
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-             if getattr(args, f.name, None) is not None}
-    return EngineConfig(**given)
+    return EngineConfig.from_kwargs(**engine_kwargs(args))
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -94,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 "
                                                            "for all interfaces)")
     serve.add_argument("--port", type=int, default=8000, help="default: 8000; 0 picks a free port")
-    serve.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"),
+    serve.add_argument("--api-key", default=envs.api_key(),
                        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                             "$FOLIO_API_KEY, else no key)")
     serve.add_argument("--served-model-name", help="the model's name in the API (default: the model path, or "
@@ -176,7 +175,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     if not prompts:
         raise SystemExit("folio generate: no prompts")
-    llm = LLM(**dataclasses.asdict(engine_config(args)))
+    llm = LLM(**engine_kwargs(args))
     outputs = llm.generate(prompts, sampling_params(args))
     for prompt, output in zip(prompts, outputs):
         if len(prompts) > 1:
@@ -224,7 +223,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _with_model_arg(build_parser().parse_args(argv))
-    if args.command != "serve" and "FOLIO_LOGGING_LEVEL" not in os.environ:
+    if args.command != "serve" and envs.logging_level() is None:
         logging.getLogger("folio").setLevel(logging.WARNING)  # the terminal is for their output, not start-up facts
     try:
         return args.run(args)

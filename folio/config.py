@@ -1,58 +1,66 @@
-"""EngineConfig: every knob of the engine in one validated dataclass (the LLM kwargs and the CLI flags)."""
+"""EngineConfig: every option of the engine, grouped by the part of the engine it sets.
+
+Each option is defined once, as a field of its group made with `option()`: its type, default, help text and
+any command-line specifics. The `LLM(...)` keywords (`EngineConfig.from_kwargs`) and the `folio` flags
+(folio.cli) are generated from these definitions, so an option added here needs nothing else.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+import argparse
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
+from folio.platforms.cpu_features import has_fast_bf16
 
-def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16 make bf16 matmuls fast; without them bf16 is emulated and slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+def option(default: Any, help: str, default_means: Optional[str] = None, **cli: Any) -> Any:
+    """A field that is an engine option. `help`, followed by `default_means` (words for a default whose value
+    says little, such as None) or else the default itself, is the flag's help; `cli` holds argparse keywords
+    that the field's type cannot say (choices, a parser of its own)."""
+    return field(default=default, metadata={"help": help, "default_means": default_means, "cli": cli})
+
+
+_MEMORY_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_memory_size(text: str) -> Union[int, float]:
+    """'4GiB', '512M', '1000000' -> bytes; '0.3' -> a fraction of available memory."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 4GiB, 512MiB) or a fraction (e.g. 0.3), got {text!r}")
+    number, unit = match.groups()
+    if "." in number and not unit:
+        return float(number)
+    return int(float(number) * _MEMORY_UNITS[unit])
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
-class EngineConfig:
-    model: Optional[str] = None  # HF folder or .gguf file; None = the embedded default model
-    dtype: Union[str, torch.dtype] = "auto"
-    block_size: int = 16
-    # KV cache budget: bytes (int > 1) or a fraction of the memory available at start (float in (0, 1]).
-    kv_cache_memory: Union[int, float, None] = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: Optional[int] = None
-    scheduling_policy: str = "fcfs"  # or "priority"
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier prompts (block_size = unit)
-    seed: int = 0
-    num_threads: Optional[int] = None  # torch intra-op threads; None = the cores this process may use
+class ModelOptions:
+    """Which weights run, in which dtype, over how long a context, from which seed."""
+
+    model: Optional[str] = option(None, "Hugging Face model folder or .gguf file",
+                                  default_means="the embedded SmolLM2-135M-Instruct")
+    dtype: Union[str, torch.dtype] = option(
+        "auto", "auto, float32, bfloat16 or float16",
+        default_means="auto = bfloat16 where the CPU has fast bf16, else float32")
+    max_model_len: Optional[int] = option(None, "context length", default_means="the model's")
+    seed: int = option(0, "random seed of the engine; when given, folio generate and chat also seed each "
+                          "request with it")
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.kv_cache_memory is not None and not (
-                (isinstance(self.kv_cache_memory, float) and 0.0 < self.kv_cache_memory <= 1.0)
-                or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 1)):
-            raise ValueError("kv_cache_memory must be a byte count (int) or a fraction of free memory in (0, 1], "
-                             f"got {self.kv_cache_memory!r}")
         self.torch_dtype  # validates dtype
 
     @property
@@ -60,8 +68,98 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+            return torch.bfloat16 if has_fast_bf16() else torch.float32
         try:
             return _DTYPES[self.dtype]
         except KeyError:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}") from None
+
+
+@dataclass
+class CacheOptions:
+    """The paged KV cache: its unit, its budget and whether full blocks are shared between requests."""
+
+    block_size: int = option(16, "tokens per KV cache block")
+    # An int > 1 is bytes, a float in (0, 1] a fraction of the memory available at start.
+    kv_cache_memory: Union[int, float, None] = option(
+        None, "KV cache size: bytes (4GiB, 512MiB) or a fraction of available memory (0.3)",
+        default_means="the smaller of 4 GiB and 40% of available memory", type=parse_memory_size)
+    enable_prefix_caching: bool = option(True, "reuse the KV cache of earlier prompts' full blocks")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and not (
+                (isinstance(self.kv_cache_memory, float) and 0.0 < self.kv_cache_memory <= 1.0)
+                or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 1)):
+            raise ValueError("kv_cache_memory must be a byte count (int) or a fraction of free memory in (0, 1], "
+                             f"got {self.kv_cache_memory!r}")
+
+
+@dataclass
+class SchedulerOptions:
+    """How much work one step takes on, and in which order requests are admitted."""
+
+    max_num_seqs: int = option(256, "most requests in a batch")
+    max_num_batched_tokens: int = option(2048, "most tokens in one step (prefill chunks + decodes)")
+    scheduling_policy: str = option("fcfs", "order of admission: fcfs, or priority (lower first)",
+                                    choices=SCHEDULING_POLICIES)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+
+
+@dataclass
+class ParallelOptions:
+    """How many cores the engine's steps use."""
+
+    num_threads: Optional[int] = option(None, "torch intra-op threads",
+                                        default_means="the cores this process may use")
+
+
+@dataclass
+class EngineConfig:
+    """The engine's options, one group per part of the engine. A new group (speculative decoding, structured
+    output) is one more field here; its options then become keywords and flags with no further code."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+
+    @classmethod
+    def from_kwargs(cls, **options: Any) -> EngineConfig:
+        """The config from flat option names (the keywords of LLM and LLMEngine.from_kwargs, the CLI flags):
+        each goes to the group that defines it; the rest keep their defaults."""
+        unknown = sorted(options.keys() - _GROUP_OF.keys())
+        if unknown:
+            raise TypeError(f"unexpected engine option(s): {', '.join(unknown)}")
+        grouped: dict[str, dict[str, Any]] = {group.name: {} for group in dataclasses.fields(cls)}
+        for name, value in options.items():
+            grouped[_GROUP_OF[name]][name] = value
+        return cls(**{group.name: group.default_factory(**grouped[group.name]) for group in dataclasses.fields(cls)})
+
+
+def engine_options() -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """Every engine option, in definition order, as (the EngineConfig field of its group, its field, its type)."""
+    for group in dataclasses.fields(EngineConfig):
+        types = typing.get_type_hints(group.default_factory)
+        for f in dataclasses.fields(group.default_factory):
+            yield group.name, f, types[f.name]
+
+
+def _group_of_options() -> dict[str, str]:
+    """Option name -> its group. Flat keywords and flags need each name to belong to one group only."""
+    group_of: dict[str, str] = {}
+    for group, f, _ in engine_options():
+        assert f.name not in group_of, f"engine option {f.name!r} is in both {group_of[f.name]} and {group}"
+        group_of[f.name] = group
+    return group_of
+
+
+_GROUP_OF = _group_of_options()

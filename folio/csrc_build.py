@@ -24,6 +24,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from folio import envs
+from folio.platforms.cpu_features import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -35,19 +38,7 @@ STALE_LOCK_S = 15 * 60
 
 def cache_root() -> Path:
     """Where built kernels live: $FOLIO_CACHE_DIR (default ~/.cache/folio) / torch_extensions."""
-    root = os.environ.get("FOLIO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "folio")
-    return Path(root) / "torch_extensions"
-
-
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return envs.cache_dir() / "torch_extensions"
 
 
 def build_key(source: Path, cflags: Sequence[str], ldflags: Sequence[str]) -> str:
@@ -55,7 +46,7 @@ def build_key(source: Path, cflags: Sequence[str], ldflags: Sequence[str]) -> st
     h = hashlib.sha256()
     for part in (Path(source).read_bytes(), " ".join(list(cflags) + list(ldflags)).encode(),
                  torch.__version__.encode(), sys.version.encode(), platform.machine().encode(),
-                 cpu_flags().encode(), os.environ.get("CXX", "c++").encode()):
+                 (cpu_flags() or platform.processor()).encode(), os.environ.get("CXX", "c++").encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -112,7 +103,7 @@ class CppKernel:
             return self._ext
         with self._lock:
             if not self._tried:
-                if os.environ.get("FOLIO_DISABLE_CPU_KERNELS") == "1":
+                if envs.disable_cpu_kernels():
                     self.error = "disabled by FOLIO_DISABLE_CPU_KERNELS=1"
                 else:
                     try:

@@ -5,15 +5,16 @@ FOLIO_LOGGING_LEVEL sets the level."""
 from __future__ import annotations
 
 import logging
-import os
+
+from folio import envs
 
 
 def configure_logging() -> None:
     logger = logging.getLogger("folio")
-    if os.environ.get("FOLIO_CONFIGURE_LOGGING", "1") == "0" or logger.handlers:
+    if not envs.configure_logging() or logger.handlers:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("FOLIO_LOGGING_LEVEL", "INFO").upper())
+    logger.setLevel((envs.logging_level() or "INFO").upper())
     logger.propagate = False

@@ -59,7 +59,7 @@ def wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> None:
 @contextlib.contextmanager
 def running_server(model_dir: str, api_key: Optional[str] = None, max_body_bytes: Optional[int] = None,
                    **engine_kwargs) -> Iterator[RunningServer]:
-    llm = AsyncLLM.from_config(EngineConfig(model_dir, **{**ENGINE_KWARGS, **engine_kwargs}))
+    llm = AsyncLLM.from_config(EngineConfig.from_kwargs(model=model_dir, **{**ENGINE_KWARGS, **engine_kwargs}))
     app = create_app(llm, MODEL_NAME, api_key, **({"max_body_bytes": max_body_bytes} if max_body_bytes else {}))
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 
 from folio import LLM, SamplingParams
 from folio.cli import build_parser, engine_config, main
-from folio.config import EngineConfig
+from folio.config import EngineConfig, engine_options
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4MiB", "--num-threads", "1"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -39,20 +38,36 @@ def test_help(command, capsys):
         assert all(flag in text for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed"))
 
 
-@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+ENGINE_COMMANDS = [["serve"], ["generate"], ["chat"], ["bench", "throughput"], ["bench", "baseline"],
+                   ["bench", "roofline"]]
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
 def test_every_engine_option_is_a_flag(command):
     values = {"model": "/some/model", "dtype": "bfloat16", "block_size": 8, "kv_cache_memory": 1 << 20,
               "max_num_seqs": 3, "max_num_batched_tokens": 64, "max_model_len": 100, "scheduling_policy": "priority",
               "enable_prefix_caching": False, "seed": 5, "num_threads": 2}
-    assert set(values) == {f.name for f in dataclasses.fields(EngineConfig)}, "a new EngineConfig field needs a flag"
-    argv = [command]
+    assert set(values) == {option.name for _, option, _ in engine_options()}, "a new engine option needs a flag"
+    argv = list(command)
     for name, value in values.items():
         flag = f"--{name.replace('_', '-')}"
         argv += ([flag if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(value)])
-    args = build_parser().parse_args(argv)
-    assert dataclasses.asdict(engine_config(args)) == values
-    defaults = build_parser().parse_args([command])
+    config = engine_config(build_parser().parse_args(argv))
+    assert {option.name: getattr(getattr(config, group), option.name)
+            for group, option, _ in engine_options()} == values  # each flag lands in its option's group
+    defaults = build_parser().parse_args(command)
     assert engine_config(defaults) == EngineConfig()  # flags left out leave EngineConfig's defaults alone
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_engine_flag_help_is_the_definition(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag, so that the text reads as written
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    text = capsys.readouterr().out
+    for _, option, _ in engine_options():
+        assert f"--{option.name.replace('_', '-')}" in text
+        assert f"{option.metadata['help']} (default: {option.metadata['default_means'] or ''}" in text
 
 
 @pytest.mark.parametrize("text,value", [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("512M", 512 << 20),

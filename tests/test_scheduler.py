@@ -17,8 +17,8 @@ EOS = 0
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=32, max_seqs=8, max_model_len=64, policy="fcfs"):
-    cfg = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                       scheduling_policy=policy)
+    cfg = EngineConfig.from_kwargs(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                   scheduling_policy=policy)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size), max_model_len)
 
 

@@ -20,7 +20,7 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    engine = AsyncLLM.from_config(EngineConfig(llama_dir, **ENGINE_KWARGS))
+    engine = AsyncLLM.from_config(EngineConfig.from_kwargs(model=llama_dir, **ENGINE_KWARGS))
     yield engine
     engine.shutdown()
 
@@ -137,7 +137,7 @@ def test_engine_failure_fails_requests_and_engine_recovers(llm):
 
 
 def test_dead_engine_refuses_requests(llama_dir):
-    llm = AsyncLLM.from_config(EngineConfig(llama_dir, **ENGINE_KWARGS))
+    llm = AsyncLLM.from_config(EngineConfig.from_kwargs(model=llama_dir, **ENGINE_KWARGS))
     engine = llm.engine
 
     def broken(*args, **kwargs):
@@ -157,7 +157,7 @@ def test_dead_engine_refuses_requests(llama_dir):
 
 @pytest.mark.parametrize("grace,finish", [(0.0, "abort"), (30.0, "length")])
 def test_shutdown_aborts_or_finishes_in_flight_and_refuses_new(llama_dir, grace, finish):
-    llm = AsyncLLM.from_config(EngineConfig(llama_dir, **ENGINE_KWARGS))
+    llm = AsyncLLM.from_config(EngineConfig.from_kwargs(model=llama_dir, **ENGINE_KWARGS))
 
     async def run():
         outputs = []

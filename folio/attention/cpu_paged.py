@@ -34,6 +34,7 @@ import torch
 from folio.attention.backend import AttentionBackend, BatchLayout
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
+from folio.utils.math_utils import cdiv
 
 KERNEL = CppKernel("folio_cpu_paged_attention", CSRC / "cpu_paged_attention.cpp",
                    what="CPU paged attention kernel", fallback="using the torch SDPA reference backend")
@@ -81,7 +82,7 @@ class CPUPagedAttentionBackend(AttentionBackend):
         reqs[:, 0] = np.cumsum(qlens) - qlens
         reqs[:, 1] = qlens
         reqs[:, 2] = slens
-        needed = -(-int(slens.max()) // layout.block_size) if b else 0
+        needed = cdiv(int(slens.max()), layout.block_size) if b else 0
         if layout.block_tables.shape[1] < needed:
             raise ValueError(f"block tables have {layout.block_tables.shape[1]} columns, a context needs {needed}")
         tables = layout.block_tables.to(torch.int32).contiguous()

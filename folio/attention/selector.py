@@ -12,9 +12,9 @@ from the build cache (see folio.attention.cpu_paged).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
+from folio import envs
 from folio.attention.backend import AttentionBackend
 from folio.attention.torch_sdpa import TorchSDPABackend
 
@@ -26,7 +26,7 @@ BACKENDS = ("cpu_paged", "torch_sdpa")
 
 def get_attention_backend(name: Optional[str] = None) -> AttentionBackend:
     """The named backend, else $FOLIO_ATTENTION_BACKEND, else the fastest one that works here."""
-    choice = (name or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    choice = (name or envs.attention_backend() or "auto").strip().lower()
     if choice not in BACKENDS + ("auto",):
         raise ValueError(f"{ENV_VAR}={choice!r} is not one of {', '.join(BACKENDS)}")
     if choice == "torch_sdpa":

@@ -159,7 +159,7 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
 
     sizes = _batch_sizes(args.hf_batch_sizes, args.num_prompts)
     engine, requests = throughput.prepare(args, config)  # also sets the thread count both systems use
-    timings = time_transformers(load_transformers_model(config.model, config.torch_dtype), requests,
+    timings = time_transformers(load_transformers_model(config.model.model, config.model.torch_dtype), requests,
                                 args.hf_sequential_prompts, sizes)  # the model is freed before folio runs
     throughput.warm_up(engine, requests, throughput.DEFAULT_WARMUP_PROMPTS)
     folio = throughput.measure(engine, requests, describe(args), breakdown=False)

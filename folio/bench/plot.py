@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from folio.bench.serve import ServeResult
+from folio.bench.serve_result import ServeResult
 
 
 def _token_times(result: ServeResult) -> tuple[np.ndarray, np.ndarray]:

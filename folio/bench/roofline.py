@@ -223,8 +223,8 @@ def workload_bound(cost: ModelCost, num_prompts: int, input_len: int, output_len
 
 def max_batch(config: EngineConfig, cost: ModelCost, num_prompts: int, request_tokens: int) -> int:
     """Requests the engine can decode together: bounded by max_num_seqs and by the KV cache."""
-    kv_capacity = kv_cache_budget(config.kv_cache_memory) // cost.kv_bytes_per_token
-    return max(1, min(num_prompts, config.max_num_seqs, kv_capacity // request_tokens))
+    kv_capacity = kv_cache_budget(config.cache.kv_cache_memory) // cost.kv_bytes_per_token
+    return max(1, min(num_prompts, config.scheduler.max_num_seqs, kv_capacity // request_tokens))
 
 
 def print_result(result: RooflineResult) -> None:
@@ -271,8 +271,8 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.bandwidth_mib < 1 or args.matmul_m < 1 or args.reps < 1:
         raise ValueError("--bandwidth-mib, --matmul-m and --reps must be >= 1")
     output_len = args.output_len or DEFAULT_OUTPUT_LEN
-    torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))  # as the engine will
-    cfg, dtype = read_model_config(config.model), config.torch_dtype
+    torch.set_num_threads(config.parallel.num_threads or len(os.sched_getaffinity(0)))  # as the engine will
+    cfg, dtype = read_model_config(config.model.model), config.model.torch_dtype
     cost = model_cost(cfg, dtype)
     limits = measure_limits(cfg, list(dict.fromkeys([dtype, torch.float32])), args.bandwidth_mib, args.matmul_m,
                             args.reps)
@@ -288,8 +288,9 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
         limits.bandwidth_readings.append(measure_bandwidth(args.bandwidth_mib, args.reps))
         limits.bandwidth_gb_s = max(limits.bandwidth_readings)
     batch = max_batch(config, cost, args.num_prompts, args.input_len + output_len)
-    bound = workload_bound(cost, args.num_prompts, args.input_len, output_len, batch, config.max_num_batched_tokens,
-                           limits.bandwidth_gb_s, limits.peak_gflops[dtype_name(dtype)])
+    bound = workload_bound(cost, args.num_prompts, args.input_len, output_len, batch,
+                           config.scheduler.max_num_batched_tokens, limits.bandwidth_gb_s,
+                           limits.peak_gflops[dtype_name(dtype)])
     result = RooflineResult(throughput.model_name(config), dtype_name(dtype), describe(args), limits, cost, bound,
                             achieved, None if achieved is None else achieved / bound.output_tokens_per_s, run)
     print_result(result)

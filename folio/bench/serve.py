@@ -24,58 +24,20 @@ import contextlib
 import ipaddress
 import json
 import math
-import os
 import random
 import time
 import urllib.parse
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
-from folio.bench.report import Summary, summarize, write_json
+from folio import envs
+from folio.bench.plot import plot_serve
+from folio.bench.report import summarize, write_json
+from folio.bench.serve_result import RequestRecord, ServeResult
 from folio.bench.workload import BenchRequest, add_workload_arguments, client_requests, describe
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-
-
-@dataclass
-class RequestRecord:
-    start_s: float  # when it was sent, seconds after the benchmark started
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft_s: Optional[float] = None
-    latency_s: Optional[float] = None
-    itl_s: list[float] = field(default_factory=list)
-    error: Optional[str] = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.ttft_s is not None and self.latency_s is not None
-
-
-@dataclass
-class ServeResult:
-    base_url: str
-    endpoint: str
-    model: str
-    workload: str
-    request_rate: Optional[float]  # requests/s; None = all at once
-    max_concurrency: Optional[int]
-    num_prompts: int
-    completed: int
-    failed: int
-    duration_s: float
-    request_throughput: float  # completed requests/s
-    output_throughput: float  # output tokens/s of completed requests
-    total_token_throughput: float  # prompt + output tokens/s of completed requests
-    prompt_tokens: int
-    output_tokens: int
-    ttft: Optional[Summary]
-    tpot: Optional[Summary]
-    itl: Optional[Summary]
-    e2e_latency: Optional[Summary]
-    requests: list[RequestRecord]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="completions (/v1/completions) or chat (/v1/chat/completions; needs a chat dataset) "
                              "(default: completions)")
     parser.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
-    parser.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"),
+    parser.add_argument("--api-key", default=envs.api_key(),
                         help="sent as 'Authorization: Bearer KEY' (default: $FOLIO_API_KEY, else none)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="mean requests/s of Poisson arrivals; inf sends all at once (default: inf)")
@@ -265,7 +227,5 @@ def main(args: argparse.Namespace) -> int:
     if args.result_file:
         write_json(args.result_file, result)
     if args.plot:
-        from folio.bench.plot import plot_serve  # matplotlib only when a chart is asked for
-
         plot_serve(result, args.plot)
     return 0 if result.completed else 1

@@ -80,7 +80,7 @@ def describe_sampling(params: SamplingParams) -> str:
 
 
 def model_name(config: EngineConfig) -> str:
-    return config.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
+    return config.model.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
 
 
 def _generate(engine: LLMEngine, requests: list[BenchRequest], sampling: SamplingParams,
@@ -127,7 +127,7 @@ def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, brea
     metrics = [o.metrics for o in outputs]
     config = engine.config
     return ThroughputResult(
-        workload=workload, model=model_name(config), dtype=dtype_name(config.torch_dtype),
+        workload=workload, model=model_name(config), dtype=dtype_name(config.model.torch_dtype),
         engine_config=dataclasses.asdict(config), num_requests=len(requests), prompt_tokens=prompt_tokens,
         output_tokens=output_tokens, elapsed_s=elapsed, requests_per_s=len(requests) / elapsed,
         output_tokens_per_s=output_tokens / elapsed, total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed,

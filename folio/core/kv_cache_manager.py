@@ -18,10 +18,7 @@ from typing import Optional
 from folio.core.block_hash import extend_block_hashes
 from folio.core.block_pool import BlockPool, KVCacheBlock
 from folio.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from folio.utils.math_utils import cdiv
 
 
 @dataclass

@@ -48,36 +48,37 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         start = time.perf_counter()
-        torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        torch.set_num_threads(config.parallel.num_threads or len(os.sched_getaffinity(0)))
         keep_freed_memory()  # every step's large activations reuse the heap instead of faulting pages in
-        torch.manual_seed(config.seed)
-        dtype = config.torch_dtype
-        loaded = load_model(config.model, dtype, config.max_model_len)
+        torch.manual_seed(config.model.seed)
+        dtype = config.model.torch_dtype
+        loaded = load_model(config.model.model, dtype, config.model.max_model_len)
         self.model_config = cfg = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
-        if config.max_model_len is not None and config.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+        if config.model.max_model_len is not None and config.model.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
-        max_model_len = config.max_model_len or cfg.max_position_embeddings
+        max_model_len = config.model.max_model_len or cfg.max_position_embeddings
 
-        bytes_per_block = cfg.kv_bytes_per_token * dtype.itemsize * config.block_size
-        num_blocks = kv_cache_budget(config.kv_cache_memory) // bytes_per_block
+        bytes_per_block = cfg.kv_bytes_per_token * dtype.itemsize * config.cache.block_size
+        num_blocks = kv_cache_budget(config.cache.kv_cache_memory) // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for even one block of {bytes_per_block} bytes")
-        capacity = num_blocks * config.block_size
+        capacity = num_blocks * config.cache.block_size
         if capacity < max_model_len:
             logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len to %d",
                            capacity, max_model_len, capacity)
             max_model_len = capacity
         self.max_model_len = max_model_len
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at %d tokens per "
-                    "request: %.1fx", num_blocks, config.block_size, capacity, num_blocks * bytes_per_block / 2**20,
-                    max_model_len, capacity / max_model_len)
+                    "request: %.1fx", num_blocks, config.cache.block_size, capacity,
+                    num_blocks * bytes_per_block / 2**20, max_model_len, capacity / max_model_len)
 
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager, max_model_len)
-        self.runner = ModelRunner(loaded.model, cfg, dtype, num_blocks, config.block_size, config.max_num_seqs,
-                                  max_model_len)
+        self.runner = ModelRunner(loaded.model, cfg, dtype, num_blocks, config.cache.block_size,
+                                  config.scheduler.max_num_seqs, max_model_len)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_model_len, loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -86,7 +87,7 @@ class LLMEngine:
 
     @classmethod
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "LLMEngine":
-        return cls(EngineConfig(model=model, **kwargs))
+        return cls(EngineConfig.from_kwargs(model=model, **kwargs))
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

@@ -18,7 +18,7 @@ Conversation = list[dict]
 
 
 class LLM:
-    """Offline batch generation. Every EngineConfig field is a keyword argument (dtype, block_size,
+    """Offline batch generation. Every engine option (folio.config) is a keyword argument (dtype, block_size,
     kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy, seed, ...)."""
 
     def __init__(self, model: Optional[str] = None, **kwargs) -> None:

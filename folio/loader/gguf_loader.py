@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
+from folio import envs
 from folio.loader.gguf_metadata import check_exists, get_field, need_field, open_gguf
 from folio.loader.gguf_tokenizer import build_tokenizer
 
@@ -279,11 +280,10 @@ def _tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype) -> dict[st
 
 
 def _cache_dir(path: str, dtype: torch.dtype) -> str:
-    root = os.environ.get("FOLIO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "folio")
     st = os.stat(path)
     key = f"{_CACHE_VERSION}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}"
     name = f"{os.path.basename(path).removesuffix('.gguf')}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    return os.path.join(root, "gguf", name)
+    return str(envs.cache_dir() / "gguf" / name)
 
 
 def _write_cache(cache_dir: str, checkpoint: GGUFCheckpoint, tensors: dict[str, torch.Tensor]) -> None:

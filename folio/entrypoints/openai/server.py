@@ -64,7 +64,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=llm.engine.config.model, max_model_len=max_model_len)])
+        return ModelList(data=[ModelCard(id=model_name, root=llm.engine.config.model.model,
+                                         max_model_len=max_model_len)])
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -132,7 +133,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, 
     finish, abort the rest, and return."""
     sock = bind_socket(host, port)
     llm = AsyncLLM.from_config(config)
-    name = model_name or served_model_name(config.model)
+    name = model_name or served_model_name(config.model.model)
     app = create_app(llm, name, api_key)
     server = _GracefulServer(uvicorn.Config(app, log_level="warning", access_log=False,
                                             timeout_graceful_shutdown=shutdown_timeout))

@@ -1,0 +1,1 @@
+"""What the machine folio runs on offers: CPU features today."""

@@ -1,0 +1,1 @@
+"""Small helpers with no home of their own in the engine."""
