@@ -1,7 +1,9 @@
 """Load a model for serving: a Hugging Face folder, a GGUF file, or (no model given) the embedded default.
 
 Weights go straight into a model whose layers allocate without initialising, so loading costs one copy of
-each tensor and no random init.
+each tensor and no random init. The model is built with its linear layers' shapes only; a linear method
+(by default `default_linear_method`) then creates their parameters, the checkpoint fills them, and the
+method post-processes them (e.g. packs them for oneDNN).
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
 
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import load_gguf_cached
+from folio.loader.weights import load_weights
+from folio.models.dense_linear import DenseLinearMethod
+from folio.models.linear import LinearMethods, bind_linear_methods, process_weights_after_loading
 from folio.models.model_config import ModelConfig
 from folio.models.registry import build_model, check_supported
 from folio.tokenizer import Tokenizer
@@ -88,8 +93,19 @@ def _parse_config(hf_config: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config)
 
 
-def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int]) -> LoadedModel:
-    """Load weights, config and tokenizer. `max_positions_cap` bounds the RoPE table (the engine's max_model_len)."""
+def default_linear_method(model: torch.nn.Module) -> LinearMethods:
+    """The linear method of a model whose loader is given none: the dense CPU method, sized for the model."""
+    return DenseLinearMethod.for_model(model)
+
+
+def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int],
+               linear_method: Optional[Callable[[torch.nn.Module], LinearMethods]] = None) -> LoadedModel:
+    """Load weights, config and tokenizer. `max_positions_cap` bounds the RoPE table (the engine's max_model_len).
+
+    linear_method: gives the built (not yet loaded) model its linear method, or a chooser of one per layer
+    (see folio.models.linear); a function of the model because a method may size itself by the model, as
+    the dense one does. None: `default_linear_method`.
+    """
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (folio loads local folders and .gguf files only)")
@@ -113,7 +129,8 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     max_positions = cfg.max_position_embeddings if max_positions_cap is None else max_positions_cap
     with _default_dtype(dtype):
         net = build_model(cfg, max_positions)
-    net.load_weights(tensors)
-    net.prepack()
+    bind_linear_methods(net, (linear_method or default_linear_method)(net))
+    load_weights(net, tensors)
+    process_weights_after_loading(net)
     net.eval()
     return LoadedModel(path, cfg, net, tokenizer, frozenset(eos))
