@@ -1,4 +1,5 @@
-"""Linear layers compute through a pluggable method and load fused checkpoint shards by shard id."""
+"""Linear layers compute through a pluggable method, load fused checkpoint shards by shard id, and the
+rotary tables are float32 buffers."""
 
 from __future__ import annotations
 
@@ -127,3 +128,18 @@ def test_checkpoint_errors_name_the_tensor(llama_dir, tmp_path, edit, message):
     folder = _edited_copy(llama_dir, str(tmp_path / "edited"), edit)
     with pytest.raises(ValueError, match=message):
         load_model(folder, torch.float32, 64)
+
+
+def test_rotary_tables_are_float32_buffers_that_follow_device_moves(llama_dir):
+    net = load_model(llama_dir, torch.bfloat16, 64).model
+    rotary = net.layers[0].self_attn.rotary
+    assert all(layer.self_attn.rotary is rotary for layer in net.layers)  # one table for the model
+    buffers = dict(net.named_buffers())
+    assert set(buffers) == {"layers.0.self_attn.rotary.cos", "layers.0.self_attn.rotary.sin"}
+    assert all(b.dtype == torch.float32 and b.shape == (64, 16) for b in buffers.values())
+    assert not any("rotary" in name for name in net.state_dict())  # computed, never loaded
+    cos = rotary.cos.clone()
+    rotary.to(torch.bfloat16)
+    assert rotary.cos.dtype == torch.float32 and torch.equal(rotary.cos, cos)
+    rotary.to("meta", torch.float16)
+    assert rotary.cos.device.type == rotary.sin.device.type == "meta" and rotary.cos.dtype == torch.float32

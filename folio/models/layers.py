@@ -64,8 +64,10 @@ def _inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) ->
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed float32 cos/sin table indexed by position.
 
-    The table stays float32 whatever the model's dtype (plain attributes, not buffers, so .to(dtype) leaves
-    it alone); it is cast per use exactly as Transformers casts its cos/sin.
+    The tables are buffers, so moving the model to a device moves them; they stay float32 whatever the
+    model's dtype (a dtype cast of the model leaves them alone: see _apply), and are cast per use exactly as
+    Transformers casts its cos/sin. Not persistent: they are computed, never loaded from a checkpoint.
+    One instance is shared by every layer of a model.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict[str, Any]]) -> None:
@@ -73,7 +75,17 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """Apply a .to()/.cuda()/.half()-style conversion to the tables' device only: fn says where the
+        tables go, and the float32 originals are moved there (converting them and back would round)."""
+        tables = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, table in tables.items():
+            self._buffers[name] = table.to(self._buffers[name].device)
+        return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D], rotated in place (they are views of the step's qkv output)."""
