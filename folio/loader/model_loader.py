@@ -79,9 +79,12 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read weights from {path}: {e}") from e
 
 
-def _eos_ids(*configs: dict) -> frozenset[int]:
-    ids: set[int] = set()
-    for cfg in configs:
+def eos_token_ids(hf_config: dict, generation_config: dict, tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids that end a request, worked out here only: the eos_token_id (an id or a list) of config.json
+    and of generation_config.json, where instruct models list their end-of-turn ids (Llama 3's <|eot_id|>),
+    and the tokenizer's eos_token."""
+    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    for cfg in (hf_config, generation_config):
         eos = cfg.get("eos_token_id")
         if eos is not None:
             ids.update([eos] if isinstance(eos, int) else eos)
@@ -116,15 +119,13 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         cfg = _parse_config(hf_config)
         tokenizer = Tokenizer.from_dir(path)
         tensors: Iterator[tuple[str, torch.Tensor]] = _iter_safetensors(_safetensors_files(path))
-        eos = _eos_ids(hf_config, _read_json(os.path.join(path, "generation_config.json")))
+        generation_config = _read_json(os.path.join(path, "generation_config.json"))
     else:
         checkpoint, state = load_gguf_cached(path, dtype)
         cfg = _parse_config(checkpoint.hf_config)
         tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
         tensors = iter(state.items())
-        eos = _eos_ids(checkpoint.hf_config, checkpoint.generation_config)
-    if tokenizer.eos_token_id is not None:
-        eos |= {tokenizer.eos_token_id}
+        hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
 
     max_positions = cfg.max_position_embeddings if max_positions_cap is None else max_positions_cap
     with _default_dtype(dtype):
@@ -133,4 +134,4 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     load_weights(net, tensors)
     process_weights_after_loading(net)
     net.eval()
-    return LoadedModel(path, cfg, net, tokenizer, frozenset(eos))
+    return LoadedModel(path, cfg, net, tokenizer, eos_token_ids(hf_config, generation_config, tokenizer))
