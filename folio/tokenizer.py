@@ -81,18 +81,16 @@ def _text_of(content: list) -> str:
 class Tokenizer:
     """Wraps a `tokenizers.Tokenizer` (no transformers at runtime) plus tokenizer_config facts and the chat template."""
 
-    def __init__(self, backend: BackendTokenizer, config: dict, chat_template: Optional[str] = None,
-                 generation_eos_ids: Optional[list[int]] = None) -> None:
+    def __init__(self, backend: BackendTokenizer, config: dict, chat_template: Optional[str] = None) -> None:
         self.backend = backend
         self.config = config
         self.chat_template = chat_template
         self.special_tokens = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id: Optional[int] = self._id_of("bos_token")
-        eos = self._id_of("eos_token")
-        # Instruct models often end turns with ids that only generation_config.json lists (Llama 3's <|eot_id|>).
-        self.eos_token_ids: set[int] = {i for i in [eos, *(generation_eos_ids or [])] if i is not None}
-        self.eos_token_id: Optional[int] = eos if eos is not None else next(iter(generation_eos_ids or []), None)
+        # Only tokenizer_config.json's eos_token: the ids that end a request are the model loader's
+        # (folio.loader.model_loader.eos_token_ids), which adds generation_config.json's.
+        self.eos_token_id: Optional[int] = self._id_of("eos_token")
         added = backend.get_added_tokens_decoder()
         named = {i for k in self.special_tokens if (i := self._id_of(k)) is not None}
         self.all_special_ids: set[int] = {i for i, t in added.items() if t.special} | named
@@ -100,7 +98,7 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str) -> "Tokenizer":
-        """Load tokenizer.json and tokenizer_config.json, the chat template, and extra EOS ids from a model folder."""
+        """Load tokenizer.json and tokenizer_config.json, and the chat template, from a model folder."""
         tok_path = os.path.join(path, "tokenizer.json")
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         if not os.path.isfile(tok_path) or config is None:
@@ -112,10 +110,7 @@ class Tokenizer:
                 template = f.read()
         else:
             template = _default_template(config.get("chat_template"))
-        gen = _read_json(os.path.join(path, "generation_config.json")) or _read_json(os.path.join(path, "config.json"))
-        eos_ids = (gen or {}).get("eos_token_id")
-        eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
-        return cls(BackendTokenizer.from_file(tok_path), config, template, eos_ids)
+        return cls(BackendTokenizer.from_file(tok_path), config, template)
 
     @classmethod
     def from_parts(cls, tokenizer_json: str, tokenizer_config: dict) -> "Tokenizer":

@@ -431,7 +431,8 @@ def test_default_model_weights_match_transformers(default_path, default_ours):
     assert (cfg.architecture, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings) == (
         "LlamaForCausalLM", 576, 30, 9, 3, 64, 49152, True)
-    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.eos_token_ids) == (1e5, 1e-5, 8192, [2])
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings) == (1e5, 1e-5, 8192)
+    assert checkpoint.hf_config["eos_token_id"] == 2
 
 
 def test_default_model_tokenizer_matches_transformers(default_path, default_ours):

@@ -1,4 +1,4 @@
-"""The small-batch bf16 linear kernel: its results, and when Linear and the models use it."""
+"""The small-batch bf16 linear kernel: its results, and when the dense linear method and the models use it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from folio.models import small_batch_gemm
-from folio.models.layers import Linear
+from folio.models.dense_linear import DenseLinearMethod
+from folio.models.linear import Linear
 
 pytestmark = pytest.mark.skipif(not small_batch_gemm.available(),
                                 reason="small-batch kernel needs AVX512-BF16 and a working compiler")
@@ -46,10 +47,13 @@ def test_strided_rows_and_errors():
 
 
 def packed_linear(small_batches: bool, k: int = 64) -> Linear:
-    layer = Linear(k, 48, bias=True)
-    layer.weight.data = torch.randn(48, k).to(torch.bfloat16)
-    layer.bias.data = torch.randn(48).to(torch.bfloat16)
-    layer.prepack(small_batches=small_batches)
+    """A bf16 layer on the dense method, which keeps plain weights for the kernel when small_batches."""
+    layer = Linear(k, 48, bias=True, params_dtype=torch.bfloat16)
+    method = DenseLinearMethod(keep_copies=small_batches)
+    layer.bind(method)
+    layer.weight.data.copy_(torch.randn(48, k))
+    layer.bias.data.copy_(torch.randn(48))
+    method.process_weights_after_loading(layer)
     return layer
 
 

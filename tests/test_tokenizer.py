@@ -10,6 +10,7 @@ from tokenizer_fixture import sentencepiece_like_json, smollm2_tokenizer_dir
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
+from folio.loader.model_loader import eos_token_ids
 from folio.tokenizer import Tokenizer
 
 TEXTS = [
@@ -147,11 +148,13 @@ def test_template_sources_and_errors(tmp_path):
         Tokenizer.from_dir(str(tmp_path / "missing"))
 
 
-def test_eos_ids_from_generation_config(tmp_path):
-    folder = _write(tmp_path, sentencepiece_like_json(), {"bos_token": "<s>", "eos_token": "</s>"},
-                    **{"generation_config.json": json.dumps({"eos_token_id": [2, 7]})})
-    tok = Tokenizer.from_dir(folder)
-    assert tok.eos_token_id == 2 and tok.eos_token_ids == {2, 7}
+def test_eos_ids_join_generation_config_config_and_tokenizer(tmp_path):
+    """A request ends at the tokenizer's EOS and at every id config.json and generation_config.json list
+    (instruct models' end-of-turn ids); the model loader works them out, the tokenizer keeps its own."""
+    tok = Tokenizer.from_dir(_write(tmp_path, sentencepiece_like_json(), {"bos_token": "<s>", "eos_token": "</s>"}))
+    assert tok.eos_token_id == 2
+    assert eos_token_ids({"eos_token_id": 9}, {"eos_token_id": [2, 7]}, tok) == {2, 7, 9}
+    assert eos_token_ids({"eos_token_id": 9}, {}, Tokenizer.from_parts(sentencepiece_like_json(), {})) == {9}
 
 
 def _with_bos_post_processor(tokenizer_json: str) -> str:

@@ -1,7 +1,9 @@
 """Load a model for serving: a Hugging Face folder, a GGUF file, or (no model given) the embedded default.
 
 Weights go straight into a model whose layers allocate without initialising, so loading costs one copy of
-each tensor and no random init.
+each tensor and no random init. The model is built with its linear layers' shapes only; a linear method
+(by default `default_linear_method`) then creates their parameters, the checkpoint fills them, and the
+method post-processes them (e.g. packs them for oneDNN).
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
 
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import load_gguf_cached
+from folio.loader.weights import load_weights
+from folio.models.dense_linear import DenseLinearMethod
+from folio.models.linear import LinearMethods, bind_linear_methods, process_weights_after_loading
 from folio.models.model_config import ModelConfig
 from folio.models.registry import build_model, check_supported
 from folio.tokenizer import Tokenizer
@@ -74,9 +79,12 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read weights from {path}: {e}") from e
 
 
-def _eos_ids(*configs: dict) -> frozenset[int]:
-    ids: set[int] = set()
-    for cfg in configs:
+def eos_token_ids(hf_config: dict, generation_config: dict, tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids that end a request, worked out here only: the eos_token_id (an id or a list) of config.json
+    and of generation_config.json, where instruct models list their end-of-turn ids (Llama 3's <|eot_id|>),
+    and the tokenizer's eos_token."""
+    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    for cfg in (hf_config, generation_config):
         eos = cfg.get("eos_token_id")
         if eos is not None:
             ids.update([eos] if isinstance(eos, int) else eos)
@@ -88,8 +96,19 @@ def _parse_config(hf_config: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config)
 
 
-def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int]) -> LoadedModel:
-    """Load weights, config and tokenizer. `max_positions_cap` bounds the RoPE table (the engine's max_model_len)."""
+def default_linear_method(model: torch.nn.Module) -> LinearMethods:
+    """The linear method of a model whose loader is given none: the dense CPU method, sized for the model."""
+    return DenseLinearMethod.for_model(model)
+
+
+def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int],
+               linear_method: Optional[Callable[[torch.nn.Module], LinearMethods]] = None) -> LoadedModel:
+    """Load weights, config and tokenizer. `max_positions_cap` bounds the RoPE table (the engine's max_model_len).
+
+    linear_method: gives the built (not yet loaded) model its linear method, or a chooser of one per layer
+    (see folio.models.linear); a function of the model because a method may size itself by the model, as
+    the dense one does. None: `default_linear_method`.
+    """
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (folio loads local folders and .gguf files only)")
@@ -100,20 +119,19 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         cfg = _parse_config(hf_config)
         tokenizer = Tokenizer.from_dir(path)
         tensors: Iterator[tuple[str, torch.Tensor]] = _iter_safetensors(_safetensors_files(path))
-        eos = _eos_ids(hf_config, _read_json(os.path.join(path, "generation_config.json")))
+        generation_config = _read_json(os.path.join(path, "generation_config.json"))
     else:
         checkpoint, state = load_gguf_cached(path, dtype)
         cfg = _parse_config(checkpoint.hf_config)
         tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
         tensors = iter(state.items())
-        eos = _eos_ids(checkpoint.hf_config, checkpoint.generation_config)
-    if tokenizer.eos_token_id is not None:
-        eos |= {tokenizer.eos_token_id}
+        hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
 
     max_positions = cfg.max_position_embeddings if max_positions_cap is None else max_positions_cap
     with _default_dtype(dtype):
         net = build_model(cfg, max_positions)
-    net.load_weights(tensors)
-    net.prepack()
+    bind_linear_methods(net, (linear_method or default_linear_method)(net))
+    load_weights(net, tensors)
+    process_weights_after_loading(net)
     net.eval()
-    return LoadedModel(path, cfg, net, tokenizer, frozenset(eos))
+    return LoadedModel(path, cfg, net, tokenizer, eos_token_ids(hf_config, generation_config, tokenizer))

@@ -1,5 +1,5 @@
-"""Building blocks shared by the decoder models: linear, embedding, RMSNorm, rotary embedding, gated MLP
-activation.
+"""Building blocks shared by the decoder models: embedding, RMSNorm, rotary embedding, gated MLP activation
+(linear layers: folio.models.linear).
 
 Each produces the same numbers as Hugging Face Transformers' own layers, because greedy outputs must match
 Transformers token for token. The elementwise ops run fused C++ kernels in bf16 (folio.models.fused_ops),
@@ -14,62 +14,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from folio.models import fused_ops, small_batch_gemm
-
-
-def _uninitialized(*shape: int) -> nn.Parameter:
-    """Weights are always loaded from a checkpoint, so layers allocate without initialising (instant load)."""
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
-# oneDNN's blocked weight layout is chosen for a batch size; decode batches of tens of requests dominate.
-_PACK_FOR_BATCH = 64
-
-
-def _can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-class Linear(nn.Module):
-    """y = x W^T + b. In bf16 on the CPU the weight is reordered once, at load, into oneDNN's blocked layout
-    (`prepack`); plain F.linear reorders it on every call, which costs 10-40% of a decode step's matmuls.
-    The results are bit-identical. Batches of at most small_batch_gemm.MAX_ROWS rows may instead go to a
-    kernel that streams the plain weight faster (`small_batches`). float32 stays on F.linear (MKL), whose
-    numbers Transformers' match."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.weight = _uninitialized(out_features, in_features)
-        self.bias = _uninitialized(out_features) if bias else None
-        self.packed: Optional[torch.Tensor] = None
-        self.small_batches = False
-
-    def can_prepack(self) -> bool:
-        return _can_prepack(self.weight)
-
-    def prepack(self, keep_weight: bool = False, small_batches: bool = False) -> None:
-        """Switch to the packed weight. The plain one is kept for the small-batch kernel, or when something
-        else shares it; otherwise it is freed."""
-        if not _can_prepack(self.weight):
-            return
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_FOR_BATCH)
-        self.small_batches = small_batches and small_batch_gemm.supports(self.weight)
-        if not (keep_weight or self.small_batches):
-            self.weight = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            if self.small_batches and x.dim() == 2 and x.shape[0] <= small_batch_gemm.MAX_ROWS:
-                return small_batch_gemm.linear(x, self.weight, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return nn.functional.linear(x, self.weight, self.bias)
+from folio.models import fused_ops
+from folio.models.weight_loader import uninitialized
 
 
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
-        self.weight = _uninitialized(num_embeddings, dim)
+        self.weight = uninitialized(num_embeddings, dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.weight)
@@ -78,7 +30,7 @@ class Embedding(nn.Module):
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = _uninitialized(size)
+        self.weight = uninitialized(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
@@ -112,8 +64,10 @@ def _inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) ->
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed float32 cos/sin table indexed by position.
 
-    The table stays float32 whatever the model's dtype (plain attributes, not buffers, so .to(dtype) leaves
-    it alone); it is cast per use exactly as Transformers casts its cos/sin.
+    The tables are buffers, so moving the model to a device moves them; they stay float32 whatever the
+    model's dtype (a dtype cast of the model leaves them alone: see _apply), and are cast per use exactly as
+    Transformers casts its cos/sin. Not persistent: they are computed, never loaded from a checkpoint.
+    One instance is shared by every layer of a model.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict[str, Any]]) -> None:
@@ -121,7 +75,17 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """Apply a .to()/.cuda()/.half()-style conversion to the tables' device only: fn says where the
+        tables go, and the float32 originals are moved there (converting them and back would round)."""
+        tables = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, table in tables.items():
+            self._buffers[name] = table.to(self._buffers[name].device)
+        return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D], rotated in place (they are views of the step's qkv output)."""

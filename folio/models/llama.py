@@ -2,21 +2,23 @@
 
 The model works on the flattened batch: [num_tokens] ids and positions in, [num_tokens, hidden] out.
 Q, K and V come from one fused matmul, gate and up from another; checkpoints keep their separate
-Hugging Face tensors, which `load_weights` stacks into the fused ones.
+Hugging Face tensors, which load as shards of the fused layers (`map_checkpoint_name`). The model declares
+its linear layers' shapes only: how they store weights and compute is bound later (folio.models.linear).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from folio.attention.backend import AttentionBackend
-from folio.models import small_batch_gemm
-from folio.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from folio.models.layers import Embedding, RMSNorm, RotaryEmbedding, silu_and_mul
+from folio.models.linear import Linear
 from folio.models.model_config import ModelConfig
+from folio.models.weight_loader import ShardId
 
 
 @dataclass
@@ -34,7 +36,8 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                               bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
 
@@ -56,7 +59,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size})
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +89,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_cls = LlamaDecoderLayer
-    # checkpoint tensor name fragment -> (fused parameter fragment, shard index)
-    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    # checkpoint tensor name fragment -> (fused parameter fragment, shard id)
+    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
@@ -97,9 +100,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
+                              tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -111,51 +113,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def prepack(self) -> None:
-        """Once weights are loaded: move every matmul weight to the CPU's fast layout (see Linear), keeping
-        plain copies for the small-batch kernel when they are cheap enough (see small_batch_gemm)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m.can_prepack()]
-        if not linears:
-            return
-        shared = self.lm_head if self.config.tie_word_embeddings else None  # its plain weight is the embedding
-        copies = sum(m.weight.numel() * m.weight.element_size() for m in linears if m is not shared)
-        keep_copies = small_batch_gemm.worth_copies(copies)
-        for module in linears:
-            module.prepack(keep_weight=module is shared,
-                           small_batches=keep_copies or (module is shared and small_batch_gemm.available()))
-
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the model, stacking q/k/v and gate/up."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in tensors:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-                continue
-            target, shard = name, None
-            for part, (fused, index) in self.stacked_params.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(part, fused), index
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            if shard is None:
-                dest = param.data
-            else:
-                dest = param.data.narrow(0, *self._shard_range(target, shard))
-            if dest.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded.add(f"{target}#{shard}")
-        missing = [n for n in params if not any(k.startswith(n + "#") for k in loaded)]
-        if missing:
-            raise ValueError(f"checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-
-    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
-        cfg = self.config
-        if "qkv_proj" in fused_name:
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            return [(0, q), (q, kv), (q + kv, kv)][shard]
-        return (shard * cfg.intermediate_size, cfg.intermediate_size)
+    def map_checkpoint_name(self, name: str) -> Optional[tuple[str, ShardId]]:
+        """Where a checkpoint tensor (Hugging Face name) goes: (parameter name, shard id), or None to skip it."""
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        for part, (fused, shard_id) in self.stacked_params.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), shard_id
+        return name, None

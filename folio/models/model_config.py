@@ -7,7 +7,7 @@ instead of seconds and keeps transformers off the serving path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 
@@ -28,7 +28,6 @@ class ModelConfig:
     attention_bias: bool = False
     rope_scaling: Optional[dict[str, Any]] = None
     bos_token_id: Optional[int] = None
-    eos_token_ids: list[int] = field(default_factory=list)
 
     @staticmethod
     def architecture_of(cfg: dict[str, Any]) -> str:
@@ -44,7 +43,6 @@ class ModelConfig:
             rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
             rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
             rope_type = rope.get("rope_type", rope.get("type", "default"))
-            eos = cfg.get("eos_token_id")
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -62,7 +60,6 @@ class ModelConfig:
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
                 rope_scaling=rope if rope_type != "default" else None,
                 bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             )
         except KeyError as e:
             raise ValueError(f"model config is missing the field {e.args[0]!r}") from e

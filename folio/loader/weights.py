@@ -1,0 +1,40 @@
+"""Fill a model's parameters from checkpoint tensors (safetensors and GGUF both arrive as (Hugging Face
+name, tensor) pairs).
+
+The model only maps names (`map_checkpoint_name`: checkpoint name -> parameter name and shard id, or None
+to skip); each parameter's weight loader decides how the tensor is stored (folio.models.weight_loader).
+Every parameter, and every shard of a fused one, must come from the checkpoint: a tensor with no place or
+the wrong shape, and a parameter or shard never given, is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from folio.models.weight_loader import ShardId, shard_ids_of, weight_loader_of
+
+
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, ShardId]] = set()
+    for name, tensor in tensors:
+        target = model.map_checkpoint_name(name)
+        if target is None:
+            continue
+        param_name, shard_id = target
+        param = params.get(param_name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        try:
+            weight_loader_of(param)(param, tensor, shard_id)
+        except ValueError as e:  # the loader's message completes this sentence (see weight_loader)
+            raise ValueError(f"checkpoint tensor {name!r} {e}") from None
+        loaded.add((param_name, shard_id))
+    missing = [name if shard_id is None else f"{name} (shard {shard_id!r})"
+               for name, param in params.items() for shard_id in shard_ids_of(param)
+               if (name, shard_id) not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint lacks tensors for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,123 @@
+"""Linear layers whose weights and matmul belong to a pluggable method (vLLM's `quant_method` pattern).
+
+A model declares each Linear by its shapes only: input size, output rows per shard, bias, and whether the
+weight is the embedding's (a tied lm_head). How the layer keeps its weights and computes y = x W^T + b is
+its `LinearMethod`'s business: the dense CPU method (folio.models.dense_linear) prepacks bf16 weights for
+oneDNN; a quantised method would create packed integer weights and scales; a tensor-parallel one, a slice.
+
+Methods are bound after the model is built, by `bind_linear_methods(model, methods)`, which walks the model
+and lets each layer's method create its parameters. So swapping the method needs no change to a model file,
+and a chooser given the layer's name (its prefix, e.g. "layers.3.mlp.down_proj") can pick a method per
+layer, as a quantisation config does when it keeps the lm_head dense.
+
+A fused layer (q/k/v, gate/up) stacks its shards' rows in declaration order; a parameter laid out by
+output row is loaded shard by shard into those rows (`Linear.load_rows`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Iterator, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
+
+
+class LinearMethod(ABC):
+    """How Linear layers keep their weights and compute. One object may serve many layers: it keeps per-layer
+    state on the layer, as attributes it creates in `create_weights`."""
+
+    @abstractmethod
+    def create_weights(self, layer: "Linear") -> None:
+        """Register the layer's parameters (and any per-layer state) on it, each with a weight loader that
+        places checkpoint tensors into it (`Linear.row_parameter` makes the usual ones). A tied layer
+        already has its `weight`: the embedding's parameter, loaded as the embedding."""
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        """Turn the loaded weights into the form `apply` wants (a packed layout, say). Default: nothing."""
+
+    @abstractmethod
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        """y = x W^T + b for x [..., input_size]; on the hot path, once per layer per step."""
+
+
+LinearMethodChooser = Callable[[str, "Linear"], LinearMethod]
+LinearMethods = Union[LinearMethod, LinearMethodChooser]
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, computed by the bound LinearMethod.
+
+    output_sizes: the number of output rows, or {shard id: rows} for a fused layer whose checkpoint keeps
+    its parts as separate tensors (e.g. {"q": 512, "k": 128, "v": 128}); its output is their concatenation.
+    tied_to: the embedding parameter that is this layer's weight too (a tied lm_head).
+    params_dtype: the weights' dtype; by default torch's default dtype while the model is built (the
+    loader builds it under the serving dtype), so weights are created directly in it.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Union[int, Mapping[ShardId, int]], bias: bool = False,
+                 tied_to: Optional[nn.Parameter] = None, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        sizes = {None: output_sizes} if isinstance(output_sizes, int) else dict(output_sizes)
+        if not sizes or any(size <= 0 for size in sizes.values()):
+            raise ValueError(f"Linear output sizes must be positive, got {output_sizes!r}")
+        self.input_size = input_size
+        self.shards: dict[ShardId, tuple[int, int]] = {}  # shard id -> (first row, rows)
+        first = 0
+        for shard_id, rows in sizes.items():
+            self.shards[shard_id] = (first, rows)
+            first += rows
+        self.output_size = first
+        self.with_bias = bias
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.tied = tied_to is not None
+        if tied_to is not None:
+            if tuple(tied_to.shape) != (self.output_size, input_size):
+                raise ValueError(f"a tied Linear({input_size}, {self.output_size}) needs a weight of shape "
+                                 f"{(self.output_size, input_size)}, got {tuple(tied_to.shape)}")
+            self.weight = tied_to
+        self.method: Optional[LinearMethod] = None
+
+    def bind(self, method: LinearMethod) -> None:
+        if self.method is not None:
+            raise ValueError(f"this Linear is already bound to {type(self.method).__name__}")
+        method.create_weights(self)
+        self.method = method
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def row_parameter(self, *row_shape: int, dtype: Optional[torch.dtype] = None) -> nn.Parameter:
+        """An uninitialised parameter with one row per output feature (a weight: row_shape (input_size,);
+        a bias: (); a per-row scale...), in params_dtype unless told, loaded shard by shard into its rows."""
+        param = uninitialized(self.output_size, *row_shape, dtype=dtype or self.params_dtype)
+        set_weight_loader(param, self.load_rows, self.shards)
+        return param
+
+    def load_rows(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
+        """Weight loader of row parameters: the shard's tensor goes into the shard's rows."""
+        if shard_id not in self.shards:
+            raise ValueError(f"is given as shard {shard_id!r} of a layer whose shards are {list(self.shards)}")
+        first, rows = self.shards[shard_id]
+        copy_checked(param.data.narrow(0, first, rows), tensor)
+
+
+def linear_layers(model: nn.Module) -> Iterator[tuple[str, Linear]]:
+    return ((name, m) for name, m in model.named_modules() if isinstance(m, Linear))
+
+
+def bind_linear_methods(model: nn.Module, methods: LinearMethods) -> None:
+    """Bind every Linear of the model to its method, which creates the layer's parameters.
+
+    methods: one LinearMethod for all layers, or a chooser (layer name, layer) -> LinearMethod.
+    """
+    choose = (lambda name, layer: methods) if isinstance(methods, LinearMethod) else methods
+    for name, layer in linear_layers(model):
+        layer.bind(choose(name, layer))
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    for _, layer in linear_layers(model):
+        layer.method.process_weights_after_loading(layer)

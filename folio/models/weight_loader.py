@@ -1,0 +1,53 @@
+"""Parameters that a checkpoint fills, and the per-parameter loaders that fill them.
+
+Weights always come from a checkpoint, so parameters are created uninitialised (instant, no random init).
+
+The checkpoint loop (folio.loader.weights) does not know how a parameter keeps its data: it hands each
+checkpoint tensor to the parameter's `weight_loader(param, tensor, shard_id)`, with the shard id the model's
+name mapping gives (None for a whole tensor). So a fused q/k/v layer puts each shard into its rows, and a
+quantised or tensor-parallel layer could keep its own form or slice of the tensor, without the model or the
+loop knowing. A parameter's `shard_ids` lists the shards it needs, so the loop can name any never loaded.
+Parameters without these attributes take one whole tensor (`default_weight_loader`).
+
+A loader rejects a tensor by raising ValueError with a message that completes "checkpoint tensor NAME ...",
+e.g. "has shape (3, 4), expected (2, 4)": only the loop knows the tensor's name, and it prefixes it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+ShardId = Union[str, int, None]
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+
+
+def uninitialized(*shape: int, dtype: Optional[torch.dtype] = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def copy_checked(dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
+    if shard_id is not None:
+        raise ValueError(f"is given as shard {shard_id!r} of a parameter that has no shards")
+    copy_checked(param.data, tensor)
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader, shard_ids: Iterable[ShardId]) -> None:
+    param.weight_loader = loader
+    param.shard_ids = tuple(shard_ids)
+
+
+def weight_loader_of(param: nn.Parameter) -> WeightLoader:
+    return getattr(param, "weight_loader", default_weight_loader)
+
+
+def shard_ids_of(param: nn.Parameter) -> tuple[ShardId, ...]:
+    return getattr(param, "shard_ids", (None,))

@@ -1,0 +1,145 @@
+"""Linear layers compute through a pluggable method, load fused checkpoint shards by shard id, and the
+rotary tables are float32 buffers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from folio import LLM, SamplingParams
+from folio.loader import model_loader
+from folio.loader.model_loader import load_model
+from folio.models import small_batch_gemm
+from folio.models.dense_linear import DenseLinearMethod
+from folio.models.linear import Linear, LinearMethod, bind_linear_methods
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 61)), [300] * 9]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+class ReferenceLinearMethod(LinearMethod):
+    """A second method: F.linear on an unpacked copy of the loaded weight, in any dtype."""
+
+    def __init__(self) -> None:
+        self.bound: list[Linear] = []
+        self.calls = 0
+
+    def create_weights(self, layer: Linear) -> None:
+        if not layer.tied:
+            layer.weight = layer.row_parameter(layer.input_size)
+        layer.bias = layer.row_parameter() if layer.with_bias else None
+        self.bound.append(layer)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.reference_weight = layer.weight.detach().clone()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return F.linear(x, layer.reference_weight, layer.bias)
+
+
+def _greedy(folder: str, dtype: str) -> list[list[int]]:
+    llm = LLM(folder, dtype=dtype, kv_cache_memory=1 << 22)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)])
+def test_a_plugged_in_method_generates_what_the_dense_one_does(tiny_model_factory, monkeypatch, dtype, arch, tie):
+    # the small-batch kernel rounds bf16 sums its own way (within one step: test_small_batch_gemm); oneDNN's
+    # packed matmul equals F.linear bit for bit, so with the kernel off the two methods must agree exactly
+    monkeypatch.setattr(small_batch_gemm, "available", lambda: False)
+    folder = tiny_model_factory(arch, tie)
+    dense = _greedy(folder, dtype)
+    reference = ReferenceLinearMethod()
+    monkeypatch.setattr(model_loader, "default_linear_method", lambda model: reference)
+    assert _greedy(folder, dtype) == dense
+    assert len(reference.bound) == 2 * 4 + 1 and reference.calls > 0  # qkv, o, gate_up, down per layer; lm_head
+    assert all(layer.method is reference for layer in reference.bound)
+
+
+def test_a_chooser_picks_a_method_per_layer_by_name(llama_dir):
+    reference = ReferenceLinearMethod()
+    dense = DenseLinearMethod(keep_copies=False)
+    net = load_model(llama_dir, torch.float32, 64,
+                     linear_method=lambda model: lambda name, layer: reference if name == "lm_head" else dense).model
+    assert reference.bound == [net.lm_head]
+    others = [layer for layer in net.modules() if isinstance(layer, Linear) and layer is not net.lm_head]
+    assert len(others) == 8 and all(layer.method is dense for layer in others)
+
+
+def _bound_fused_layer() -> Linear:
+    layer = Linear(4, {"q": 3, "k": 2, "v": 2}, bias=True, params_dtype=torch.float32)
+    bind_linear_methods(layer, DenseLinearMethod(keep_copies=False))
+    return layer
+
+
+def test_fused_layer_loads_each_shard_into_its_rows():
+    layer = _bound_fused_layer()
+    weights = {s: torch.randn(rows, 4) for s, rows in (("v", 2), ("q", 3), ("k", 2))}  # any order
+    biases = {s: torch.randn(w.shape[0]) for s, w in weights.items()}
+    for s in weights:
+        layer.weight.weight_loader(layer.weight, weights[s], s)
+        layer.bias.weight_loader(layer.bias, biases[s], s)
+    weight, bias = torch.cat([weights[s] for s in "qkv"]), torch.cat([biases[s] for s in "qkv"])
+    assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias)
+    x = torch.randn(5, 4)
+    assert torch.equal(layer(x), F.linear(x, weight, bias))
+    with pytest.raises(ValueError, match=r"has shape \(3, 4\), expected \(2, 4\)"):
+        layer.weight.weight_loader(layer.weight, torch.randn(3, 4), "k")
+    with pytest.raises(ValueError, match="shard 'x' of a layer whose shards are \\['q', 'k', 'v'\\]"):
+        layer.weight.weight_loader(layer.weight, torch.randn(2, 4), "x")
+
+
+def test_linear_declarations_are_checked():
+    with pytest.raises(ValueError, match="positive"):
+        Linear(4, {0: 3, 1: 0})
+    with pytest.raises(ValueError, match=r"needs a weight of shape \(8, 4\)"):
+        Linear(4, 8, tied_to=torch.nn.Parameter(torch.empty(8, 5)))
+    with pytest.raises(ValueError, match="already bound to DenseLinearMethod"):
+        bind_linear_methods(_bound_fused_layer(), DenseLinearMethod(keep_copies=False))
+
+
+def _edited_copy(src: str, dst: str, edit) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"),
+     r"lacks tensors for layers.1.self_attn.qkv_proj.weight \(shard 'k'\)$"),
+    (lambda t: t.pop("model.layers.0.mlp.up_proj.weight"), r"layers.0.mlp.gate_up_proj.weight \(shard 1\)"),
+    (lambda t: t.pop("model.norm.weight"), r"lacks tensors for norm.weight$"),
+    (lambda t: t.update({"model.layers.0.self_attn.v_proj.weight": torch.zeros(16, 64)}),
+     r"'model.layers.0.self_attn.v_proj.weight' has shape \(16, 64\), expected \(32, 64\)"),
+    (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}), "has no place in LlamaForCausalLM"),
+])
+def test_checkpoint_errors_name_the_tensor(llama_dir, tmp_path, edit, message):
+    folder = _edited_copy(llama_dir, str(tmp_path / "edited"), edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(folder, torch.float32, 64)
+
+
+def test_rotary_tables_are_float32_buffers_that_follow_device_moves(llama_dir):
+    net = load_model(llama_dir, torch.bfloat16, 64).model
+    rotary = net.layers[0].self_attn.rotary
+    assert all(layer.self_attn.rotary is rotary for layer in net.layers)  # one table for the model
+    buffers = dict(net.named_buffers())
+    assert set(buffers) == {"layers.0.self_attn.rotary.cos", "layers.0.self_attn.rotary.sin"}
+    assert all(b.dtype == torch.float32 and b.shape == (64, 16) for b in buffers.values())
+    assert not any("rotary" in name for name in net.state_dict())  # computed, never loaded
+    cos = rotary.cos.clone()
+    rotary.to(torch.bfloat16)
+    assert rotary.cos.dtype == torch.float32 and torch.equal(rotary.cos, cos)
+    rotary.to("meta", torch.float16)
+    assert rotary.cos.device.type == rotary.sin.device.type == "meta" and rotary.cos.dtype == torch.float32
