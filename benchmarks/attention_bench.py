@@ -125,24 +125,12 @@ def bench_case(name, specs, shape, dtype, args, rng, backends):
 
 def engine_bench(args) -> None:
     """Greedy generation through the whole engine (default model unless --model) with each backend."""
-    import folio.worker.model_runner as model_runner
     from folio import LLM, SamplingParams
 
     results = {}
     for name in ("torch_sdpa", "cpu_paged"):
         rng = random.Random(0)  # the same prompts for both
-        make = TorchSDPABackend if name == "torch_sdpa" else CPUPagedAttentionBackend
-        saved, saved_env = model_runner.TorchSDPABackend, os.environ.get("FOLIO_ATTENTION_BACKEND")
-        model_runner.TorchSDPABackend = make  # ModelRunner's default backend (before it uses the selector)
-        os.environ["FOLIO_ATTENTION_BACKEND"] = name  # ... and after
-        try:
-            llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=1 << 30)
-        finally:
-            model_runner.TorchSDPABackend = saved
-            if saved_env is None:
-                os.environ.pop("FOLIO_ATTENTION_BACKEND", None)
-            else:
-                os.environ["FOLIO_ATTENTION_BACKEND"] = saved_env
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=1 << 30, attention_backend=name)
         backend = type(llm.llm_engine.runner.backend).__name__
         vocab = llm.llm_engine.model_config.vocab_size
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

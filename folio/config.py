@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from folio.platforms.cpu_features import has_fast_bf16
+from folio.platforms import current_platform
 
 
 def option(default: Any, help: str, default_means: Optional[str] = None, **cli: Any) -> Any:
@@ -53,10 +53,13 @@ class ModelOptions:
                                   default_means="the embedded SmolLM2-135M-Instruct")
     dtype: Union[str, torch.dtype] = option(
         "auto", "auto, float32, bfloat16 or float16",
-        default_means="auto = bfloat16 where the CPU has fast bf16, else float32")
+        default_means="auto = the platform's: on CPUs bfloat16 where the CPU has fast bf16, else float32")
     max_model_len: Optional[int] = option(None, "context length", default_means="the model's")
     seed: int = option(0, "random seed of the engine; when given, folio generate and chat also seed each "
                           "request with it")
+    attention_backend: Optional[str] = option(
+        None, "attention kernel: cpu_paged (C++, reads the paged cache in place) or torch_sdpa (reference)",
+        default_means="$FOLIO_ATTENTION_BACKEND, else the fastest that builds here")
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -68,7 +71,7 @@ class ModelOptions:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            return torch.bfloat16 if has_fast_bf16() else torch.float32
+            return current_platform().default_dtype()
         try:
             return _DTYPES[self.dtype]
         except KeyError:

@@ -25,13 +25,12 @@ from typing import Any, Optional, Sequence
 import torch
 
 from folio import envs
+from folio.platforms import current_platform
 from folio.platforms.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-Wno-unused-function")
-DEFAULT_LDFLAGS = ("-fopenmp",)
 # A build lock older than this is taken to be left over from a killed build.
 STALE_LOCK_S = 15 * 60
 
@@ -60,8 +59,8 @@ def _import_built(name: str, folder: Path):
     return module
 
 
-def build_and_load(ext_name: str, source: Path, cflags: Sequence[str] = DEFAULT_CFLAGS,
-                   ldflags: Sequence[str] = DEFAULT_LDFLAGS, what: str = "kernel", verbose: bool = False):
+def build_and_load(ext_name: str, source: Path, cflags: Sequence[str], ldflags: Sequence[str], what: str = "kernel",
+                   verbose: bool = False):
     """Import the cached build of `source`, or build it (raises on a build failure)."""
     name = f"{ext_name}_{build_key(source, cflags, ldflags)}"
     folder = cache_root() / name
@@ -89,10 +88,8 @@ def build_and_load(ext_name: str, source: Path, cflags: Sequence[str] = DEFAULT_
 class CppKernel:
     """One lazily built extension: `load()` builds once per process (thread-safe) and remembers failure."""
 
-    def __init__(self, ext_name: str, source: Path, what: str, fallback: str,
-                 cflags: Sequence[str] = DEFAULT_CFLAGS, ldflags: Sequence[str] = DEFAULT_LDFLAGS) -> None:
+    def __init__(self, ext_name: str, source: Path, what: str, fallback: str) -> None:
         self.ext_name, self.source, self.what, self.fallback = ext_name, Path(source), what, fallback
-        self.cflags, self.ldflags = tuple(cflags), tuple(ldflags)
         self._lock = threading.Lock()
         self._ext: Any = None
         self._tried = False
@@ -107,8 +104,8 @@ class CppKernel:
                     self.error = "disabled by FOLIO_DISABLE_CPU_KERNELS=1"
                 else:
                     try:
-                        self._ext = build_and_load(self.ext_name, self.source, self.cflags, self.ldflags,
-                                                   self.what, verbose)
+                        cflags, ldflags = current_platform().kernel_build_flags()
+                        self._ext = build_and_load(self.ext_name, self.source, cflags, ldflags, self.what, verbose)
                     except Exception as exc:  # a compiler error, no ninja, a read-only cache dir...
                         self.error = f"{type(exc).__name__}: {exc}"
                 if self.error is not None:

@@ -20,12 +20,15 @@ import torch
 
 from conftest import EOS_ID, VOCAB, hf_greedy, write_tokenizer
 from folio import LLM, SamplingParams
-from folio.attention import cpu_paged, selector
+from folio.attention import cpu_paged
 from folio.attention.backend import BatchLayout
 from folio.attention.torch_sdpa import TorchSDPABackend
+from folio.platforms import current_platform
 
 # (query length, context length once the step's tokens are in): decodes, whole prompts, chunks after context
 MIXED = [(1, 1), (1, 5), (1, 17), (1, 100), (1, 384), (7, 7), (33, 33), (20, 50), (5, 130), (64, 200), (2, 2)]
+
+ENV_VAR = "FOLIO_ATTENTION_BACKEND"
 
 
 @pytest.fixture(scope="module")
@@ -145,16 +148,21 @@ def test_bad_block_table_is_an_error(paged):
         paged.build_metadata(layout)
 
 
-def test_selector(paged, monkeypatch):
-    monkeypatch.delenv(selector.ENV_VAR, raising=False)
-    assert isinstance(selector.get_attention_backend(), cpu_paged.CPUPagedAttentionBackend)
-    monkeypatch.setenv(selector.ENV_VAR, "torch_sdpa")
-    assert type(selector.get_attention_backend()) is TorchSDPABackend
-    monkeypatch.setenv(selector.ENV_VAR, "cpu_paged")
-    assert isinstance(selector.get_attention_backend(), cpu_paged.CPUPagedAttentionBackend)
-    monkeypatch.setenv(selector.ENV_VAR, "flash")
+def test_platform_selects_the_backend(paged, monkeypatch):
+    platform = current_platform()
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert isinstance(platform.attention_backend(None), cpu_paged.CPUPagedAttentionBackend)
+    assert type(platform.attention_backend("torch_sdpa")) is TorchSDPABackend
+    monkeypatch.setenv(ENV_VAR, "torch_sdpa")
+    assert type(platform.attention_backend(None)) is TorchSDPABackend
+    assert isinstance(platform.attention_backend("cpu_paged"), cpu_paged.CPUPagedAttentionBackend)  # option wins
+    monkeypatch.setenv(ENV_VAR, "cpu_paged")
+    assert isinstance(platform.attention_backend(None), cpu_paged.CPUPagedAttentionBackend)
+    monkeypatch.setenv(ENV_VAR, "flash")
     with pytest.raises(ValueError, match="FOLIO_ATTENTION_BACKEND"):
-        selector.get_attention_backend()
+        platform.attention_backend(None)
+    with pytest.raises(ValueError, match="attention_backend must be one of cpu_paged, torch_sdpa"):
+        platform.attention_backend("flash")
 
 
 def test_build_failure_falls_back(monkeypatch, caplog):
@@ -167,9 +175,9 @@ def test_build_failure_falls_back(monkeypatch, caplog):
     fresh = csrc_build.CppKernel(cpu_paged.KERNEL.ext_name, cpu_paged.KERNEL.source, cpu_paged.KERNEL.what,
                                  cpu_paged.KERNEL.fallback)
     monkeypatch.setattr(cpu_paged, "KERNEL", fresh)
-    monkeypatch.setenv(selector.ENV_VAR, "cpu_paged")
+    monkeypatch.delenv(ENV_VAR, raising=False)
     with caplog.at_level(logging.WARNING, logger="folio"):
-        backend = selector.get_attention_backend()
+        backend = current_platform().attention_backend("cpu_paged")
     assert type(backend) is TorchSDPABackend
     assert "no compiler" in caplog.text
     with pytest.raises(RuntimeError, match="unavailable"):
@@ -196,7 +204,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 @pytest.fixture
 def engine_uses_paged(paged, monkeypatch):
     """Every ModelRunner built in the test gets the paged backend, whatever the environment says."""
-    monkeypatch.setenv(selector.ENV_VAR, "cpu_paged")
+    monkeypatch.setenv(ENV_VAR, "cpu_paged")
+
+
+def test_engine_option_chooses_the_backend(llama_dir, paged, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "cpu_paged")  # the option wins over the environment
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory=1 << 22, attention_backend="torch_sdpa")
+    assert type(llm.llm_engine.runner.backend) is TorchSDPABackend
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(llama_dir, dtype="float32", kv_cache_memory=1 << 22, attention_backend="flash")
 
 
 def _generate(folder, **kwargs):

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from folio import LLM, SamplingParams
-from folio.loader import model_loader
 from folio.loader.model_loader import load_model
 from folio.models import small_batch_gemm
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.linear import Linear, LinearMethod, bind_linear_methods
+from folio.platforms import current_platform
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 61)), [300] * 9]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -58,7 +58,7 @@ def test_a_plugged_in_method_generates_what_the_dense_one_does(tiny_model_factor
     folder = tiny_model_factory(arch, tie)
     dense = _greedy(folder, dtype)
     reference = ReferenceLinearMethod()
-    monkeypatch.setattr(model_loader, "default_linear_method", lambda model: reference)
+    monkeypatch.setattr(type(current_platform()), "linear_method", lambda self, model: reference)
     assert _greedy(folder, dtype) == dense
     assert len(reference.bound) == 2 * 4 + 1 and reference.calls > 0  # qkv, o, gate_up, down per layer; lm_head
     assert all(layer.method is reference for layer in reference.bound)

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import hf_greedy
 from fake_runner import fake_runner_output
 from folio import LLM, SamplingParams
-from folio.config import EngineConfig
+from folio.config import SchedulerOptions
 from folio.core.block_hash import extend_block_hashes
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import Request, RequestStatus
@@ -138,7 +138,7 @@ def test_prefix_cache_invariants_under_random_workloads(reqs, num_blocks, block_
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(0, 12))] for _ in range(4)]
     max_model_len = min(num_blocks * block_size, 48)
-    cfg = EngineConfig.from_kwargs(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=5)
+    cfg = SchedulerOptions(max_num_batched_tokens=budget, max_num_seqs=5)
     sched = Scheduler(cfg, KVCacheManager(num_blocks, block_size), max_model_len)
     kv, pool = sched.kv_cache_manager, sched.kv_cache_manager.pool
     all_requests = []

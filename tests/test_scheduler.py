@@ -6,7 +6,7 @@ import itertools
 
 from hypothesis import given, settings, strategies as st
 
-from folio.config import EngineConfig
+from folio.config import SchedulerOptions
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import Request, RequestStatus
 from fake_runner import fake_runner_output
@@ -17,8 +17,7 @@ EOS = 0
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=32, max_seqs=8, max_model_len=64, policy="fcfs"):
-    cfg = EngineConfig.from_kwargs(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                   scheduling_policy=policy)
+    cfg = SchedulerOptions(max_num_batched_tokens=budget, max_num_seqs=max_seqs, scheduling_policy=policy)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size), max_model_len)
 
 

@@ -1,10 +1,11 @@
 """The attention backend interface: the one seam where faster kernels replace the reference implementation.
 
-A backend owns two things: turning a step's batch layout into whatever metadata it needs (once per step,
+A backend owns three things: the layout of the paged KV cache it reads (`kv_cache_shape`: the model runner
+allocates what it declares), turning a step's batch layout into whatever metadata it needs (once per step,
 shared by every layer), and computing attention for one layer from the flattened batch while writing the
-new K/V into the paged cache.
+new K/V into the paged cache. A new backend is a subclass, offered by a platform (folio.platforms).
 
-The paged cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim];
+The CPU backends' cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim];
 token t of a request lives at slot block_table[t // block_size] * block_size + t % block_size.
 """
 
@@ -45,6 +46,11 @@ class BatchLayout:
 
 
 class AttentionBackend(ABC):
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's K cache (and of its V cache) that this backend reads and writes; the default is
+        the token-major layout above, which slot mapping addresses as [num_blocks * block_size, heads, dim]."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> Any:
         """Precompute per-step metadata (index tensors, masks) used by every layer's forward."""

@@ -16,7 +16,7 @@ on two cores, it includes only the ATen headers it needs) into $FOLIO_CACHE_DIR 
 /torch_extensions/<name>_<hash>. The hash covers the source, the flags, torch, Python and the CPU's feature
 flags (-march=native code must not reach another CPU); a later process imports the built library directly,
 without compiler or ninja. `load_extension()` returns None (after one logged warning) when the build fails:
-callers then use TorchSDPABackend (see folio.attention.selector).
+callers then use TorchSDPABackend (see folio.platforms.cpu).
 
 Handled in place: float32 and bfloat16 caches, any head_dim (AVX-512 code for multiples of 16 up to 256, a
 scalar loop otherwise). Anything else (float16 caches, q/k/v in another dtype than the cache) goes to the

@@ -38,10 +38,11 @@ from folio.bench import throughput
 from folio.bench.throughput import ThroughputResult
 from folio.bench.workload import DEFAULT_OUTPUT_LEN, add_workload_arguments, describe
 from folio.config import EngineConfig
-from folio.engine.llm_engine import kv_cache_budget
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import read_gguf
 from folio.models.model_config import ModelConfig
+from folio.platforms import current_platform
+from folio.worker.kv_cache import KVCacheSpec
 
 
 @dataclass
@@ -155,7 +156,8 @@ def model_cost(cfg: ModelConfig, dtype: torch.dtype) -> ModelCost:
     lm_head = cfg.hidden_size * cfg.vocab_size
     matmul = cfg.num_hidden_layers * per_layer + lm_head
     attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-    return ModelCost(matmul, lm_head, matmul * dtype.itemsize, cfg.kv_bytes_per_token * dtype.itemsize, attention)
+    kv_bytes_per_token = KVCacheSpec.for_model(cfg, 1, dtype).bytes_per_token
+    return ModelCost(matmul, lm_head, matmul * dtype.itemsize, kv_bytes_per_token, attention)
 
 
 def _median_seconds(fn: Callable[[], object], reps: int) -> float:
@@ -223,7 +225,7 @@ def workload_bound(cost: ModelCost, num_prompts: int, input_len: int, output_len
 
 def max_batch(config: EngineConfig, cost: ModelCost, num_prompts: int, request_tokens: int) -> int:
     """Requests the engine can decode together: bounded by max_num_seqs and by the KV cache."""
-    kv_capacity = kv_cache_budget(config.cache.kv_cache_memory) // cost.kv_bytes_per_token
+    kv_capacity = current_platform().kv_cache_budget(config.cache.kv_cache_memory) // cost.kv_bytes_per_token
     return max(1, min(num_prompts, config.scheduler.max_num_seqs, kv_capacity // request_tokens))
 
 
@@ -271,7 +273,7 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.bandwidth_mib < 1 or args.matmul_m < 1 or args.reps < 1:
         raise ValueError("--bandwidth-mib, --matmul-m and --reps must be >= 1")
     output_len = args.output_len or DEFAULT_OUTPUT_LEN
-    torch.set_num_threads(config.parallel.num_threads or len(os.sched_getaffinity(0)))  # as the engine will
+    current_platform().prepare_process(config.parallel.num_threads)  # as the engine will
     cfg, dtype = read_model_config(config.model.model), config.model.torch_dtype
     cost = model_cost(cfg, dtype)
     limits = measure_limits(cfg, list(dict.fromkeys([dtype, torch.float32])), args.bandwidth_mib, args.matmul_m,

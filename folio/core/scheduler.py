@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from folio.config import EngineConfig
+from folio.config import SchedulerOptions
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import Request, RequestStatus
 from folio.core.step_contract import (ModelRunnerOutput, NewRequestData, SampledLogprobs, ScheduledRequestData,
@@ -94,11 +94,11 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerOptions, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
-        self.waiting = WaitingQueue(config.scheduler.scheduling_policy)
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
@@ -145,7 +145,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.scheduler.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -167,7 +167,7 @@ class Scheduler:
             i += 1
 
         while (not out.preempted_ids and budget > 0 and len(self.waiting)
-               and len(self.running) < self.config.scheduler.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()  # waiting requests have no computed tokens (new or preempted)
             cached = self.kv_cache_manager.find_cached(request)
             num_cached = len(cached) * self.kv_cache_manager.block_size

@@ -1,20 +1,22 @@
 """LLMEngine: step-level control of the engine (add_request, step, abort_request).
 
 Data flows one way through a step: scheduler -> model runner -> scheduler bookkeeping -> output
-processing. The scheduler and the runner only exchange the step contract's messages (folio.core.step_contract). Requests that a stop string ended in output processing are finished in the scheduler at once,
-so their blocks are free before the next step.
+processing. The scheduler and the runner only exchange the step contract's messages
+(folio.core.step_contract). Requests that a stop string ended in output processing are finished in the
+scheduler at once, so their blocks are free before the next step. What depends on the hardware (dtype
+"auto", the KV budget, the attention backend, the linear method, the device) comes from the platform.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from typing import Iterable, Optional, Union
 
 import torch
 
+from folio.attention.backend import AttentionBackend
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import RequestStatus
@@ -22,68 +24,62 @@ from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.loader.model_loader import load_model
-from folio.memory import available_memory_bytes, keep_freed_memory
 from folio.outputs import RequestOutput
+from folio.platforms import current_platform
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
+from folio.worker.kv_cache import KVCacheSpec
 from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("folio")
-
-DEFAULT_KV_CACHE_BYTES = 4 << 30
-DEFAULT_KV_CACHE_FRACTION = 0.4
-
-
-def kv_cache_budget(setting: Union[int, float, None]) -> int:
-    """Bytes for the KV cache: an explicit byte count, a fraction of available memory, or the default
-    (the smaller of 4 GiB and 40% of available memory, like vLLM's CPU build's 4 GiB default)."""
-    if isinstance(setting, int):
-        return setting
-    if isinstance(setting, float):
-        return int(setting * available_memory_bytes())
-    return min(DEFAULT_KV_CACHE_BYTES, int(DEFAULT_KV_CACHE_FRACTION * available_memory_bytes()))
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         start = time.perf_counter()
-        torch.set_num_threads(config.parallel.num_threads or len(os.sched_getaffinity(0)))
-        keep_freed_memory()  # every step's large activations reuse the heap instead of faulting pages in
+        self.platform = platform = current_platform()
+        platform.prepare_process(config.parallel.num_threads)
         torch.manual_seed(config.model.seed)
         dtype = config.model.torch_dtype
-        loaded = load_model(config.model.model, dtype, config.model.max_model_len)
+        loaded = load_model(config.model.model, dtype, config.model.max_model_len, platform.linear_method,
+                            platform.device)
         self.model_config = cfg = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         if config.model.max_model_len is not None and config.model.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
-        max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        backend = platform.attention_backend(config.model.attention_backend)
+        kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype)
+        num_blocks, self.max_model_len = self._size_kv_cache(kv_cache_spec, backend,
+                                                             config.model.max_model_len or cfg.max_position_embeddings)
 
-        bytes_per_block = cfg.kv_bytes_per_token * dtype.itemsize * config.cache.block_size
-        num_blocks = kv_cache_budget(config.cache.kv_cache_memory) // bytes_per_block
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.runner = ModelRunner(loaded.model, kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
+                                  self.max_model_len, backend, platform.device)
+        self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
+                                              loaded.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        logger.info("engine ready: %s (%s, %s, %s attention) in %.1f s", loaded.path, cfg.architecture, dtype,
+                    type(backend).__name__, time.perf_counter() - start)
+
+    def _size_kv_cache(self, spec: KVCacheSpec, backend: AttentionBackend, max_model_len: int) -> tuple[int, int]:
+        """The number of blocks the platform's KV budget holds, and max_model_len lowered to fit in them."""
+        bytes_per_block = spec.bytes_per_block(backend)
+        num_blocks = self.platform.kv_cache_budget(self.config.cache.kv_cache_memory) // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for even one block of {bytes_per_block} bytes")
-        capacity = num_blocks * config.cache.block_size
+        capacity = num_blocks * spec.block_size
         if capacity < max_model_len:
             logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len to %d",
                            capacity, max_model_len, capacity)
             max_model_len = capacity
-        self.max_model_len = max_model_len
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at %d tokens per "
-                    "request: %.1fx", num_blocks, config.cache.block_size, capacity,
-                    num_blocks * bytes_per_block / 2**20, max_model_len, capacity / max_model_len)
-
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, max_model_len)
-        self.runner = ModelRunner(loaded.model, cfg, dtype, num_blocks, config.cache.block_size,
-                                  config.scheduler.max_num_seqs, max_model_len)
-        self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, max_model_len, loaded.eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
-        logger.info("engine ready: %s (%s, %s) in %.1f s", loaded.path, cfg.architecture, dtype,
-                    time.perf_counter() - start)
+                    "request: %.1fx", num_blocks, spec.block_size, capacity, num_blocks * bytes_per_block / 2**20,
+                    max_model_len, capacity / max_model_len)
+        return num_blocks, max_model_len
 
     @classmethod
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "LLMEngine":

@@ -2,7 +2,7 @@
 
 Weights go straight into a model whose layers allocate without initialising, so loading costs one copy of
 each tensor and no random init. The model is built with its linear layers' shapes only; a linear method
-(by default `default_linear_method`) then creates their parameters, the checkpoint fills them, and the
+(by default the platform's) then creates their parameters, the checkpoint fills them, and the
 method post-processes them (e.g. packs them for oneDNN).
 """
 
@@ -20,10 +20,10 @@ from safetensors import safe_open
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import load_gguf_cached
 from folio.loader.weights import load_weights
-from folio.models.dense_linear import DenseLinearMethod
 from folio.models.linear import LinearMethods, bind_linear_methods, process_weights_after_loading
 from folio.models.model_config import ModelConfig
 from folio.models.registry import build_model, check_supported
+from folio.platforms import current_platform
 from folio.tokenizer import Tokenizer
 
 
@@ -96,18 +96,14 @@ def _parse_config(hf_config: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config)
 
 
-def default_linear_method(model: torch.nn.Module) -> LinearMethods:
-    """The linear method of a model whose loader is given none: the dense CPU method, sized for the model."""
-    return DenseLinearMethod.for_model(model)
-
-
 def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int],
-               linear_method: Optional[Callable[[torch.nn.Module], LinearMethods]] = None) -> LoadedModel:
+               linear_method: Optional[Callable[[torch.nn.Module], LinearMethods]] = None,
+               device: torch.device = torch.device("cpu")) -> LoadedModel:
     """Load weights, config and tokenizer. `max_positions_cap` bounds the RoPE table (the engine's max_model_len).
 
     linear_method: gives the built (not yet loaded) model its linear method, or a chooser of one per layer
     (see folio.models.linear); a function of the model because a method may size itself by the model, as
-    the dense one does. None: `default_linear_method`.
+    the dense one does. None: the current platform's (folio.platforms). device: where the weights live.
     """
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
@@ -128,9 +124,9 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
 
     max_positions = cfg.max_position_embeddings if max_positions_cap is None else max_positions_cap
-    with _default_dtype(dtype):
+    with _default_dtype(dtype), device:
         net = build_model(cfg, max_positions)
-    bind_linear_methods(net, (linear_method or default_linear_method)(net))
+        bind_linear_methods(net, (linear_method or current_platform().linear_method)(net))
     load_weights(net, tensors)
     process_weights_after_loading(net)
     net.eval()

@@ -63,8 +63,3 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ValueError(f"model config is missing the field {e.args[0]!r}") from e
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies across all layers, per byte of element size."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim

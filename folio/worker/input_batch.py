@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from folio.attention.backend import BatchLayout
-from folio.core.kv_cache_manager import cdiv
 from folio.core.step_contract import ScheduledRequestData
+from folio.utils.math_utils import cdiv
 from folio.worker.request_state import RequestState
 
 
@@ -34,8 +34,10 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.block_size = block_size
+        self.device = device  # where the step's tensors go
         self.max_model_len = max_model_len
         self.max_blocks = cdiv(max_model_len, block_size)
         # np.zeros maps zero pages lazily: only the token positions requests actually reach take memory
@@ -96,8 +98,10 @@ class InputBatch:
         max_blocks = cdiv(int(seq_lens.max()), bs)
         # columns past a request's own blocks may hold a former occupant's ids: kernels read seq_lens only
         tables = self.block_table[rows_a, :max_blocks]
-        layout = BatchLayout(qlens, seq_lens, torch.from_numpy(tables), torch.from_numpy(slots), bs)
-        return StepInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), layout)
+        device = self.device
+        layout = BatchLayout(qlens, seq_lens, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
+                             bs)
+        return StepInputs(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), layout)
 
     def _add_row(self, request: RequestState) -> int:
         """A fresh row holding the request's tokens so far; its block table starts empty."""

@@ -16,16 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from folio.attention.backend import AttentionBackend
-from folio.attention.selector import get_attention_backend
 from folio.core.step_contract import ModelRunnerOutput, SampledTokens, ScheduledRequestData, SchedulerOutput
 from folio.models import fused_ops
 from folio.models.llama import StepContext
-from folio.models.model_config import ModelConfig
 from folio.sample import sampling_ops
 from folio.sample.logits_processors import default_logits_processors
 from folio.sample.sampler import Sampler, compute_prompt_logprobs
 from folio.sample.sampling_metadata import SamplingMetadata
 from folio.worker.input_batch import InputBatch
+from folio.worker.kv_cache import KVCacheSpec
 from folio.worker.request_state import RequestState
 
 
@@ -38,20 +37,16 @@ class _PromptLogprobsJob:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, num_blocks: int,
-                 block_size: int, max_num_seqs: int, max_model_len: int,
-                 backend: AttentionBackend | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache_spec: KVCacheSpec, num_blocks: int, max_num_seqs: int,
+                 max_model_len: int, backend: AttentionBackend, device: torch.device) -> None:
         self.model = model
-        self.inputs = InputBatch(max_num_seqs, max_model_len, block_size)
+        self.backend = backend
+        self.inputs = InputBatch(max_num_seqs, max_model_len, kv_cache_spec.block_size, device)
         self.requests: dict[str, RequestState] = {}
-        self.backend = backend or get_attention_backend()
-        if dtype == torch.bfloat16:
+        if kv_cache_spec.dtype == torch.bfloat16:
             fused_ops.prepare()  # the fused elementwise kernels serve bf16 only
         sampling_ops.prepare()
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # zeros, not empty: padded reads of never-written slots must be finite (masked, but NaN * 0 is NaN)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                          for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = kv_cache_spec.allocate(backend, num_blocks, device)
         self.sampler = Sampler()
         self.logits_processors = default_logits_processors()
 
