@@ -52,6 +52,7 @@ class Request:
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already handed out (never twice)
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (prefix caching)
     output_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (speculative decoding)
     all_token_ids: list[int] = field(init=False)  # prompt + output in one list (block hashes read it)
     # Tokens that end the request (and that min_tokens must hold back): stop_token_ids, plus EOS unless ignore_eos.
     stop_token_ids: frozenset[int] = field(init=False)

@@ -14,6 +14,11 @@ What the runner is told, and what it keeps:
 The runner owns all per-request state from then on (token rows, block tables, generators, the history
 penalties count): it appends the tokens it samples itself, which the core appends to its own `Request` when
 it reads the answer. The core decides when a request stops; the runner learns it from `finished_ids`.
+
+Speculative decoding: the runner's answer may carry draft tokens per request; the scheduler gives them back
+in the next step as `draft_token_ids` after the request's known tokens, and the runner answers with the
+accepted drafts plus one token. The core then rolls its computed-token count back past the rejected drafts
+(their KV is written but never trusted, nor published to the prefix cache).
 """
 
 from __future__ import annotations
@@ -87,3 +92,5 @@ class ModelRunnerOutput:
     # logprobs of the prompt tokens that this step's chunk predicts, for requests that asked for them: entry i
     # belongs to position num_computed_tokens + i (predicting the token after it)
     prompt_logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
+    # speculative decoding: guesses of the tokens after each request's last sampled one, to verify next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

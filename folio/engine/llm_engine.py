@@ -57,7 +57,7 @@ class LLMEngine:
                                                config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
-                                  self.max_model_len, backend, platform.device)
+                                  self.max_model_len, backend, platform.device, config.speculative.speculative_config)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
                                               loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
