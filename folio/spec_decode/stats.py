@@ -22,6 +22,13 @@ class SpecDecodingStats:
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
 
+    def since(self, earlier: "SpecDecodingStats") -> "SpecDecodingStats":
+        """What was counted after `earlier` (a snapshot of these stats)."""
+        per_pos = [n - (earlier.num_accepted_tokens_per_pos[i] if i < len(earlier.num_accepted_tokens_per_pos) else 0)
+                   for i, n in enumerate(self.num_accepted_tokens_per_pos)]
+        return SpecDecodingStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                                 self.num_accepted_tokens - earlier.num_accepted_tokens, per_pos)
+
     def snapshot(self) -> "SpecDecodingStats":
         return dataclasses.replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
 
