@@ -31,8 +31,9 @@ RANDOM = [[(37 * i * i + 11 * i) % 480 + 10 for i in range(30)]]
 PROMPTS = REPEATING + RANDOM
 
 
-def _spec(method: str, **extra) -> dict:
-    return {"method": method, "num_speculative_tokens": 4, **extra}
+def _spec(method: str, draft: str | None = None) -> dict:
+    """The config of a method; draft_model drafts with `draft` (tests use a tiny model, often the target itself)."""
+    return {"method": method, "num_speculative_tokens": 4, **({"model": draft} if method == "draft_model" else {})}
 
 
 def _generate(folder: str, prompts, params, **engine) -> tuple[list, LLM]:
@@ -47,14 +48,16 @@ def _tokens(outputs) -> list[list[list[int]]]:
 
 # --- greedy exactness, end to end ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_equals_no_speculation(llama_dir, method, dtype):
+def test_greedy_equals_no_speculation(tiny_model_factory, llama_dir, method, dtype):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected, _ = _generate(llama_dir, PROMPTS, params, dtype=dtype)
+    draft = tiny_model_factory("qwen2")  # another model with the same vocabulary: it guesses wrong often
     accepted = 0
     for first, last in ((0, len(PROMPTS)), (0, 1), (2, 4)):  # batch compositions: all together, alone, a pair
-        got, llm = _generate(llama_dir, PROMPTS[first:last], params, dtype=dtype, speculative_config=_spec(method))
+        got, llm = _generate(llama_dir, PROMPTS[first:last], params, dtype=dtype,
+                             speculative_config=_spec(method, draft if first else llama_dir))
         assert _tokens(got) == _tokens(expected[first:last])
         accepted += llm.llm_engine.get_stats().spec_decoding.num_accepted_tokens
     assert accepted > 0, "speculation should have run"
@@ -72,7 +75,7 @@ def test_stop_tokens_max_tokens_logprobs_n_and_preemption(llama_dir):
               SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.2, presence_penalty=0.3)]
     prompts = [REPEATING[0], REPEATING[1], REPEATING[3], RANDOM[0], REPEATING[0][:20]]
     results = []
-    for spec in (None, _spec("ngram"), _spec("suffix")):
+    for spec in (None, _spec("ngram"), _spec("suffix"), _spec("draft_model", llama_dir)):
         llm = LLM(llama_dir, kv_cache_memory=20 * per_block, speculative_config=spec, **engine)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -82,7 +85,31 @@ def test_stop_tokens_max_tokens_logprobs_n_and_preemption(llama_dir):
         if spec is not None:
             assert llm.llm_engine.get_stats().spec_decoding.num_accepted_tokens > 0
             assert llm.llm_engine.kv_cache_manager.num_free_blocks == 20
-    assert results[1] == results[0] and results[2] == results[0]
+    assert results[1] == results[0] and results[2] == results[0] and results[3] == results[0]
+
+
+def test_a_draft_model_identical_to_the_target_is_always_right(llama_dir):
+    """The target as its own draft model: every guess is accepted, through preemptions too, which shows the
+    draft's KV cache stays consistent (after rejections, catch-ups and freed blocks)."""
+    per_block = 2 * (2 * 2 * 2 * 16 * 4 * 4)  # the target's KV and the draft's
+    llm = LLM(llama_dir, dtype="float32", block_size=4, max_model_len=64, kv_cache_memory=20 * per_block,
+              speculative_config=_spec("draft_model", llama_dir))
+    prompts = [REPEATING[0], REPEATING[1], RANDOM[0], REPEATING[3]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=30),
+                        use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.spec_decoding.num_draft_tokens > 20
+    assert stats.spec_decoding.acceptance_rate == 1.0
+    expected, _ = _generate(llama_dir, prompts, SamplingParams(temperature=0, max_tokens=30), dtype="float32")
+    assert _tokens(outs) == _tokens(expected)
+
+
+def test_a_draft_model_must_share_the_vocabulary(llama_dir, tmp_path):
+    from conftest import build_tiny_model
+
+    other = build_tiny_model(str(tmp_path / "big-vocab"), "llama", vocab_size=600)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(llama_dir, speculative_config=_spec("draft_model", other))
 
 
 def test_streaming_gets_several_tokens_per_chunk(llama_dir):

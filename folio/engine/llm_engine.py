@@ -26,6 +26,7 @@ from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.loader.model_loader import load_model
 from folio.outputs import RequestOutput
 from folio.platforms import current_platform
+from folio.spec_decode.draft_model import load_draft_model
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
 from folio.worker.kv_cache import KVCacheSpec
@@ -49,15 +50,21 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         backend = platform.attention_backend(config.model.attention_backend)
+        max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        spec = config.speculative.speculative_config
+        draft = None if spec is None or spec.method != "draft_model" else \
+            load_draft_model(spec, cfg, dtype, max_model_len, config.cache.block_size, platform)
         kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype)
-        num_blocks, self.max_model_len = self._size_kv_cache(kv_cache_spec, backend,
-                                                             config.model.max_model_len or cfg.max_position_embeddings)
+        num_blocks, self.max_model_len = self._size_kv_cache(
+            [kv_cache_spec] + ([draft.kv_cache_spec] if draft else []), backend, max_model_len)
 
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        # a draft model writes the KV of its guesses past each step's tokens: slots are reserved for them
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
+                                   spec.num_speculative_tokens if draft else 0)
         self.runner = ModelRunner(loaded.model, kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
-                                  self.max_model_len, backend, platform.device, config.speculative.speculative_config)
+                                  self.max_model_len, backend, platform.device, spec, draft)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
                                               loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -65,19 +72,22 @@ class LLMEngine:
         logger.info("engine ready: %s (%s, %s, %s attention) in %.1f s", loaded.path, cfg.architecture, dtype,
                     type(backend).__name__, time.perf_counter() - start)
 
-    def _size_kv_cache(self, spec: KVCacheSpec, backend: AttentionBackend, max_model_len: int) -> tuple[int, int]:
-        """The number of blocks the platform's KV budget holds, and max_model_len lowered to fit in them."""
-        bytes_per_block = spec.bytes_per_block(backend)
+    def _size_kv_cache(self, specs: list[KVCacheSpec], backend: AttentionBackend,
+                       max_model_len: int) -> tuple[int, int]:
+        """The number of blocks the platform's KV budget holds (a block: the KV of every model that keeps some,
+        the target's and a draft model's), and max_model_len lowered to fit in them."""
+        bytes_per_block = sum(spec.bytes_per_block(backend) for spec in specs)
         num_blocks = self.platform.kv_cache_budget(self.config.cache.kv_cache_memory) // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for even one block of {bytes_per_block} bytes")
-        capacity = num_blocks * spec.block_size
+        block_size = self.config.cache.block_size
+        capacity = num_blocks * block_size
         if capacity < max_model_len:
             logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len to %d",
                            capacity, max_model_len, capacity)
             max_model_len = capacity
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at %d tokens per "
-                    "request: %.1fx", num_blocks, spec.block_size, capacity, num_blocks * bytes_per_block / 2**20,
+                    "request: %.1fx", num_blocks, block_size, capacity, num_blocks * bytes_per_block / 2**20,
                     max_model_len, capacity / max_model_len)
         return num_blocks, max_model_len
 

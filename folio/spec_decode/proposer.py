@@ -22,6 +22,9 @@ class Proposer(ABC):
     def finished(self, request: RequestState) -> None:
         """A request ended (proposers that learn from past requests keep its output)."""
 
+    def preempted(self, request_id: str) -> None:
+        """A request lost its blocks (and whatever a proposer kept in them); it is computed again later."""
+
 
 def continuations(tokens: np.ndarray, min_n: int, max_n: int) -> np.ndarray:
     """Where the longest suffix of `tokens`, of min_n to max_n tokens, occurred before: the positions right after

@@ -68,6 +68,9 @@ class Speculator:
         self._acceptance.pop(request.request_id, None)
         self.proposer.finished(request)
 
+    def preempted(self, request_id: str) -> None:
+        self.proposer.preempted(request_id)
+
     def _num_drafts(self, request: RequestState) -> int:
         room = self.max_model_len - request.num_tokens - 1  # the drafts and the token after them must fit
         if request.params.max_tokens is not None:

@@ -28,6 +28,7 @@ from folio.sample.rejection_sampler import RejectionSampler
 from folio.sample.sampler import Sampler, compute_prompt_logprobs
 from folio.sample.sampling_metadata import SamplingMetadata
 from folio.spec_decode.config import SpeculativeConfig
+from folio.spec_decode.draft_model import DraftModel
 from folio.spec_decode.factory import make_speculator
 from folio.worker.input_batch import InputBatch
 from folio.worker.kv_cache import KVCacheSpec
@@ -45,9 +46,11 @@ class _PromptLogprobsJob:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache_spec: KVCacheSpec, num_blocks: int, max_num_seqs: int,
                  max_model_len: int, backend: AttentionBackend, device: torch.device,
-                 speculative_config: Optional[SpeculativeConfig] = None) -> None:
+                 speculative_config: Optional[SpeculativeConfig] = None, draft: Optional[DraftModel] = None) -> None:
         self.model = model
         self.backend = backend
+        self.device = device
+        self.num_blocks = num_blocks
         self.inputs = InputBatch(max_num_seqs, max_model_len, kv_cache_spec.block_size, device)
         self.requests: dict[str, RequestState] = {}
         if kv_cache_spec.dtype == torch.bfloat16:
@@ -57,7 +60,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.logits_processors = default_logits_processors()
-        self.speculator = None if speculative_config is None else make_speculator(speculative_config, max_model_len)
+        self.speculator = None if speculative_config is None else make_speculator(speculative_config, self, draft)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -117,6 +120,9 @@ class ModelRunner:
                 self.speculator.finished(request)
         self.inputs.remove(sched.finished_ids)
         self.inputs.remove(sched.preempted_ids)
+        if self.speculator is not None:
+            for request_id in sched.preempted_ids:
+                self.speculator.preempted(request_id)
         for new in sched.new_requests:
             self.requests[new.request_id] = RequestState.from_new_request(new)
 
