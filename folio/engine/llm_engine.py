@@ -55,14 +55,14 @@ class LLMEngine:
         draft = None if spec is None or spec.method != "draft_model" else \
             load_draft_model(spec, cfg, dtype, max_model_len, config.cache.block_size, platform)
         kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype)
+        num_lookahead_tokens = spec.num_speculative_tokens if draft else 0
         num_blocks, self.max_model_len = self._size_kv_cache(
-            [kv_cache_spec] + ([draft.kv_cache_spec] if draft else []), backend, max_model_len)
+            [kv_cache_spec] + ([draft.kv_cache_spec] if draft else []), backend, max_model_len, num_lookahead_tokens)
 
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
         # a draft model writes the KV of its guesses past each step's tokens: slots are reserved for them
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   spec.num_speculative_tokens if draft else 0)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
         self.runner = ModelRunner(loaded.model, kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
                                   self.max_model_len, backend, platform.device, spec, draft)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
@@ -72,16 +72,17 @@ class LLMEngine:
         logger.info("engine ready: %s (%s, %s, %s attention) in %.1f s", loaded.path, cfg.architecture, dtype,
                     type(backend).__name__, time.perf_counter() - start)
 
-    def _size_kv_cache(self, specs: list[KVCacheSpec], backend: AttentionBackend,
-                       max_model_len: int) -> tuple[int, int]:
+    def _size_kv_cache(self, specs: list[KVCacheSpec], backend: AttentionBackend, max_model_len: int,
+                       num_lookahead_tokens: int) -> tuple[int, int]:
         """The number of blocks the platform's KV budget holds (a block: the KV of every model that keeps some,
-        the target's and a draft model's), and max_model_len lowered to fit in them."""
+        the target's and a draft model's), and max_model_len lowered so that one request of that length and
+        the lookahead slots reserved past it fit in them."""
         bytes_per_block = sum(spec.bytes_per_block(backend) for spec in specs)
         num_blocks = self.platform.kv_cache_budget(self.config.cache.kv_cache_memory) // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for even one block of {bytes_per_block} bytes")
         block_size = self.config.cache.block_size
-        capacity = num_blocks * block_size
+        capacity = num_blocks * block_size - num_lookahead_tokens
         if capacity < max_model_len:
             logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len to %d",
                            capacity, max_model_len, capacity)
