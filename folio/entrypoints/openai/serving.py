@@ -126,7 +126,7 @@ class OpenAIServing(ABC):
         return delta
 
     def opening_chunks(self, request_id: str, created: int, request: SamplingRequest) -> list[BaseModel]:
-        """Chunks a stream starts with before any token (chat's role announcement)."""
+        """Chunks sent just before the first token's (chat's role announcement)."""
         return []
 
     # ---- the shared flow ---------------------------------------------------------------------------
@@ -204,10 +204,14 @@ class OpenAIServing(ABC):
     async def _sse(self, stream: RequestStream, deltas: AsyncIterator[ChoiceDelta], request_id: str, created: int,
                    request: SamplingRequest, prompts: list[Prompt], cached: dict[int, int]) -> AsyncIterator[str]:
         completion_tokens = 0
+        # Held back until the first token (as vLLM does): clients time the first chunk as the first token, and a
+        # chunk sent before the prefill would report the time to the headers instead.
+        opening = self.opening_chunks(request_id, created, request)
         try:
-            for chunk in self.opening_chunks(request_id, created, request):
-                yield _event(chunk)
             async for delta in deltas:
+                for chunk in opening:
+                    yield _event(chunk)
+                opening = []
                 completion_tokens += delta.num_generated
                 if delta.text or delta.finish_reason or delta.logprobs:
                     choice = self.choice(request, delta, stream=True)
