@@ -6,7 +6,8 @@ block tables, generators, sampling history) is its own, built from those message
 The batch carries no padding between requests: token ids, positions and cache slots of every scheduled
 token are concatenated (gathered from the persistent per-request rows of worker/input_batch.py); each
 request brings its query length and context length. Logits are computed only at the positions that
-sample (and at prompt positions of requests that asked for prompt logprobs).
+sample (and at prompt positions of requests that asked for prompt logprobs); a pooling request's hidden
+states go to the pooler instead (worker/pooler.py), which answers with its vector when its prompt ends.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from folio.sample.sampler import Sampler, compute_prompt_logprobs
 from folio.sample.sampling_metadata import SamplingMetadata
 from folio.worker.input_batch import InputBatch
 from folio.worker.kv_cache import KVCacheSpec
+from folio.worker.pooler import Pooler
 from folio.worker.request_state import RequestState
 
 
@@ -49,6 +51,7 @@ class ModelRunner:
         self.kv_caches = kv_cache_spec.allocate(backend, num_blocks, device)
         self.sampler = Sampler()
         self.logits_processors = default_logits_processors()
+        self.pooler = Pooler()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -66,6 +69,12 @@ class ModelRunner:
         for item in sched.scheduled:
             request, start = self.requests[item.request_id], end
             end += item.num_tokens
+            if request.pooling_params is not None:
+                vector = self.pooler.add_chunk(item.request_id, request.pooling_params, hidden[start:end],
+                                               item.num_computed_tokens, len(request.prompt_token_ids))
+                if vector is not None:
+                    output.pooled[item.request_id] = vector
+                continue
             if item.num_computed_tokens + item.num_tokens == request.num_tokens:  # reaches its last known token
                 sample_rows.append(end - 1)
                 samplers.append(request)
@@ -90,6 +99,7 @@ class ModelRunner:
         """Forget finished requests, drop the block tables of preempted ones, take in new ones."""
         for request_id in sched.finished_ids:
             self.requests.pop(request_id, None)
+        self.pooler.forget(sched.finished_ids)
         self.inputs.remove(sched.finished_ids)
         self.inputs.remove(sched.preempted_ids)
         for new in sched.new_requests:

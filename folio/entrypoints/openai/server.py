@@ -24,7 +24,9 @@ from folio.entrypoints.openai.protocol import (ChatCompletionRequest, Completion
                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                                TokenizeResponse)
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat, chat_prompt_ids
+from folio.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from folio.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from folio.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
 from folio.loader.default_model import default_model_path
 
 MAX_BODY_BYTES = 16 << 20
@@ -43,6 +45,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     llm.stat_loggers.append(PrometheusStatLogger(model_name, registry))
     completions = OpenAIServingCompletion(llm, model_name)
     chat = OpenAIServingChat(llm, model_name)
+    embeddings = OpenAIServingEmbedding(llm, model_name)
     tokenizer = llm.engine.get_tokenizer()
     max_model_len = llm.engine.max_model_len
 
@@ -82,6 +85,10 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.serve(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.serve(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

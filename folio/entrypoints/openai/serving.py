@@ -88,6 +88,12 @@ async def cancel_on_disconnect(raw_request: Request, work: Awaitable[Response]) 
     return task.result()
 
 
+def check_model(requested: Optional[str], served: str) -> None:
+    """404 for a model this server does not serve (a request may leave the model out)."""
+    if requested is not None and requested != served:
+        raise OpenAIError(404, f"The model `{requested}` does not exist.", "model")
+
+
 class OpenAIServing(ABC):
     request_id_prefix: str
 
@@ -132,8 +138,7 @@ class OpenAIServing(ABC):
     # ---- the shared flow ---------------------------------------------------------------------------
 
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
-            raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
+        check_model(name, self.model_name)
 
     async def serve(self, request: SamplingRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
