@@ -9,7 +9,7 @@ fields are ignored, as vLLM does, because clients send fields of newer API versi
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -166,14 +166,19 @@ class ToolCall(RequestModel):
     function: FunctionCall
 
 
-def only_text_parts(content: Any) -> Any:
-    """Refuse non-text parts up front: as a union member they would fail with pydantic's opaque union message."""
-    if isinstance(content, list):
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind is not None and kind != "text":
-                raise ValueError(f"only text content is supported, got a content part of type {kind!r}")
-    return content
+def text_parts_only(*text_types: str) -> Callable[[Any], Any]:
+    """A validator refusing content parts of other types up front: as a union member they would fail with
+    pydantic's opaque union message."""
+
+    def check(content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind not in text_types:
+                    raise ValueError(f"only text content is supported, got a content part of type {kind!r}")
+        return content
+
+    return check
 
 
 class ChatMessage(RequestModel):
@@ -187,7 +192,7 @@ class ChatMessage(RequestModel):
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
 
-    _only_text = field_validator("content", mode="before")(only_text_parts)
+    _only_text = field_validator("content", mode="before")(text_parts_only("text"))
 
     @model_validator(mode="after")
     def _fields_fit_the_role(self) -> "ChatMessage":

@@ -25,8 +25,11 @@ from folio.entrypoints.openai.protocol import (ChatCompletionRequest, Completion
                                                TokenizeResponse)
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat, chat_prompt_ids
 from folio.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from folio.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
+from folio.entrypoints.openai.responses_store import ResponseStore
 from folio.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from folio.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
+from folio.entrypoints.openai.serving_responses import OpenAIServingResponses
 from folio.loader.default_model import default_model_path
 
 MAX_BODY_BYTES = 16 << 20
@@ -38,7 +41,7 @@ def served_model_name(model: Optional[str]) -> str:
 
 
 def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, responses_store: Optional[ResponseStore] = None) -> FastAPI:
     """An app serving `llm` as `model_name`. It registers its own metrics with the llm; the caller owns the llm
     (and shuts it down after the server stops)."""
     registry = CollectorRegistry()
@@ -46,6 +49,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     completions = OpenAIServingCompletion(llm, model_name)
     chat = OpenAIServingChat(llm, model_name)
     embeddings = OpenAIServingEmbedding(llm, model_name)
+    responses = OpenAIServingResponses(llm, model_name, responses_store or ResponseStore())
     tokenizer = llm.engine.get_tokenizer()
     max_model_len = llm.engine.max_model_len
 
@@ -89,6 +93,18 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
         return await embeddings.serve(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw_request: Request) -> ResponseObject:
+        return responses.retrieve(response_id, dict(raw_request.query_params))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete(response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -94,6 +94,21 @@ def check_model(requested: Optional[str], served: str) -> None:
         raise OpenAIError(404, f"The model `{requested}` does not exist.", "model")
 
 
+def check_prompt_fits(prompt_len: int, max_model_len: int, field: str = "prompt") -> None:
+    if prompt_len >= max_model_len:
+        raise ValueError(f"{field} is {prompt_len} tokens long, but this model's maximum context length is "
+                         f"{max_model_len} tokens (the prompt and at least one generated token must fit)")
+
+
+def check_context(prompt_len: int, max_tokens: int, max_model_len: int, field: str = "max_tokens") -> None:
+    """A 400 in OpenAI's words when the prompt and the tokens asked for do not fit in the context."""
+    if prompt_len + max_tokens > max_model_len:
+        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                               f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                               f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                               "completion.", field)
+
+
 class OpenAIServing(ABC):
     request_id_prefix: str
 
@@ -168,15 +183,9 @@ class OpenAIServing(ABC):
         if not prompts or any(not p.token_ids for p in prompts):
             raise ValueError("prompt must not be empty")
         longest = max(len(p.token_ids) for p in prompts)
-        if longest >= self.max_model_len:
-            raise ValueError(f"prompt is {longest} tokens long, but this model's maximum context length is "
-                             f"{self.max_model_len} tokens (the prompt and at least one generated token must fit)")
+        check_prompt_fits(longest, self.max_model_len)
         max_tokens = self.max_tokens(request, longest)
-        if longest + max_tokens > self.max_model_len:
-            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                   f"you requested {longest + max_tokens} tokens ({longest} in the messages, "
-                                   f"{max_tokens} in the completion). Please reduce the length of the messages or "
-                                   "completion.", "max_tokens")
+        check_context(longest, max_tokens, self.max_model_len)
         logprobs, prompt_logprobs = self.logprob_counts(request)
         return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
 

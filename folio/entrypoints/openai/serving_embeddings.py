@@ -21,7 +21,7 @@ from folio.engine.output_processor import OutputKind
 from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.protocol_embeddings import (EmbeddingData, EmbeddingRequest, EmbeddingResponse,
                                                           EmbeddingUsage)
-from folio.entrypoints.openai.serving import cancel_on_disconnect, check_model
+from folio.entrypoints.openai.serving import cancel_on_disconnect, check_model, check_prompt_fits
 from folio.pooling_params import PoolingParams
 
 
@@ -65,10 +65,7 @@ class OpenAIServingEmbedding:
         inputs = [self.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in raw]
         if not inputs or any(not ids for ids in inputs):
             raise ValueError("input must not be empty")
-        longest = max(len(ids) for ids in inputs)
-        if longest >= self.max_model_len:
-            raise ValueError(f"input is {longest} tokens long, but this model's maximum context length is "
-                             f"{self.max_model_len} tokens")
+        check_prompt_fits(max(len(ids) for ids in inputs), self.max_model_len, "input")
         return inputs
 
     async def _collect(self, stream: RequestStream, request: EmbeddingRequest, inputs: list[list[int]]) -> Response:
