@@ -11,7 +11,7 @@ import torch
 
 from folio import LLM, PoolingParams, SamplingParams
 from folio.engine.output_processor import OutputKind
-from server_fixture import MODEL_NAME, running_server
+from server_fixture import MODEL_NAME
 
 # Small blocks and a small step budget: long prompts are chunked over several steps.
 ENGINE = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, kv_cache_memory=1 << 22, num_threads=1)
@@ -76,14 +76,8 @@ def test_bad_pooling_params(llm):
         llm.llm_engine.add_request("x", "hi", {"pooling_type": "mean"})
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    with running_server(llama_dir) as s:
-        yield s
-
-
-def test_embeddings_endpoint(server, llm):
-    client = server.openai()
+def test_embeddings_endpoint(llama_server, llm):
+    client = llama_server.openai()
     offline = {p: [o.outputs.embedding for o in llm.embed(PROMPTS, PoolingParams(p), use_tqdm=False)]
                for p in ("last", "mean")}
     # without an encoding_format the openai client asks for base64 and decodes it; float comes as JSON numbers
@@ -100,7 +94,7 @@ def test_embeddings_endpoint(server, llm):
     by_ids = client.embeddings.create(model=MODEL_NAME, input=[ids, ids], encoding_format="float")
     assert by_ids.data[1].embedding == pytest.approx(offline["last"][1], abs=1e-5)
 
-    with server.http() as http:
+    with llama_server.http() as http:
         raw = http.post("/v1/embeddings", json={"input": "hi", "encoding_format": "base64"}).json()
         decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
         assert decoded.tolist() == pytest.approx(offline["last"][1], abs=1e-5)
@@ -110,4 +104,4 @@ def test_embeddings_endpoint(server, llm):
                             ({"input": list(range(600))}, "input"), ({"input": "hi", "model": "x"}, "model")]:
             error = http.post("/v1/embeddings", json=body)
             assert error.status_code in (400, 404) and error.json()["error"]["param"] == param, (body, error.text)
-    server.wait_idle()
+    llama_server.wait_idle()

@@ -29,7 +29,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 CONVERSATION = [
     {"role": "developer", "content": "Answer with the tools."},
-    {"role": "user", "name": "ada", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
+    {"role": "user", "name": "ada",
+     "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
     {"role": "assistant", "content": None, "tool_calls": [CALL]},
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
 ]
@@ -93,7 +94,8 @@ def test_developer_role_kept_when_the_template_knows_it(coder_dir, tmp_path):
     folder = shutil.copytree(coder_dir, tmp_path / "dev")
     with open(folder / "tokenizer_config.json") as f:
         config = json.load(f)
-    config["chat_template"] = "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }}{% endfor %}"
+    config["chat_template"] = ("{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }}"
+                               "{% endfor %}")
     with open(folder / "tokenizer_config.json", "w") as f:
         json.dump(config, f)
     assert Tokenizer.from_dir(str(folder)).apply_chat_template([{"role": "developer", "content": "x"}]) == "D:x"

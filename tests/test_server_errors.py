@@ -140,6 +140,7 @@ def test_unknown_routes_and_methods(http):
 
 def test_tokenizer_endpoints_reject_bad_input(http):
     assert_error(http.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}), 400)
+    assert_error(http.post("/tokenize", json={"prompt": "a", "tools": []}), 400, "tools go with messages")
     assert_error(http.post("/tokenize", json={}), 400)
     assert_error(http.post("/detokenize", json={"tokens": [1, -1]}), 400, "vocabulary", "tokens")
     assert_error(http.post("/detokenize", json={"tokens": ["a"]}), 400, "", "tokens")

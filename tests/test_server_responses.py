@@ -8,7 +8,7 @@ import pytest
 
 from folio.entrypoints.openai.protocol_responses import ResponseObject
 from folio.entrypoints.openai.responses_store import ResponseStore
-from server_fixture import MODEL_NAME, running_server
+from server_fixture import MODEL_NAME
 
 GREEDY = dict(model=MODEL_NAME, temperature=0)
 CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
@@ -30,14 +30,8 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
-    with running_server(llama_dir) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
+def client(llama_server):
+    return llama_server.openai()
 
 
 def chat(client, messages, max_tokens, **extra):
@@ -130,19 +124,19 @@ def test_stream_events_assemble_into_the_response(client):
     ({"model": "gpt-4"}, 404, "model"),
     ({"temperature": -1}, 400, "temperature"),
 ])
-def test_bad_requests(server, change, status, param):
-    with server.http() as http:
+def test_bad_requests(llama_server, change, status, param):
+    with llama_server.http() as http:
         response = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, **change})
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param, response.text
 
 
-def test_get_refuses_what_it_cannot_do(server, client):
+def test_get_refuses_what_it_cannot_do(llama_server, client):
     stored = client.responses.create(input="hi", max_output_tokens=1, **GREEDY)
-    with server.http() as http:
+    with llama_server.http() as http:
         assert http.get(f"/v1/responses/{stored.id}", params={"stream": "true"}).status_code == 400
         assert http.get(f"/v1/responses/{stored.id}", params={"stream": "false"}).status_code == 200
-    server.wait_idle()
+    llama_server.wait_idle()
 
 
 def test_store_keeps_a_bounded_number_for_a_bounded_time():

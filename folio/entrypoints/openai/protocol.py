@@ -354,6 +354,8 @@ class TokenizeRequest(RequestModel):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages (they are rendered by the chat template)")
         return self
 
 

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages (and tools) through the model's chat template, chat-shaped logprobs and chunks."""
+"""POST /v1/chat/completions: messages and tools through the model's chat template, chat-shaped logprobs and
+chunks."""
 
 from __future__ import annotations
 
