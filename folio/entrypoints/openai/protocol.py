@@ -223,7 +223,6 @@ class ChatTool(RequestModel):
 
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict[str, Any]] = None
 
 
 class ChatCompletionRequest(SamplingRequest):
