@@ -94,6 +94,15 @@ def llama_dir(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
 
 
+@pytest.fixture(scope="module")
+def llama_server(llama_dir):
+    """A real server on the tiny llama with the default engine settings, one per test module."""
+    from server_fixture import running_server
+
+    with running_server(llama_dir) as server:
+        yield server
+
+
 def hf_greedy(folder: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Transformers' greedy continuation (the oracle), cut after EOS as an engine would stop."""
     model = _hf_model(folder)

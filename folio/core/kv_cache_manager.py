@@ -47,7 +47,7 @@ class KVCacheManager:
     def find_cached(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached blocks that starts the request's tokens. The last token is never taken
         from the cache: it must be computed to get the logits of the next one."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.needs_every_prompt_position:
             return []
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         hits = []

@@ -12,7 +12,8 @@ Prefill chunks and decode tokens of different requests then go through the same 
 The step's result is a SchedulerOutput message (folio.core.step_contract) for the model runner: a request's
 unchanging facts the first time it is scheduled, then per step only its counts and new block ids. The
 runner's answer comes back through `update_from_output`, which appends the sampled tokens to the core's own
-Requests and ends those that hit a stop condition.
+Requests and ends those that hit a stop condition. A pooling request (an embedding) is scheduled like any
+prompt and ends as soon as the runner answers with its vector.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class CoreOutput:
     stop_reason: Optional[object] = None
     first_scheduled_time: Optional[float] = None
     num_cached_tokens: int = 0
+    pooled: Optional[list[float]] = None  # a pooling request's vector; it is finished
 
 
 @dataclass
@@ -193,7 +195,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
                 out.new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
-                                                       request.sampling_params, request.stop_token_ids))
+                                                       request.sampling_params, request.stop_token_ids,
+                                                       request.pooling_params))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequestData(request.request_id, num_cached, num_new, new_blocks))
@@ -229,6 +232,10 @@ class Scheduler:
             request = self.requests[scheduled.request_id]
             request.num_computed_tokens += scheduled.num_tokens
             prompt_logprobs = self._new_prompt_logprobs(request, scheduled, runner_output)
+            pooled = runner_output.pooled.get(request.request_id)
+            if pooled is not None:
+                outputs.append(self._finish_pooled(request, pooled))
+                continue
             sampled = runner_output.sampled.get(request.request_id)
             if sampled is None:  # a prefill chunk that does not reach the end of the prompt yet
                 if prompt_logprobs is not None:
@@ -258,6 +265,13 @@ class Scheduler:
                 stop_reason=request.stop_reason, first_scheduled_time=request.first_scheduled_time,
                 num_cached_tokens=request.num_cached_tokens))
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: list[float]) -> CoreOutput:
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return CoreOutput(request.request_id, [], [], finish_reason="stop",
+                          first_scheduled_time=request.first_scheduled_time,
+                          num_cached_tokens=request.num_cached_tokens, pooled=pooled)
 
     @staticmethod
     def _new_prompt_logprobs(request: Request, scheduled: ScheduledRequestData,

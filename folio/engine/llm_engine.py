@@ -21,10 +21,10 @@ from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import RequestStatus
 from folio.core.scheduler import Scheduler, SchedulerStats
-from folio.engine.input_processor import InputProcessor, PromptType
+from folio.engine.input_processor import InputProcessor, Params, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.loader.model_loader import load_model
-from folio.outputs import RequestOutput
+from folio.outputs import EngineOutput
 from folio.platforms import current_platform
 from folio.spec_decode.draft_model import load_draft_model
 from folio.sampling_params import SamplingParams
@@ -102,12 +102,13 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[Params] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
-        """Validate, tokenize and queue a request; raises ValueError (naming the field) for bad input."""
+        """Validate, tokenize and queue a request; raises ValueError (naming the field) for bad input. With
+        PoolingParams the request's one output is an EmbeddingRequestOutput."""
         params = params or SamplingParams()
-        if request_id in self.output_processor.states:
+        if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         processed = self.input_processor.process_prompt(prompt)
@@ -116,7 +117,7 @@ class LLMEngine:
         for request in requests:
             self.scheduler.add_request(request)
 
-    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[EngineOutput]:
         """End requests now and free their blocks; returns their final (aborted) outputs."""
         outputs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -136,7 +137,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

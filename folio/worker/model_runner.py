@@ -6,9 +6,10 @@ block tables, generators, sampling history) is its own, built from those message
 The batch carries no padding between requests: token ids, positions and cache slots of every scheduled
 token are concatenated (gathered from the persistent per-request rows of worker/input_batch.py); each
 request brings its query length and context length. Logits are computed only at the positions that
-sample (and at prompt positions of requests that asked for prompt logprobs). With speculative decoding,
-a request's draft tokens follow its known ones in the batch, the rejection sampler verifies them, and the
-speculator proposes the next ones (folio.spec_decode).
+sample (and at prompt positions of requests that asked for prompt logprobs); a pooling request's hidden
+states go to the pooler instead (worker/pooler.py), which answers with its vector when its prompt ends. With
+speculative decoding, a request's draft tokens follow its known ones in the batch, the rejection sampler
+verifies them, and the speculator proposes the next ones (folio.spec_decode).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from folio.spec_decode.draft_model import DraftModel
 from folio.spec_decode.factory import make_speculator
 from folio.worker.input_batch import InputBatch
 from folio.worker.kv_cache import KVCacheSpec
+from folio.worker.pooler import Pooler
 from folio.worker.request_state import RequestState
 
 
@@ -60,6 +62,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.logits_processors = default_logits_processors()
+        self.pooler = Pooler()
         self.speculator = None if speculative_config is None else make_speculator(speculative_config, self, draft)
 
     @torch.inference_mode()
@@ -78,6 +81,12 @@ class ModelRunner:
         for item in sched.scheduled:
             request, start = self.requests[item.request_id], end
             end += item.num_tokens
+            if request.pooling_params is not None:
+                vector = self.pooler.add_chunk(item.request_id, request.pooling_params, hidden[start:end],
+                                               item.num_computed_tokens, len(request.prompt_token_ids))
+                if vector is not None:
+                    output.pooled[item.request_id] = vector
+                continue
             num_drafts = len(item.draft_token_ids)
             if item.num_computed_tokens + item.num_tokens == request.num_tokens + num_drafts:  # reaches the end
                 sample_rows.extend(range(end - 1 - num_drafts, end))  # the last known token's row, the drafts'
@@ -118,6 +127,7 @@ class ModelRunner:
             request = self.requests.pop(request_id, None)
             if request is not None and self.speculator is not None:
                 self.speculator.finished(request)
+        self.pooler.forget(sched.finished_ids)
         self.inputs.remove(sched.finished_ids)
         self.inputs.remove(sched.preempted_ids)
         if self.speculator is not None:
