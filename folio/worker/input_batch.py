@@ -3,9 +3,9 @@
 Every request the runner is computing owns a row of two arrays that live as long as the engine: its token
 ids and its block table. A step only writes what changed since the previous one (the tokens each request
 sampled, appended by the runner; the block ids the step's message brings, a new one every `block_size`
-tokens; draft tokens to verify, past the known ones; a whole row when a request arrives or resumes), then builds the step's flattened inputs (token ids,
-positions, cache slots, the [B, max blocks] block table) with a few vectorised numpy gathers over those rows,
-instead of per-request Python lists rebuilt every step.
+tokens; draft tokens to verify, past the known ones; a whole row when a request arrives or resumes), then
+builds the step's flattened inputs (token ids, positions, cache slots, the [B, max blocks] block table)
+with a few vectorised numpy gathers over those rows, instead of per-request Python lists rebuilt every step.
 
 Rows are released when a request finishes or is preempted (SchedulerOutput.finished_ids / preempted_ids);
 a preempted request gets a fresh row when it is scheduled again, filled from the runner's RequestState,

@@ -45,5 +45,5 @@ class KVCacheSpec:
     def allocate(self, backend: AttentionBackend, num_blocks: int, device: torch.device) -> KVCaches:
         shape = self.layer_shape(backend, num_blocks)
         # zeros, not empty: padded reads of never-written slots must be finite (masked, but NaN * 0 is NaN)
-        return [(torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+        return [tuple(torch.zeros(shape, dtype=self.dtype, device=device) for _ in "kv")
                 for _ in range(self.num_layers)]

@@ -113,7 +113,8 @@ class ModelRunner:
             output.prompt_logprobs[job.request_id] = compute_prompt_logprobs(logits, job.targets, job.num_logprobs)
         return output
 
-    def _sample(self, logits: torch.Tensor, requests: list[RequestState], drafts: list[list[int]]) -> list[SampledTokens]:
+    def _sample(self, logits: torch.Tensor, requests: list[RequestState],
+                drafts: list[list[int]]) -> list[SampledTokens]:
         """One token per request, or with drafts to verify, the accepted ones and one more."""
         if any(drafts):
             return self.rejection_sampler(logits, requests, drafts, self.logits_processors)
