@@ -8,9 +8,11 @@ from folio.entrypoints.llm import LLM
 from folio.logger import configure_logging
 from folio.outputs import CompletionOutput, Logprob, RequestOutput
 from folio.sampling_params import SamplingParams
+from folio.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "OutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "OutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "__version__"]
 
 configure_logging()

@@ -5,6 +5,7 @@ output length and runs compare like for like.
 
     folio bench throughput --model MODEL --dtype bfloat16 --num-prompts 64 --input-len 256 --output-len 128
     folio bench throughput --dataset chat --json out.json
+    folio bench throughput --structured json   # the same requests constrained by JSON schemas, side by side
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from folio.bench import structured
 from folio.bench.noise import OtherLoad, note
 from folio.bench.report import Summary, dtype_name, summarize, write_json
 from folio.bench.step_profile import PHASES, StepBreakdown, profile_steps
@@ -50,6 +52,20 @@ class ThroughputResult:
     other_cores: float  # CPU other processes used meanwhile (folio.bench.noise); >= 0.1: not a clean figure
 
 
+@dataclass
+class StructuredComparison:
+    """`--structured`: the workload unconstrained, then constrained (folio.bench.structured), in one run."""
+
+    kind: str
+    num_schemas: int
+    unconstrained: ThroughputResult
+    constrained: ThroughputResult
+    throughput_ratio: float  # constrained / unconstrained output tokens per second
+    mask_ms_per_step: Optional[float]  # constrained run: filling the bitmask + applying it, per step (breakdown)
+    num_compiles: int  # grammars compiled on the compile thread during the constrained run
+    compile_s: float
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--warmup-prompts", type=int, default=DEFAULT_WARMUP_PROMPTS,
@@ -63,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--structured", choices=("json",),
+                        help="run the workload twice, unconstrained and with every output constrained by one of the "
+                             "JSON schemas shipped with folio (folio/bench/data/json_schemas.jsonl), and report both "
+                             "side by side with the time token masks take per step")
 
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -88,7 +108,8 @@ def _generate(engine: LLMEngine, requests: list[BenchRequest], sampling: Samplin
     """Run requests to completion; output_len overrides each request's own (for warm-up)."""
     ids = []
     for request in requests:
-        params = dataclasses.replace(sampling, max_tokens=output_len or request.output_len)
+        params = dataclasses.replace(sampling, max_tokens=output_len or request.output_len,
+                                     structured_outputs=request.structured_outputs)
         rid = engine.next_request_id()
         engine.add_request(rid, {"prompt_token_ids": request.prompt_token_ids}, params,
                            output_kind=OutputKind.FINAL_ONLY)
@@ -166,6 +187,38 @@ def print_result(result: ThroughputResult) -> None:
               f"{kind.mean_tokens:.1f} tokens")
 
 
+def compare_structured(engine: LLMEngine, requests: list[BenchRequest], args: argparse.Namespace,
+                       sampling: SamplingParams) -> StructuredComparison:
+    """The workload without, then with, constrained outputs; grammar compiles are part of the second run (the
+    warm-up only builds the tokenizer's grammar tables and compiles the schemas its prompts use)."""
+    constrained = structured.constrain(requests)
+    warm_up(engine, constrained, args.warmup_prompts, sampling)
+    workload = f"{describe(args)}, {describe_sampling(sampling)}"
+    free = measure(engine, requests, workload, args.breakdown, sampling)
+    stats = engine.structured_output.stats
+    compiles, compile_s = stats.num_compiles, stats.compile_s
+    bound = measure(engine, constrained, f"{workload}, constrained by JSON schemas", args.breakdown, sampling)
+    mask = None
+    if bound.breakdown is not None:
+        mask = sum(bound.breakdown.phases[p].per_step_ms for p in ("grammar bitmask", "grammar mask apply"))
+    return StructuredComparison(args.structured, len(structured.load_schemas()), free, bound,
+                                bound.output_tokens_per_s / free.output_tokens_per_s, mask,
+                                stats.num_compiles - compiles, stats.compile_s - compile_s)
+
+
+def print_comparison(result: StructuredComparison) -> None:
+    for run in (result.unconstrained, result.constrained):
+        print_result(run)
+    free, bound = result.unconstrained, result.constrained
+    print(f"structured outputs ({result.kind}, {result.num_schemas} schemas in turn), same requests, same run:")
+    print(f"  output tokens/s: {bound.output_tokens_per_s:.1f} constrained vs {free.output_tokens_per_s:.1f} "
+          f"unconstrained = {100 * result.throughput_ratio:.1f} %")
+    if result.mask_ms_per_step is not None:
+        print(f"  token masks: {result.mask_ms_per_step:.2f} ms per step (filling + applying; steps "
+              f"{bound.breakdown.step_mean_ms:.1f} ms vs {free.breakdown.step_mean_ms:.1f} ms)")
+    print(f"  grammars compiled meanwhile, off the step loop: {result.num_compiles} in {result.compile_s:.2f} s")
+
+
 def prepare(args: argparse.Namespace, config: EngineConfig) -> tuple[LLMEngine, list[BenchRequest]]:
     """The engine and the workload's requests as token ids (chat prompts through the model's template)."""
     engine = LLMEngine(config)
@@ -177,8 +230,13 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
     engine, requests = prepare(args, config)
     sampling = sampling_params(args)
     warm_up(engine, requests, args.warmup_prompts, sampling)
-    result = measure(engine, requests, f"{describe(args)}, {describe_sampling(sampling)}", args.breakdown, sampling)
-    print_result(result)
+    if args.structured:
+        result = compare_structured(engine, requests, args, sampling)
+        print_comparison(result)
+    else:
+        result = measure(engine, requests, f"{describe(args)}, {describe_sampling(sampling)}", args.breakdown,
+                         sampling)
+        print_result(result)
     if args.json:
         write_json(args.json, result)
     return 0

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
 
 CHAT_DATASET = os.path.join(os.path.dirname(__file__), "data", "chat_prompts.jsonl")
@@ -27,6 +28,7 @@ class BenchRequest:
     output_len: int  # tokens to generate (EOS is ignored, so exactly this many)
     prompt_token_ids: Optional[list[int]] = None  # random prompts, and chat prompts once templated
     messages: Optional[list[dict]] = None  # chat conversations
+    structured_outputs: Optional[StructuredOutputsParams] = None  # what the output must follow (folio.bench.structured)
 
     @property
     def prompt_text(self) -> str:

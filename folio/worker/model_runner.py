@@ -23,6 +23,7 @@ from folio.sample import sampling_ops
 from folio.sample.logits_processors import default_logits_processors
 from folio.sample.sampler import Sampler, compute_prompt_logprobs
 from folio.sample.sampling_metadata import SamplingMetadata
+from folio.structured_output.token_mask import GrammarTokenMask
 from folio.worker.input_batch import InputBatch
 from folio.worker.kv_cache import KVCacheSpec
 from folio.worker.request_state import RequestState
@@ -48,7 +49,7 @@ class ModelRunner:
         sampling_ops.prepare()
         self.kv_caches = kv_cache_spec.allocate(backend, num_blocks, device)
         self.sampler = Sampler()
-        self.logits_processors = default_logits_processors()
+        self.logits_processors = [GrammarTokenMask(), *default_logits_processors()]
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -75,6 +76,9 @@ class ModelRunner:
                     jobs.append(job)
 
         if samplers:
+            bitmask = sched.grammar_bitmask  # structured outputs: what each constrained request may sample
+            for request in samplers:
+                request.token_bitmask = bitmask.row(request.request_id) if bitmask else None
             metadata = SamplingMetadata.build(samplers, self.logits_processors)
             out = self.sampler(self.model.compute_logits(hidden[sample_rows]), metadata)  # it makes its own fp32 copy
             for request, token, lp in zip(samplers, out.sampled_token_ids, out.logprobs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from folio.core.step_contract import NewRequestData
@@ -27,6 +28,9 @@ class RequestState:
     # from the global RNG.
     generator: Optional[torch.Generator] = None
     output_token_ids: list[int] = field(default_factory=list)  # sampled so far
+    # Structured outputs: the tokens its grammar allows in this step's sample (a row of the SchedulerOutput's
+    # grammar bitmask, set every step); None when its output is unconstrained.
+    token_bitmask: Optional[np.ndarray] = None
 
     @classmethod
     def from_new_request(cls, new: NewRequestData) -> "RequestState":
