@@ -86,7 +86,7 @@ def test_bad_completion_requests(http, change, match, param):
 @pytest.mark.parametrize("change,match,param", [
     ({"messages": []}, "messages", "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role", "messages"),
-    ({"messages": [{"role": "tool", "content": "hi"}]}, "role", "messages"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, "tool_call_id", "messages"),
     ({"messages": [{"role": "user"}]}, "content", "messages"),
     ({"messages": [{"role": "user", "content": 3}]}, "content", "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "", "messages"),
