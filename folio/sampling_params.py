@@ -100,6 +100,9 @@ class SamplingParams:
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must hold token ids >= 0")
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "must be a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where the "
+                             "output may end")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched on the text)")
 

@@ -233,3 +233,8 @@ def test_bitmask_kernel_equals_the_reference(vocab_size, monkeypatch):
     assert torch.equal(got, expected) and torch.equal(got[[1, 3]], logits[[1, 3]])
     allowed = _allowed(bitmask[1], vocab_size)
     assert {t for t in range(vocab_size) if got[2, t] != -torch.inf} == allowed
+
+
+def test_min_tokens_is_refused_with_a_grammar():
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(choice=["a"]))

@@ -54,15 +54,18 @@ class ThroughputResult:
 
 @dataclass
 class StructuredComparison:
-    """`--structured`: the workload unconstrained, then constrained (folio.bench.structured), in one run."""
+    """`--structured`: the workload unconstrained (A) and constrained (B, folio.bench.structured) in one run, in
+    the order A B B A so that a machine getting slower or faster over the run weighs on both alike."""
 
     kind: str
     num_schemas: int
-    unconstrained: ThroughputResult
-    constrained: ThroughputResult
-    throughput_ratio: float  # constrained / unconstrained output tokens per second
-    mask_ms_per_step: Optional[float]  # constrained run: filling the bitmask + applying it, per step (breakdown)
-    num_compiles: int  # grammars compiled on the compile thread during the constrained run
+    unconstrained: list[ThroughputResult]
+    constrained: list[ThroughputResult]
+    unconstrained_tokens_per_s: float  # over both runs
+    constrained_tokens_per_s: float
+    throughput_ratio: float  # constrained / unconstrained
+    mask_ms_per_step: Optional[float]  # constrained runs: filling the bitmask + applying it, per step (breakdown)
+    num_compiles: int  # grammars compiled on the compile thread during the constrained runs
     compile_s: float
 
 
@@ -189,33 +192,47 @@ def print_result(result: ThroughputResult) -> None:
 
 def compare_structured(engine: LLMEngine, requests: list[BenchRequest], args: argparse.Namespace,
                        sampling: SamplingParams) -> StructuredComparison:
-    """The workload without, then with, constrained outputs; grammar compiles are part of the second run (the
-    warm-up only builds the tokenizer's grammar tables and compiles the schemas its prompts use)."""
+    """The workload without and with constrained outputs, A B B A, each run from an empty prefix cache. Grammar
+    compiles happen during the first constrained run (the warm-up compiles only the schemas its prompts use)."""
     constrained = structured.constrain(requests)
     warm_up(engine, constrained, args.warmup_prompts, sampling)
     workload = f"{describe(args)}, {describe_sampling(sampling)}"
-    free = measure(engine, requests, workload, args.breakdown, sampling)
     stats = engine.structured_output.stats
     compiles, compile_s = stats.num_compiles, stats.compile_s
-    bound = measure(engine, constrained, f"{workload}, constrained by JSON schemas", args.breakdown, sampling)
+    runs: dict[bool, list[ThroughputResult]] = {False: [], True: []}
+    for bound in (False, True, True, False):
+        engine.reset_prefix_cache()  # the second run of the same prompts must not find them cached
+        runs[bound].append(measure(engine, constrained if bound else requests,
+                                   f"{workload}{', constrained by JSON schemas' if bound else ''}", args.breakdown,
+                                   sampling))
+
+    def rate(results: list[ThroughputResult]) -> float:
+        return sum(r.output_tokens for r in results) / sum(r.elapsed_s for r in results)
+
     mask = None
-    if bound.breakdown is not None:
-        mask = sum(bound.breakdown.phases[p].per_step_ms for p in ("grammar bitmask", "grammar mask apply"))
-    return StructuredComparison(args.structured, len(structured.load_schemas()), free, bound,
-                                bound.output_tokens_per_s / free.output_tokens_per_s, mask,
+    if args.breakdown:
+        steps = [r.breakdown for r in runs[True]]
+        mask = sum(b.phases[p].total_s for b in steps for p in ("grammar bitmask", "grammar mask apply")) * 1e3 \
+            / sum(b.num_steps for b in steps)
+    return StructuredComparison(args.structured, len(structured.load_schemas()), runs[False], runs[True],
+                                rate(runs[False]), rate(runs[True]), rate(runs[True]) / rate(runs[False]), mask,
                                 stats.num_compiles - compiles, stats.compile_s - compile_s)
 
 
 def print_comparison(result: StructuredComparison) -> None:
-    for run in (result.unconstrained, result.constrained):
-        print_result(run)
-    free, bound = result.unconstrained, result.constrained
-    print(f"structured outputs ({result.kind}, {result.num_schemas} schemas in turn), same requests, same run:")
-    print(f"  output tokens/s: {bound.output_tokens_per_s:.1f} constrained vs {free.output_tokens_per_s:.1f} "
-          f"unconstrained = {100 * result.throughput_ratio:.1f} %")
+    for free, bound in zip(result.unconstrained, result.constrained):
+        print_result(free)
+        print_result(bound)
+    print(f"structured outputs ({result.kind}, {result.num_schemas} schemas in turn), same requests, same run "
+          "(A B B A):")
+    print(f"  output tokens/s: {result.constrained_tokens_per_s:.1f} constrained vs "
+          f"{result.unconstrained_tokens_per_s:.1f} unconstrained = {100 * result.throughput_ratio:.1f} %")
     if result.mask_ms_per_step is not None:
-        print(f"  token masks: {result.mask_ms_per_step:.2f} ms per step (filling + applying; steps "
-              f"{bound.breakdown.step_mean_ms:.1f} ms vs {free.breakdown.step_mean_ms:.1f} ms)")
+        steps = {bound: sum(r.breakdown.step_total_s for r in results) * 1e3 / sum(r.breakdown.num_steps
+                                                                                   for r in results)
+                 for bound, results in ((True, result.constrained), (False, result.unconstrained))}
+        print(f"  token masks: {result.mask_ms_per_step:.2f} ms per step, filling + applying (steps "
+              f"{steps[True]:.1f} ms constrained, {steps[False]:.1f} ms unconstrained)")
     print(f"  grammars compiled meanwhile, off the step loop: {result.num_compiles} in {result.compile_s:.2f} s")
 
 

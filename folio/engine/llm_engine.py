@@ -1,8 +1,8 @@
 """LLMEngine: step-level control of the engine (add_request, step, abort_request).
 
-Data flows one way through a step: scheduler -> model runner -> scheduler bookkeeping -> output
-processing. The scheduler and the runner only exchange the step contract's messages
-(folio.core.step_contract). Requests that a stop string ended in output processing are finished in the
+Data flows one way through a step: scheduler -> grammar bitmask (structured outputs) -> model runner ->
+scheduler bookkeeping -> output processing. The scheduler and the runner only exchange the step contract's
+messages (folio.core.step_contract). Requests that a stop string ended in output processing are finished in the
 scheduler at once, so their blocks are free before the next step. What depends on the hardware (dtype
 "auto", the KV budget, the attention backend, the linear method, the device) comes from the platform.
 """

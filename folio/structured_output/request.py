@@ -37,11 +37,11 @@ class StructuredOutputRequest:
 
     def advance(self, token_id: int) -> Optional[RequestStatus]:
         """Follow a sampled token: FINISHED_STOPPED once the grammar accepted EOS (ignore_eos or not), and
-        FINISHED_ABORTED if the token breaks the grammar (it cannot, under the mask, unless compiling failed or
-        another constraint, such as min_tokens holding back the EOS the grammar needs, emptied the mask)."""
+        FINISHED_ABORTED if the token breaks the grammar (under the mask it cannot, unless compiling failed; the
+        other processors never empty a row: min_tokens, which could, is refused with structured outputs)."""
         grammar = self.grammar
         if grammar is None or not grammar.accept_tokens([token_id]):
-            logger.error("request %s: token %d does not follow its grammar (%s); aborting it", self.request_id,
-                         token_id, "compiling failed" if grammar is None else "the mask allowed no token")
+            reason = "its grammar did not compile" if grammar is None else f"token {token_id} breaks its grammar"
+            logger.error("request %s: %s; aborting it", self.request_id, reason)
             return RequestStatus.FINISHED_ABORTED
         return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None
