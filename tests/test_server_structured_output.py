@@ -229,5 +229,14 @@ def test_bad_constraint_on_completions_is_a_400(server):
     assert_error(response, 400, "structured_outputs.grammar is not a valid grammar", "structured_outputs")
 
 
-def test_every_constrained_request_freed(server):
+def test_constrained_requests_are_counted_and_freed(server, client):
+    client.completions.create(model=MODEL_NAME, prompt="Pick:", max_tokens=10, extra_body={
+        "structured_outputs": {"choice": ["left", "right"]}})
     server.wait_idle()
+    with server.http() as http:
+        metrics = http.get("/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("folio:structured_output")}
+    assert values["folio:structured_output_compiles_total"] >= 1
+    assert values["folio:structured_output_bitmask_rows_total"] >= 2 and values[
+        "folio:structured_output_bitmask_seconds_total"] > 0
