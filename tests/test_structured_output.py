@@ -238,3 +238,21 @@ def test_bitmask_kernel_equals_the_reference(vocab_size, monkeypatch):
 def test_min_tokens_is_refused_with_a_grammar():
     with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
         SamplingParams(min_tokens=3, structured_outputs=StructuredOutputsParams(choice=["a"]))
+
+
+def test_bench_throughput_structured_compares_both_runs(llama_dir, tmp_path):
+    from folio.cli import main
+
+    out = str(tmp_path / "structured.json")
+    assert main(["bench", "throughput", "--model", llama_dir, "--dtype", "float32", "--kv-cache-memory", "4MiB",
+                 "--num-threads", "1", "--num-prompts", "4", "--input-len", "8", "--output-len", "6",
+                 "--warmup-prompts", "1", "--structured", "json", "--json", out]) == 0
+    with open(out) as f:
+        report = json.load(f)
+    free, bound = report["unconstrained"], report["constrained"]
+    assert len(free) == len(bound) == 2 and [r["output_tokens"] for r in free + bound] == [24] * 4
+    rate = sum(r["output_tokens"] for r in bound) / sum(r["elapsed_s"] for r in bound)
+    assert report["constrained_tokens_per_s"] == pytest.approx(rate)
+    assert report["throughput_ratio"] == pytest.approx(rate / report["unconstrained_tokens_per_s"])
+    assert report["mask_ms_per_step"] > 0 and report["num_schemas"] == len(SCHEMAS) and report["num_compiles"] == 3
+    assert all(r["breakdown"]["phases"]["grammar mask apply"]["total_s"] == 0 for r in free)

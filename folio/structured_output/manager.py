@@ -57,8 +57,10 @@ def make_backend(name: str, tokenizer: Tokenizer, vocab_size: int,
 class StructuredOutputManager:
     def __init__(self, options: StructuredOutputsOptions, tokenizer: Tokenizer, vocab_size: int,
                  eos_token_ids: frozenset[int]) -> None:
-        self.backend = make_backend(options.structured_outputs_backend, tokenizer, vocab_size, eos_token_ids)
-        self.vocab_size = vocab_size
+        # The model's logits may have padding rows past the tokenizer's ids, or (rarely) the tokenizer ids past the
+        # logits: the grammar's vocabulary covers both; ids past the logits are never sampled anyway.
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        self.backend = make_backend(options.structured_outputs_backend, tokenizer, self.vocab_size, eos_token_ids)
         # One thread: compiles are rare next to steps, and one thread makes the lazily built tokenizer safe.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="folio-grammar")
         self._cache: OrderedDict[tuple[str, str], Future[Grammar]] = OrderedDict()
