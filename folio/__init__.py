@@ -9,10 +9,11 @@ from folio.logger import configure_logging
 from folio.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
+from folio.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob", "OutputKind", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "PoolingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob", "OutputKind",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
 
 configure_logging()

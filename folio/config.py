@@ -126,6 +126,22 @@ class ParallelOptions:
                                         default_means="the cores this process may use")
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("llguidance",)
+
+
+@dataclass
+class StructuredOutputsOptions:
+    """How constrained outputs (JSON schema, regex, choice, grammar) are enforced."""
+
+    structured_outputs_backend: str = option("llguidance", "grammar library that builds the token masks",
+                                             choices=STRUCTURED_OUTPUTS_BACKENDS)
+
+    def __post_init__(self) -> None:
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                             f"got {self.structured_outputs_backend!r}")
+
+
 @dataclass
 class SpeculativeOptions:
     """Speculative decoding (folio.spec_decode): off unless configured."""
@@ -149,6 +165,7 @@ class EngineConfig:
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    structured_outputs: StructuredOutputsOptions = field(default_factory=StructuredOutputsOptions)
 
     @classmethod
     def from_kwargs(cls, **options: Any) -> EngineConfig:

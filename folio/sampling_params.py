@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from folio.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -43,6 +45,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +98,11 @@ class SamplingParams:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {self.logit_bias!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must hold token ids >= 0")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where the "
+                             "output may end")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched on the text)")
 

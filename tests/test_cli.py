@@ -50,7 +50,8 @@ def test_every_engine_option_is_a_flag(command):
     values = {"model": "/some/model", "dtype": "bfloat16", "block_size": 8, "kv_cache_memory": 1 << 20,
               "max_num_seqs": 3, "max_num_batched_tokens": 64, "max_model_len": 100, "scheduling_policy": "priority",
               "enable_prefix_caching": False, "seed": 5, "num_threads": 2, "attention_backend": "torch_sdpa",
-              "speculative_config": SpeculativeConfig("ngram", num_speculative_tokens=3)}
+              "speculative_config": SpeculativeConfig("ngram", num_speculative_tokens=3),
+              "structured_outputs_backend": "llguidance"}
     assert set(values) == {option.name for _, option, _ in engine_options()}, "a new engine option needs a flag"
     argv = list(command)
     for name, value in values.items():

@@ -7,8 +7,9 @@ processor. The engine's code is not edited, so the profile follows whatever the 
 the engine stops calling shows up as zero (its time lands in "other"). CPU ops run synchronously, so wall time
 around a call is its cost; a wrapper costs about a microsecond, per layer for attention.
 
-The phases are exclusive and add up to the step: "model forward" excludes the attention inside it, and
-"other" is what no wrapper saw (flattening the batch, block tables, Python glue).
+The phases are exclusive and add up to the step: "model forward" excludes the attention inside it, "sampling"
+the grammar mask applied inside it (structured outputs; "grammar bitmask" is the engine core filling that mask
+before the forward), and "other" is what no wrapper saw (flattening the batch, block tables, Python glue).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from typing import Any, Callable, Iterator, Optional
 
 from folio.core.request import Request
 from folio.engine.llm_engine import LLMEngine
+from folio.structured_output.token_mask import GrammarTokenMask
 
 # Printed in this order; each is a share of the step.
-PHASES = ("scheduling", "attention metadata", "model forward", "attention", "lm_head", "sampling",
-          "output processing", "other")
+PHASES = ("scheduling", "grammar bitmask", "attention metadata", "model forward", "attention", "lm_head",
+          "sampling", "grammar mask apply", "output processing", "other")
 
 
 @dataclass
@@ -124,6 +126,7 @@ def _exclusive(steps: list[_Step]) -> dict[str, int]:
         for name, t in s.phase_ns.items():
             ns[name] += t
     ns["model forward"] -= ns["attention"]
+    ns["sampling"] -= ns["grammar mask apply"]
     ns["other"] = sum(s.ns for s in steps) - sum(ns[name] for name in PHASES if name != "other")
     return ns
 
@@ -152,6 +155,9 @@ def profile_steps(engine: LLMEngine) -> Iterator[StepProfile]:
         (runner.model, "forward", lambda fn: profile._timed(fn, "model forward")),
         (runner.model, "compute_logits", lambda fn: profile._timed(fn, "lm_head")),
         (runner, "sampler", lambda fn: profile._timed(fn, "sampling")),
+        (engine.structured_output, "grammar_bitmask", lambda fn: profile._timed(fn, "grammar bitmask")),
+        *[(p, "apply", lambda fn: profile._timed(fn, "grammar mask apply"))
+          for p in runner.logits_processors if isinstance(p, GrammarTokenMask)],
         (engine.output_processor, "process", lambda fn: profile._timed(fn, "output processing")),
     ]
     restore = []

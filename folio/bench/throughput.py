@@ -5,6 +5,7 @@ output length and runs compare like for like.
 
     folio bench throughput --model MODEL --dtype bfloat16 --num-prompts 64 --input-len 256 --output-len 128
     folio bench throughput --dataset chat --json out.json
+    folio bench throughput --structured json   # the same requests constrained by JSON schemas, side by side
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from folio.bench import structured
 from folio.bench.noise import OtherLoad, note
 from folio.bench.report import Summary, dtype_name, summarize, write_json
 from folio.bench.step_profile import PHASES, StepBreakdown, profile_steps
@@ -61,6 +63,23 @@ class SpeculationComparison:
     speedup: float  # output tokens/s with speculation / without
 
 
+@dataclass
+class StructuredComparison:
+    """`--structured`: the workload unconstrained (A) and constrained (B, folio.bench.structured) in one run, in
+    the order A B B A so that a machine getting slower or faster over the run weighs on both alike."""
+
+    kind: str
+    num_schemas: int
+    unconstrained: list[ThroughputResult]
+    constrained: list[ThroughputResult]
+    unconstrained_tokens_per_s: float  # over both runs
+    constrained_tokens_per_s: float
+    throughput_ratio: float  # constrained / unconstrained
+    mask_ms_per_step: Optional[float]  # constrained runs: filling the bitmask + applying it, per step (breakdown)
+    num_compiles: int  # grammars compiled on the compile thread during the constrained runs
+    compile_s: float
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--warmup-prompts", type=int, default=DEFAULT_WARMUP_PROMPTS,
@@ -77,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--structured", choices=("json",),
+                        help="run the workload twice, unconstrained and with every output constrained by one of the "
+                             "JSON schemas shipped with folio (folio/bench/data/json_schemas.jsonl), and report both "
+                             "side by side with the time token masks take per step")
 
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -102,7 +125,8 @@ def _generate(engine: LLMEngine, requests: list[BenchRequest], sampling: Samplin
     """Run requests to completion; output_len overrides each request's own (for warm-up)."""
     ids = []
     for request in requests:
-        params = dataclasses.replace(sampling, max_tokens=output_len or request.output_len)
+        params = dataclasses.replace(sampling, max_tokens=output_len or request.output_len,
+                                     structured_outputs=request.structured_outputs)
         rid = engine.next_request_id()
         engine.add_request(rid, {"prompt_token_ids": request.prompt_token_ids}, params,
                            output_kind=OutputKind.FINAL_ONLY)
@@ -188,6 +212,52 @@ def print_result(result: ThroughputResult) -> None:
               f"{kind.mean_tokens:.1f} tokens")
 
 
+def compare_structured(engine: LLMEngine, requests: list[BenchRequest], args: argparse.Namespace,
+                       sampling: SamplingParams) -> StructuredComparison:
+    """The workload without and with constrained outputs, A B B A, each run from an empty prefix cache. Grammar
+    compiles happen during the first constrained run (the warm-up compiles only the schemas its prompts use)."""
+    constrained = structured.constrain(requests)
+    warm_up(engine, constrained, args.warmup_prompts, sampling)
+    workload = f"{describe(args)}, {describe_sampling(sampling)}"
+    stats = engine.structured_output.stats
+    compiles, compile_s = stats.num_compiles, stats.compile_s
+    runs: dict[bool, list[ThroughputResult]] = {False: [], True: []}
+    for bound in (False, True, True, False):
+        engine.reset_prefix_cache()  # the second run of the same prompts must not find them cached
+        runs[bound].append(measure(engine, constrained if bound else requests,
+                                   f"{workload}{', constrained by JSON schemas' if bound else ''}", args.breakdown,
+                                   sampling))
+
+    def rate(results: list[ThroughputResult]) -> float:
+        return sum(r.output_tokens for r in results) / sum(r.elapsed_s for r in results)
+
+    mask = None
+    if args.breakdown:
+        steps = [r.breakdown for r in runs[True]]
+        mask = sum(b.phases[p].total_s for b in steps for p in ("grammar bitmask", "grammar mask apply")) * 1e3 \
+            / sum(b.num_steps for b in steps)
+    return StructuredComparison(args.structured, len(structured.load_schemas()), runs[False], runs[True],
+                                rate(runs[False]), rate(runs[True]), rate(runs[True]) / rate(runs[False]), mask,
+                                stats.num_compiles - compiles, stats.compile_s - compile_s)
+
+
+def print_comparison(result: StructuredComparison) -> None:
+    for free, bound in zip(result.unconstrained, result.constrained):
+        print_result(free)
+        print_result(bound)
+    print(f"structured outputs ({result.kind}, {result.num_schemas} schemas in turn), same requests, same run "
+          "(A B B A):")
+    print(f"  output tokens/s: {result.constrained_tokens_per_s:.1f} constrained vs "
+          f"{result.unconstrained_tokens_per_s:.1f} unconstrained = {100 * result.throughput_ratio:.1f} %")
+    if result.mask_ms_per_step is not None:
+        steps = {bound: sum(r.breakdown.step_total_s for r in results) * 1e3 / sum(r.breakdown.num_steps
+                                                                                   for r in results)
+                 for bound, results in ((True, result.constrained), (False, result.unconstrained))}
+        print(f"  token masks: {result.mask_ms_per_step:.2f} ms per step, filling + applying (steps "
+              f"{steps[True]:.1f} ms constrained, {steps[False]:.1f} ms unconstrained)")
+    print(f"  grammars compiled meanwhile, off the step loop: {result.num_compiles} in {result.compile_s:.2f} s")
+
+
 def prepare(args: argparse.Namespace, config: EngineConfig) -> tuple[LLMEngine, list[BenchRequest]]:
     """The engine and the workload's requests as token ids (chat prompts through the model's template)."""
     engine = LLMEngine(config)
@@ -199,15 +269,23 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.versus_no_speculation and config.speculative.speculative_config is None:
         raise ValueError("--versus-no-speculation needs --speculative-config")
     sampling = sampling_params(args)
-    workload = f"{describe(args)}, {describe_sampling(sampling)}"
-    result = _run(args, config, sampling, workload)
-    print_result(result)
-    if args.versus_no_speculation:
-        plain = _run(args, dataclasses.replace(config, speculative=SpeculativeOptions()), sampling, workload)
-        print_result(plain)
-        comparison = SpeculationComparison(result, plain, result.output_tokens_per_s / plain.output_tokens_per_s)
-        print(f"speculative decoding: {comparison.speedup:.2f}x the output tokens/s without it")
-        result = comparison
+    if args.structured:
+        if args.versus_no_speculation:
+            raise ValueError("--structured and --versus-no-speculation are two different comparisons: give one")
+        engine, requests = prepare(args, config)
+        warm_up(engine, requests, args.warmup_prompts, sampling)
+        result = compare_structured(engine, requests, args, sampling)
+        print_comparison(result)
+    else:
+        workload = f"{describe(args)}, {describe_sampling(sampling)}"
+        result = _run(args, config, sampling, workload)
+        print_result(result)
+        if args.versus_no_speculation:
+            plain = _run(args, dataclasses.replace(config, speculative=SpeculativeOptions()), sampling, workload)
+            print_result(plain)
+            comparison = SpeculationComparison(result, plain, result.output_tokens_per_s / plain.output_tokens_per_s)
+            print(f"speculative decoding: {comparison.speedup:.2f}x the output tokens/s without it")
+            result = comparison
     if args.json:
         write_json(args.json, result)
     return 0

@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
 
 DATASETS = {"chat": os.path.join(os.path.dirname(__file__), "data", "chat_prompts.jsonl"),
@@ -32,6 +33,7 @@ class BenchRequest:
     prompt_token_ids: Optional[list[int]] = None  # random prompts, and the others once tokenized
     messages: Optional[list[dict]] = None  # chat conversations
     text: Optional[str] = None  # plain-text prompts, sent without a chat template
+    structured_outputs: Optional[StructuredOutputsParams] = None  # what the output must follow (folio.bench.structured)
 
     @property
     def prompt_text(self) -> str:

@@ -11,10 +11,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from folio.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,6 +56,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already handed out (never twice)
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (prefix caching)
+    structured_output: Optional["StructuredOutputRequest"] = None  # its grammar, when its output is constrained
     output_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (speculative decoding)
     all_token_ids: list[int] = field(init=False)  # prompt + output in one list (block hashes read it)

@@ -6,7 +6,8 @@ One rule serves every case. Each step, with `max_num_batched_tokens` to give out
      when the cache has no block for one, the lowest-ranked running request is preempted (blocks freed,
      requeued at the front to be recomputed) until it fits, or until it is itself the victim;
   2. then, if nothing was preempted this step, waiting requests are admitted while budget, blocks and
-     `max_num_seqs` allow, their prompts chunked to what is left of the budget.
+     `max_num_seqs` allow, their prompts chunked to what is left of the budget (a request whose grammar is
+     still compiling stays queued, and the ones behind it are admitted).
 Prefill chunks and decode tokens of different requests then go through the same forward pass.
 
 The step's result is a SchedulerOutput message (folio.core.step_contract) for the model runner: a request's
@@ -179,9 +180,13 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        compiling: list[Request] = []  # waiting for their grammar: the requests behind them go first
         while (not out.preempted_ids and budget > 0 and len(self.waiting)
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()  # waiting requests have no computed tokens (new or preempted)
+            if request.structured_output is not None and not request.structured_output.ready:
+                compiling.append(self.waiting.pop())
+                continue
             cached = self.kv_cache_manager.find_cached(request)
             num_cached = len(cached) * self.kv_cache_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
@@ -201,6 +206,8 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequestData(request.request_id, num_cached, num_new, new_blocks))
             budget -= num_new
+        for request in reversed(compiling):
+            self.waiting.add_front(request)
         return out
 
     def _pick_victim(self) -> Request:
@@ -289,6 +296,10 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params
+        if request.structured_output is not None:  # its grammar follows the token: complete, or broken
+            status = request.structured_output.advance(token_id)
+            if status is not None:
+                return status
         if request.num_output_tokens > params.min_tokens and token_id in request.stop_token_ids:
             # EOS ends a request without a stop_reason (as in vLLM); explicit stop ids are reported
             if token_id in params.stop_token_ids:

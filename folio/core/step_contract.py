@@ -12,6 +12,7 @@ What the runner is told, and what it keeps:
     in the cache, how many to compute, the blocks it gained, draft tokens to verify);
   * which requests were preempted (their blocks are gone: the runner drops their block tables but keeps
     their state, a seeded generator included, for when they resume) and which finished (forgotten).
+  * for requests whose output is constrained (structured outputs), the tokens they may sample, as a bitmask.
 The runner owns all per-request state from then on (token rows, block tables, generators, the history
 penalties count): it appends the tokens it samples itself, which the core appends to its own `Request` when
 it reads the answer. The core decides when a request stops; the runner learns it from `finished_ids`.
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+import numpy as np
 
 from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
@@ -58,6 +61,21 @@ class ScheduledRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """Structured outputs: which tokens each constrained request may sample in this step. A request has rows
+    rows[request_id], rows[request_id] + 1, ...: the token after its known ones, then after each of its draft
+    tokens. Token t is allowed iff bit t % 32 of word t // 32 of the row is set."""
+
+    rows: dict[str, int]  # request id -> its first row
+    bitmask: np.ndarray  # int32 [rows, ceil(vocab_size / 32)]
+
+    def rows_of(self, request_id: str, count: int) -> Optional[np.ndarray]:
+        """The request's first `count` rows (its next token's, then one per draft); None when unconstrained."""
+        first = self.rows.get(request_id)
+        return None if first is None else self.bitmask[first:first + count]
+
+
+@dataclass
 class SchedulerOutput:
     """What the model runner computes in one step, and what changed since the previous one."""
 
@@ -65,6 +83,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequestData] = field(default_factory=list)  # the batch, in order
     preempted_ids: list[str] = field(default_factory=list)  # blocks freed: drop the block table, keep the state
     finished_ids: list[str] = field(default_factory=list)  # ended since the previous step: forget them
+    grammar_bitmask: Optional[GrammarBitmask] = None  # set by the engine core when constrained requests sample
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """LLMEngine: step-level control of the engine (add_request, step, abort_request).
 
-Data flows one way through a step: scheduler -> model runner -> scheduler bookkeeping -> output
-processing. The scheduler and the runner only exchange the step contract's messages
-(folio.core.step_contract). Requests that a stop string ended in output processing are finished in the
+Data flows one way through a step: scheduler -> grammar bitmask (structured outputs) -> model runner ->
+scheduler bookkeeping -> output processing. The scheduler and the runner only exchange the step contract's
+messages (folio.core.step_contract). Requests that a stop string ended in output processing are finished in the
 scheduler at once, so their blocks are free before the next step. What depends on the hardware (dtype
 "auto", the KV budget, the attention backend, the linear method, the device) comes from the platform.
 """
@@ -28,6 +28,7 @@ from folio.outputs import EngineOutput
 from folio.platforms import current_platform
 from folio.spec_decode.draft_model import load_draft_model
 from folio.sampling_params import SamplingParams
+from folio.structured_output.manager import StructuredOutputManager
 from folio.tokenizer import Tokenizer
 from folio.worker.kv_cache import KVCacheSpec
 from folio.worker.model_runner import ModelRunner
@@ -68,6 +69,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
                                               loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(config.structured_outputs, self.tokenizer, cfg.vocab_size,
+                                                         loaded.eos_token_ids)
         self._ids = itertools.count()
         logger.info("engine ready: %s (%s, %s, %s attention) in %.1f s", loaded.path, cfg.architecture, dtype,
                     type(backend).__name__, time.perf_counter() - start)
@@ -113,6 +116,8 @@ class LLMEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         processed = self.input_processor.process_prompt(prompt)
         requests = self.input_processor.make_requests(request_id, processed, params, priority, arrival_time)
+        self.structured_output.validate(params.structured_outputs)
+        self.structured_output.add_requests(requests)
         self.output_processor.add_request(request_id, processed, params, output_kind, arrival_time)
         for request in requests:
             self.scheduler.add_request(request)
@@ -139,6 +144,8 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         scheduler_output = self.scheduler.schedule()
+        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output,
+                                                                                  self.scheduler.requests)
         runner_output = self.runner.execute(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(core_outputs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from folio.core.step_contract import SampledLogprobs, SampledTokens
@@ -62,6 +63,12 @@ class DraftPosition:
     @property
     def generator(self) -> Optional[torch.Generator]:
         return self.request.generator
+
+    @property
+    def token_bitmask(self) -> Optional[np.ndarray]:
+        """Structured outputs: the grammar's mask at this position (after the drafts before it)."""
+        masks = self.request.token_bitmasks
+        return None if masks is None else masks[len(self.drafts_before)]
 
 
 class RejectionSampler:

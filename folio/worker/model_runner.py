@@ -31,6 +31,7 @@ from folio.sample.sampling_metadata import SamplingMetadata
 from folio.spec_decode.config import SpeculativeConfig
 from folio.spec_decode.draft_model import DraftModel
 from folio.spec_decode.factory import make_speculator
+from folio.structured_output.token_mask import GrammarTokenMask
 from folio.worker.input_batch import InputBatch
 from folio.worker.kv_cache import KVCacheSpec
 from folio.worker.pooler import Pooler
@@ -61,7 +62,7 @@ class ModelRunner:
         self.kv_caches = kv_cache_spec.allocate(backend, num_blocks, device)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
-        self.logits_processors = default_logits_processors()
+        self.logits_processors = [GrammarTokenMask(), *default_logits_processors()]
         self.pooler = Pooler()
         self.speculator = None if speculative_config is None else make_speculator(speculative_config, self, draft)
 
@@ -98,6 +99,9 @@ class ModelRunner:
                     jobs.append(job)
 
         if samplers:
+            bitmask = sched.grammar_bitmask  # structured outputs: what each constrained request may sample
+            for request, draft in zip(samplers, drafts):
+                request.token_bitmasks = bitmask.rows_of(request.request_id, 1 + len(draft)) if bitmask else None
             logits = self.model.compute_logits(hidden[sample_rows])  # the samplers make their own fp32 copies
             for request, draft, sampled in zip(samplers, drafts, self._sample(logits, samplers, drafts)):
                 request.output_token_ids.extend(sampled.token_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from folio.core.step_contract import NewRequestData
@@ -29,6 +30,10 @@ class RequestState:
     generator: Optional[torch.Generator] = None
     output_token_ids: list[int] = field(default_factory=list)  # sampled so far
     pooling_params: Optional[PoolingParams] = None
+    # Structured outputs: the tokens its grammar allows in this step's samples (rows of the SchedulerOutput's
+    # grammar bitmask, set every step): row 0 for the token after its known ones, row j + 1 for the one after
+    # its j + 1-th draft; None when its output is unconstrained.
+    token_bitmasks: Optional[np.ndarray] = None
 
     @classmethod
     def from_new_request(cls, new: NewRequestData) -> "RequestState":
@@ -40,3 +45,8 @@ class RequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_bitmask(self) -> Optional[np.ndarray]:
+        """The grammar's mask of its next token (what GrammarTokenMask applies); None when unconstrained."""
+        return None if self.token_bitmasks is None else self.token_bitmasks[0]

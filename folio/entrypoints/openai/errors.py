@@ -7,6 +7,7 @@ the same shape, validation errors as 400 as OpenAI does, so a client sees one er
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -31,9 +32,10 @@ class OpenAIError(Exception):
 
     @classmethod
     def bad_request(cls, error: ValueError, fields: Any = ()) -> "OpenAIError":
-        """A 400 from a ValueError whose message starts with the offending field, as SamplingParams' do."""
+        """A 400 from a ValueError whose message starts with the offending field, as SamplingParams' do (or a path
+        in it: "tools[0].function.parameters ..." names tools)."""
         message = str(error)
-        first = message.split(" ", 1)[0]
+        first = re.split(r"[ .\[]", message, maxsplit=1)[0]
         return cls(400, message, first if first in fields else None)
 
 

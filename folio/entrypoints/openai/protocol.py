@@ -14,6 +14,7 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from folio.sampling_params import SamplingParams
+from folio.structured_output.params import StructuredOutputsParams
 
 MAX_N = 16  # completions per prompt; more would let one request monopolise the batch
 
@@ -24,6 +25,19 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: Optional[bool] = False
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs` body field: exactly one constraint (folio.structured_output.params)."""
+
+    json_schema: Union[str, dict, None] = Field(None, alias="json")  # "json" would shadow BaseModel.json
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def to_params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(**self.model_dump(exclude_none=True, by_alias=True))
 
 
 class SamplingRequest(RequestModel):
@@ -53,6 +67,7 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: Optional[str] = None  # keeps this request's prompt out of other tenants' prefix-cache hits
+    structured_outputs: Optional[StructuredOutputsRequest] = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
@@ -65,7 +80,8 @@ class SamplingRequest(RequestModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_sampling_params(self, max_tokens: int, logprobs: Optional[int] = None,
-                           prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                           prompt_logprobs: Optional[int] = None,
+                           structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
         """SamplingParams for this request; raises ValueError naming the field for a bad value."""
         n = 1 if self.n is None else self.n
         if n > MAX_N:
@@ -77,7 +93,8 @@ class SamplingRequest(RequestModel):
             n=n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, logit_bias=self.logit_bias,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **{k: v for k, v in given.items() if v is not None})
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
+            **{k: v for k, v in given.items() if v is not None})
 
 
 # ---- completions -----------------------------------------------------------------------------------------
@@ -102,8 +119,9 @@ class CompletionRequest(SamplingRequest):
     def _best_of_is_beam_width(self) -> "CompletionRequest":
         if self.best_of is not None and not self.use_beam_search:
             raise ValueError("best_of is supported as the beam width of use_beam_search only")
-        if self.use_beam_search and (self.stream or self.echo or self.logprobs is not None):
-            raise ValueError("use_beam_search cannot be combined with stream, echo or logprobs")
+        if self.use_beam_search and (self.stream or self.echo or self.logprobs is not None
+                                     or self.structured_outputs is not None):
+            raise ValueError("use_beam_search cannot be combined with stream, echo, logprobs or structured_outputs")
         if self.best_of is not None and self.best_of < (self.n or 1):
             raise ValueError("best_of must be >= n")
         return self
@@ -153,17 +171,17 @@ class TextPart(RequestModel):
     text: str
 
 
-class FunctionCall(RequestModel):
+class FunctionCallRequest(RequestModel):
     name: str
-    arguments: str  # JSON, as the model wrote it
+    arguments: str  # JSON text, as the API returned it
 
 
-class ToolCall(RequestModel):
+class ToolCallRequest(RequestModel):
     """A call an assistant message made, sent back by the client with the rest of the conversation."""
 
     id: str
-    type: Literal["function"]
-    function: FunctionCall
+    type: Literal["function"] = "function"
+    function: FunctionCallRequest
 
 
 def text_parts_only(*text_types: str) -> Callable[[Any], Any]:
@@ -189,7 +207,7 @@ class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
+    tool_calls: Optional[list[ToolCallRequest]] = None
     tool_call_id: Optional[str] = None
 
     _only_text = field_validator("content", mode="before")(text_parts_only("text"))
@@ -206,14 +224,14 @@ class ChatMessage(RequestModel):
         return self
 
     def to_template_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(exclude_none=True)  # the tokenizer parses tool-call arguments for the template
 
 
 class FunctionDefinition(RequestModel):
-    name: str
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None  # a JSON schema
-    strict: Optional[bool] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; none: the function takes any object
+    strict: Optional[bool] = None  # arguments always follow the schema here (they are constrained by it)
 
 
 class ChatTool(RequestModel):
@@ -221,12 +239,41 @@ class ChatTool(RequestModel):
     function: FunctionDefinition
 
 
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(RequestModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # the output always follows the schema here
+
+
 class ResponseFormat(RequestModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object" or "json_schema"."""
+
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required when type is 'json_schema', and only then")
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None  # default: auto with tools
+    parallel_tool_calls: Optional[bool] = True
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -274,9 +321,40 @@ class ChatChoiceLogProbs(BaseModel):
     content: Optional[list[ChatLogProb]] = None
 
 
+class WithoutNulls(BaseModel):
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        """OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...}."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(WithoutNulls):
+    name: Optional[str] = None  # in a call's first delta
+    arguments: Optional[str] = None  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(WithoutNulls):
+    index: int  # which call of the choice this piece belongs to
+    id: Optional[str] = None  # in a call's first delta
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]  # None when the model only called tools
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -296,14 +374,10 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(WithoutNulls):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: Any) -> dict[str, Any]:
-        """OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...}."""
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(BaseModel):

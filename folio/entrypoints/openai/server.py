@@ -20,6 +20,7 @@ from folio.engine.async_llm import AsyncLLM
 from folio.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from folio.entrypoints.openai.metrics import PrometheusStatLogger
 from folio.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from folio.entrypoints.openai.structured_output_metrics import StructuredOutputStatLogger
 from folio.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                                TokenizeResponse)
@@ -46,6 +47,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     (and shuts it down after the server stops)."""
     registry = CollectorRegistry()
     llm.stat_loggers.append(PrometheusStatLogger(model_name, registry))
+    llm.stat_loggers.append(StructuredOutputStatLogger(llm.engine.structured_output.stats, model_name, registry))
     completions = OpenAIServingCompletion(llm, model_name)
     chat = OpenAIServingChat(llm, model_name)
     embeddings = OpenAIServingEmbedding(llm, model_name)

@@ -21,9 +21,10 @@ from starlette.responses import Response, StreamingResponse
 
 from folio.engine.async_llm import AsyncLLM, EngineDeadError, EngineError, RequestStream
 from folio.entrypoints.openai.errors import OpenAIError, error_body
-from folio.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from folio.entrypoints.openai.protocol import DeltaToolCall, PromptTokensDetails, SamplingRequest, UsageInfo
 from folio.outputs import Logprob
 from folio.sampling_params import SamplingParams
+from folio.structured_output.params import StructuredOutputsParams
 
 PositionLogprobs = Optional[dict[int, Logprob]]  # None for the first prompt token, which has no logprob
 
@@ -46,9 +47,11 @@ class ChoiceDelta:
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
     text_offset: int = 0  # characters of this choice handed out before this delta
+    tool_calls: list[DeltaToolCall] = field(default_factory=list)  # chat: pieces of the tool calls read in the text
 
     def extend(self, other: "ChoiceDelta") -> None:
         self.text += other.text
+        self.tool_calls += other.tool_calls
         self.token_ids += other.token_ids
         if self.logprobs is not None and other.logprobs is not None:
             self.logprobs += other.logprobs
@@ -150,6 +153,16 @@ class OpenAIServing(ABC):
         """Chunks sent just before the first token's (chat's role announcement)."""
         return []
 
+    def structured_outputs(self, request: SamplingRequest) -> Optional[StructuredOutputsParams]:
+        """The constraint on the output (here the structured_outputs field), checked: ValueError naming the field."""
+        constraint = None if request.structured_outputs is None else request.structured_outputs.to_params()
+        self.llm.engine.structured_output.validate(constraint)
+        return constraint
+
+    def read_deltas(self, request: SamplingRequest, deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+        """The deltas as the endpoint hands them out (chat reads tool calls in them)."""
+        return deltas
+
     # ---- the shared flow ---------------------------------------------------------------------------
 
     def check_model(self, name: Optional[str]) -> None:
@@ -172,7 +185,7 @@ class OpenAIServing(ABC):
             raise OpenAIError.bad_request(e, fields) from e
         created = int(time.time())
         cached: dict[int, int] = {}  # prompt index -> its tokens found in the prefix cache, filled by _deltas
-        deltas = self._deltas(stream, request, prompts, cached)
+        deltas = self.read_deltas(request, self._deltas(stream, request, prompts, cached))
         if request.stream:
             return StreamingResponse(self._sse(stream, deltas, request_id, created, request, prompts, cached),
                                      media_type="text/event-stream")
@@ -187,7 +200,7 @@ class OpenAIServing(ABC):
         max_tokens = self.max_tokens(request, longest)
         check_context(longest, max_tokens, self.max_model_len)
         logprobs, prompt_logprobs = self.logprob_counts(request)
-        return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
+        return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs, self.structured_outputs(request))
 
     async def _deltas(self, stream: RequestStream, request: SamplingRequest, prompts: list[Prompt],
                       cached: dict[int, int]) -> AsyncIterator[ChoiceDelta]:
@@ -227,7 +240,7 @@ class OpenAIServing(ABC):
                     yield _event(chunk)
                 opening = []
                 completion_tokens += delta.num_generated
-                if delta.text or delta.finish_reason or delta.logprobs:
+                if delta.text or delta.finish_reason or delta.logprobs or delta.tool_calls:
                     choice = self.choice(request, delta, stream=True)
                     yield _event(self.envelope(request_id, created, [choice], None, stream=True))
             if request.include_usage_in_stream:

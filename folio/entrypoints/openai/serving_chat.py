@@ -1,17 +1,22 @@
 """POST /v1/chat/completions: messages and tools through the model's chat template, chat-shaped logprobs and
-chunks."""
+chunks, and the output constraints chat adds: response_format, and tools (tool_grammar constrains the calls,
+tool_parser reads them back as tool_calls)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 from pydantic import BaseModel
 
 from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogProbs, ChatCompletionChunk,
                                                ChatCompletionRequest, ChatCompletionResponse, ChatLogProb, ChatMessage,
-                                               ChatStreamChoice, ChatTool, DeltaMessage, TopLogProb, UsageInfo)
+                                               ChatStreamChoice, ChatTool, DeltaMessage, NamedToolChoice, TopLogProb,
+                                               UsageInfo)
 from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, clamp_logprob
+from folio.entrypoints.openai.tool_grammar import resolve_tool_choice, tool_choice_constraint
+from folio.entrypoints.openai.tool_parser import ToolCallParser, join_tool_calls
 from folio.outputs import Logprob
+from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
 
 # Template variables a request may not override through chat_template_kwargs.
@@ -45,6 +50,52 @@ class OpenAIServingChat(OpenAIServing):
         return [Prompt(None, chat_prompt_ids(self.tokenizer, request.messages, request.add_generation_prompt,
                                              request.tools, request.chat_template_kwargs))]
 
+    def structured_outputs(self, request: ChatCompletionRequest) -> Optional[StructuredOutputsParams]:
+        """At most one constraint: structured_outputs, response_format, or the grammar of tool_choice (with
+        "auto", a client's own constraint replaces it, and calls are still read from the output)."""
+        given = []
+        if request.structured_outputs is not None:
+            given.append(("structured_outputs", super().structured_outputs(request)))
+        fmt = request.response_format
+        if fmt is not None and fmt.type != "text":
+            schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
+            constraint = StructuredOutputsParams(json=schema) if schema is not None else \
+                StructuredOutputsParams(json_object=True)
+            self.llm.engine.structured_output.validate(constraint, "response_format.json_schema.schema")
+            given.append(("response_format", constraint))
+        if len(given) > 1:
+            raise ValueError("structured_outputs and response_format both constrain the output: give one of them")
+        tool_choice = resolve_tool_choice(request.tools, request.tool_choice)
+        if tool_choice == "none":
+            return given[0][1] if given else None
+        for i, tool in enumerate(request.tools):
+            if tool.function.parameters is not None:
+                self.llm.engine.structured_output.validate(StructuredOutputsParams(json=tool.function.parameters),
+                                                           f"tools[{i}].function.parameters")
+        if given:
+            if tool_choice != "auto":
+                raise ValueError(f"tool_choice {'named' if isinstance(tool_choice, NamedToolChoice) else tool_choice!r}"
+                                 f" makes the output tool calls; it cannot be combined with {given[0][0]}")
+            return given[0][1]
+        constraint = tool_choice_constraint(request.tools, tool_choice, request.parallel_tool_calls is not False)
+        self.llm.engine.structured_output.validate(constraint, "tools")
+        return constraint
+
+    async def read_deltas(self, request: ChatCompletionRequest,
+                          deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+        """With tools (and tool_choice not "none"), each choice's text goes through a ToolCallParser: calls leave
+        the content for tool_calls, and a choice that called tools finishes with "tool_calls" (OpenAI keeps
+        "stop" when tool_choice named the function)."""
+        tool_choice = resolve_tool_choice(request.tools, request.tool_choice)
+        parsers: dict[int, ToolCallParser] = {}
+        async for delta in deltas:
+            if tool_choice != "none":
+                parser = parsers.setdefault(delta.index, ToolCallParser())
+                delta.text, delta.tool_calls = parser.feed(delta.text, final=delta.finish_reason is not None)
+                if parser.num_calls and delta.finish_reason == "stop" and tool_choice in ("auto", "required"):
+                    delta.finish_reason = "tool_calls"
+            yield delta
+
     def max_tokens(self, request: ChatCompletionRequest, longest_prompt: int) -> int:
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         return self.max_model_len - longest_prompt if requested is None else requested  # default: the rest of the context
@@ -59,11 +110,15 @@ class OpenAIServingChat(OpenAIServing):
 
     def choice(self, request: ChatCompletionRequest, delta: ChoiceDelta, stream: bool) -> BaseModel:
         logprobs = None if delta.logprobs is None else self._logprobs(delta, request.top_logprobs or 0)
+        content = delta.text if delta.text or not delta.tool_calls else None  # null beside calls, as OpenAI's
         if stream:
-            return ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
-                                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-        return ChatChoice(index=delta.index, message=AssistantMessage(content=delta.text), logprobs=logprobs,
-                          finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+            return ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=content,
+                                                                          tool_calls=delta.tool_calls or None),
+                                    logprobs=logprobs, finish_reason=delta.finish_reason,
+                                    stop_reason=delta.stop_reason)
+        message = AssistantMessage(content=content, tool_calls=join_tool_calls(delta.tool_calls) or None)
+        return ChatChoice(index=delta.index, message=message, logprobs=logprobs, finish_reason=delta.finish_reason,
+                          stop_reason=delta.stop_reason)
 
     def envelope(self, request_id: str, created: int, choices: list[BaseModel], usage: Optional[UsageInfo],
                  stream: bool) -> BaseModel:

@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
 from folio.entrypoints.openai.errors import OpenAIError
-from folio.entrypoints.openai.protocol import ChatMessage, FunctionCall, TextPart, ToolCall
+from folio.entrypoints.openai.protocol import ChatMessage, FunctionCallRequest, TextPart, ToolCallRequest
 from folio.entrypoints.openai.protocol_responses import (DeletedResponse, FunctionCallItem, IncompleteDetails,
                                                          InputItem, InputMessage, InputTokensDetails, OutputMessage,
                                                          OutputText, ResponseError, ResponseObject, ResponsesRequest,
@@ -72,8 +72,8 @@ def chat_messages(items: Union[str, list[InputItem]]) -> list[ChatMessage]:
                 [TextPart(type="text", text=part.text) for part in item.content]
             messages.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, FunctionCallItem):
-            call = ToolCall(id=item.call_id, type="function",
-                            function=FunctionCall(name=item.name, arguments=item.arguments))
+            call = ToolCallRequest(id=item.call_id, type="function",
+                                   function=FunctionCallRequest(name=item.name, arguments=item.arguments))
             if messages and messages[-1].role == "assistant" and messages[-1].tool_calls:
                 messages[-1].tool_calls.append(call)
             else:

@@ -1,0 +1,79 @@
+"""Tool calling's grammars: what tool_choice allows the model to write, enforced token by token.
+
+Every tool call is written in the Hermes format that Qwen2.5 (and Hermes, and many fine-tunes) were trained on,
+and that folio.entrypoints.openai.tool_parser reads back:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+with the arguments following the function's `parameters` schema. By tool_choice:
+  * "required": one call (more with parallel_tool_calls), of any of the tools, and nothing else;
+  * a named function: one call of that function;
+  * "auto": free text, but once the model writes "<tool_call>" the call must be well formed (the trigger is a
+    lazy lexeme: the text before it is unconstrained), so a call never fails to parse;
+  * "none": no grammar, and the output is not read for calls.
+The grammar is in llguidance's Lark dialect (`%json` embeds a JSON schema), the structured_output backend's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional, Union
+
+from folio.entrypoints.openai.protocol import ChatTool, NamedToolChoice
+from folio.structured_output.llguidance_backend import JSON_OPTIONS
+from folio.structured_output.params import StructuredOutputsParams
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+ANY_ARGUMENTS = {"type": "object"}
+
+ToolChoice = Union[str, NamedToolChoice]
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal with JSON escapes
+
+
+def _call_rule(tool: ChatTool) -> str:
+    """One call's text after CALL_OPEN: the name forced, the arguments constrained by the tool's schema."""
+    schema = {**(tool.function.parameters or ANY_ARGUMENTS), "x-guidance": JSON_OPTIONS}
+    begin = '\n{"name": ' + json.dumps(tool.function.name) + ', "arguments": '
+    return f"{_literal(begin)} %json {json.dumps(schema)} {_literal('}' + chr(10) + CALL_CLOSE)}"
+
+
+def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice,
+                           parallel_tool_calls: bool) -> Optional[StructuredOutputsParams]:
+    """The grammar for a validated tool_choice (see `resolve_tool_choice`), or None for "none"."""
+    if tool_choice == "none":
+        return None
+    named = isinstance(tool_choice, NamedToolChoice)
+    if named:
+        tools = [t for t in tools if t.function.name == tool_choice.function.name]
+    rules = [f"call_{i}: {_call_rule(tool)}" for i, tool in enumerate(tools)]
+    more = f" ({_literal(chr(10) + CALL_OPEN)} call)*" if parallel_tool_calls and not named else ""
+    if tool_choice == "auto":
+        start = [f"start: TEXT | text_then_open call{more}", f"text_then_open[lazy]: TEXT {_literal(CALL_OPEN)}",
+                 r"TEXT: /(.|\n)*/"]
+    else:
+        start = [f"start: {_literal(CALL_OPEN)} call{more}"]
+    lines = ["%llguidance {}", *start, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))), *rules]
+    return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
+
+
+def resolve_tool_choice(tools: Optional[list[ChatTool]], tool_choice: Optional[ToolChoice]) -> ToolChoice:
+    """OpenAI's default ("auto" with tools, "none" without), checked against the tools; ValueError naming the
+    field otherwise."""
+    names = [t.function.name for t in tools or ()]
+    if len(set(names)) < len(names):
+        raise ValueError(f"tools must have distinct function names, got {', '.join(names)}")
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    if not tools and tool_choice != "none":
+        raise ValueError("tool_choice requires tools")
+    if isinstance(tool_choice, NamedToolChoice):
+        if tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {tool_choice.function.name!r}, which is not among "
+                             f"the tools ({', '.join(names)})")
+    return tool_choice

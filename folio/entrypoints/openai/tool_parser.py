@@ -1,0 +1,130 @@
+"""ToolCallParser: reads Hermes-format tool calls (folio.entrypoints.openai.tool_grammar) out of a choice's text as
+it streams, turning them into OpenAI's tool-call deltas.
+
+Text outside `<tool_call>...</tool_call>` is content (a trailing "<tool_c" waits until it is known not to open a
+call; whitespace around calls is dropped). Inside a call, the first delta carries the call's id, type and name
+as soon as `{"name": "...", "arguments": ` has arrived, then each delta carries the next piece of the arguments'
+JSON text, as OpenAI streams them; closing braces at the end are held back until the call closes, since the last
+one closes the call's object rather than the arguments. A call the grammar did not write (a call in another key
+order) is sent whole when it closes; one that does not parse stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from folio.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from folio.entrypoints.openai.tool_grammar import CALL_CLOSE, CALL_OPEN
+
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_CLOSERS = re.compile(r"[\s}]*$")
+
+
+def _pending_prefix(text: str, tag: str) -> int:
+    """Length of the longest end of text that could be the start of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class _Call:
+    index: int
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    arguments_start: Optional[int] = None  # where the arguments begin in the call's text, once the header is in
+    sent: int = 0  # characters of the arguments handed out
+
+    def update(self, body: str, closed: bool) -> list[DeltaToolCall]:
+        """Deltas for the call's text so far (`body`, everything after <tool_call>); closed: it is all there."""
+        deltas = []
+        if self.arguments_start is None:
+            header = _HEADER.match(body)
+            if header is None:
+                return self._whole(body) if closed else []
+            self.arguments_start = header.end()
+            deltas.append(self._opening(json.loads(header.group(1))))
+        arguments = body[self.arguments_start:].lstrip()
+        if closed:
+            arguments = arguments.rstrip().removesuffix("}").rstrip()  # the call's own closing brace
+        else:  # what may yet turn out to close the call: braces, whitespace, the start of </tool_call>
+            arguments = arguments[:len(arguments) - _pending_prefix(arguments, CALL_CLOSE)]
+            arguments = arguments[:_CLOSERS.search(arguments).start()]
+        if len(arguments) > self.sent:
+            deltas.append(DeltaToolCall(index=self.index, function=DeltaFunctionCall(arguments=arguments[self.sent:])))
+            self.sent = len(arguments)
+        return deltas
+
+    def _opening(self, name: str) -> DeltaToolCall:
+        return DeltaToolCall(index=self.index, id=self.id, type="function",
+                             function=DeltaFunctionCall(name=name, arguments=""))
+
+    def _whole(self, body: str) -> list[DeltaToolCall]:
+        try:
+            call = json.loads(body)
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            return []
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        opening = self._opening(name)
+        opening.function.arguments = text
+        return [opening]
+
+
+class ToolCallParser:
+    """One choice's parser: feed it each new piece of text; `final` on the last one flushes what waits."""
+
+    def __init__(self) -> None:
+        self._buffer = ""  # text not handed out yet: a possible tag start, or the open call's text
+        self._call: Optional[_Call] = None  # the call being read
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
+        """The content and tool-call deltas that `text` completes."""
+        self._buffer += text
+        content, deltas = "", []
+        while True:
+            if self._call is None:
+                start = self._buffer.find(CALL_OPEN)
+                if start == -1:
+                    keep = 0 if final else _pending_prefix(self._buffer, CALL_OPEN)
+                    content += self._outside(self._buffer[:len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    return content, deltas
+                content += self._outside(self._buffer[:start])
+                self._buffer = self._buffer[start + len(CALL_OPEN):]
+                self._call = _Call(self.num_calls)
+            end = self._buffer.find(CALL_CLOSE)
+            body = self._buffer if end == -1 else self._buffer[:end]
+            new = self._call.update(body, closed=end != -1)
+            if end == -1:
+                deltas += new
+                return content, deltas  # a call cut short (max_tokens) keeps what it streamed
+            if new or self._call.arguments_start is not None:
+                deltas += new
+                self.num_calls += 1
+            else:
+                content += CALL_OPEN + body + CALL_CLOSE  # not a call after all
+            self._buffer = self._buffer[end + len(CALL_CLOSE):]
+            self._call = None
+
+    def _outside(self, text: str) -> str:
+        """Content outside calls; once a call has been made, the whitespace that separates calls is dropped."""
+        return text if not self.num_calls or text.strip() else ""
+
+
+def join_tool_calls(deltas: list[DeltaToolCall]) -> list[ToolCall]:
+    """The whole calls of a non-streamed response, from the deltas a stream would have carried."""
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        call = calls.get(delta.index)
+        if call is None:
+            calls[delta.index] = ToolCall(id=delta.id, function=FunctionCall(name=delta.function.name,
+                                                                              arguments=delta.function.arguments or ""))
+        else:
+            call.function.arguments += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]

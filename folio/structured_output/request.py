@@ -1,0 +1,47 @@
+"""StructuredOutputRequest: a core request's grammar, kept on the engine-core side with the request itself.
+
+The matcher lives next to the Request in the scheduler, not in the model runner, so it survives preemption with
+nothing to rebuild: a preempted request keeps its output tokens (its KV is recomputed, its tokens are not
+resampled), and its matcher has accepted exactly those tokens. The runner only ever sees bitmask rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Optional
+
+from folio.core.request import RequestStatus
+from folio.structured_output.backend import Grammar
+
+logger = logging.getLogger("folio")
+
+
+class StructuredOutputRequest:
+    def __init__(self, request_id: str, compiled: "Future[Grammar]") -> None:
+        self.request_id = request_id
+        self._compiled = compiled  # the cache's shared grammar at its start, being compiled or done
+        self._grammar: Optional[Grammar] = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the grammar has compiled (or failed to): until then the request waits, out of the way."""
+        return self._compiled.done()
+
+    @property
+    def grammar(self) -> Optional[Grammar]:
+        """This request's own matcher, copied from the compiled grammar at first use; None if compiling failed."""
+        if self._grammar is None and self._compiled.exception() is None:
+            self._grammar = self._compiled.result().copy()
+        return self._grammar
+
+    def advance(self, token_id: int) -> Optional[RequestStatus]:
+        """Follow a sampled token: FINISHED_STOPPED once the grammar accepted EOS (ignore_eos or not), and
+        FINISHED_ABORTED if the token breaks the grammar (under the mask it cannot, unless compiling failed; the
+        other processors never empty a row: min_tokens, which could, is refused with structured outputs)."""
+        grammar = self.grammar
+        if grammar is None or not grammar.accept_tokens([token_id]):
+            reason = "its grammar did not compile" if grammar is None else f"token {token_id} breaks its grammar"
+            logger.error("request %s: %s; aborting it", self.request_id, reason)
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None
