@@ -263,30 +263,77 @@ def test_drafts_are_scheduled_within_the_budget_and_rolled_back_when_rejected():
     assert len(sched.kv_cache_manager.pool.cached) == 1
 
 
-def test_policy_backs_off_when_drafts_fail_and_at_large_batches():
-    config = SpeculativeConfig("ngram", num_speculative_tokens=6, max_batch_size=2)
+class _Everything:
+    """A proposer that always has as many guesses as it may give."""
 
-    class Everything:
-        def propose(self, requests, tokens, max_drafts):
-            return [[1] * k for k in max_drafts]
+    def propose(self, requests, tokens, max_drafts):
+        return [[1] * k for k in max_drafts]
 
-        def finished(self, request):
-            pass
+    def finished(self, request):
+        pass
 
-    speculator = Speculator(config, Everything(), max_model_len=1000)
-    request = _state(SamplingParams(max_tokens=500))
-    request.request_id = "a"
+
+def _request(rid: str, **params) -> RequestState:
+    request = _state(SamplingParams(max_tokens=500, **params))
+    request.request_id = rid
+    return request
+
+
+def test_step_cost_model_interpolates_and_extrapolates_optimistically():
+    from folio.spec_decode.step_cost import PRIOR_TOKEN_COST, StepCostModel
+
+    model = StepCostModel()
+    assert model.cost(3) == pytest.approx(1 + 2 * PRIOR_TOKEN_COST)  # nothing measured: the prior, in step units
+    model.observe(1, 0.10)
+    model.observe(5, 0.30)
+    assert model.cost(3) == pytest.approx(0.20)  # between measurements
+    assert model.cost(7) == pytest.approx(0.30 * (1 + 2 * PRIOR_TOKEN_COST))  # past them: the optimistic prior
+    for _ in range(100):
+        model.observe(5, 0.50)  # the machine got slower: recent steps weigh most
+    assert model.cost(5) == pytest.approx(0.50, rel=1e-3)
+
+
+def test_policy_gives_drafts_where_steps_are_cheap_and_guesses_good():
+    speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=6), _Everything(), max_model_len=1000)
     tokens = [np.zeros(4, dtype=np.int32)]
-    assert len(speculator.propose([request], tokens)["a"]) == 2  # the prior: acceptance 1/2
+    for n in range(1, 20):  # mostly weight-bound: a token costs a fifth of a one-token step
+        speculator.observe_step(n, 0.100 + 0.020 * n)
+    good, bad = _request("good"), _request("bad")
     for _ in range(10):
-        speculator.verified(request, 6, 6)
-    assert len(speculator.propose([request], tokens)["a"]) == 6
-    for _ in range(60):
-        speculator.verified(request, 1, 0)
-    proposals = [speculator.propose([request], tokens).get("a", []) for _ in range(2 * PROBE_EVERY)]
-    assert sum(map(len, proposals)) == 2, "a failing request only probes with one draft now and then"
-    others = [_state(SamplingParams(max_tokens=500)) for _ in range(3)]
-    assert speculator.propose(others, tokens * 3) == {}  # more than max_batch_size requests decode
-    near_end = _state(SamplingParams(max_tokens=3), output=[5, 5])
-    near_end.request_id = "b"
-    assert speculator.propose([near_end], tokens) == {}  # one token left: no room for a draft
+        speculator.verified(good, 6, 6)
+        speculator.verified(bad, 1, 0)
+    drafts = speculator.propose([good, bad], tokens * 2)
+    assert len(drafts["good"]) == 6 and "bad" not in drafts  # the failing request's guesses are not worth a token
+    probes = [len(speculator.propose([bad], tokens).get("bad", [])) for _ in range(2 * PROBE_EVERY)]
+    assert sum(probes) >= 2 and probes.count(0) >= 2 * PROBE_EVERY - 4, "it is only tried now and then"
+
+
+def test_policy_backs_off_where_every_token_costs_its_share():
+    speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=6), _Everything(), max_model_len=1000)
+    for n in range(1, 80):  # compute-bound: time proportional to tokens
+        speculator.observe_step(n, 0.010 * n)
+    requests = [_request(f"r{i}") for i in range(32)]
+    for request in requests:
+        for _ in range(3):
+            speculator.verified(request, 4, 2)  # decent guesses, but far from certain
+    assert speculator.propose(requests, [np.zeros(4, dtype=np.int32)] * 32) == {}
+    near_end = _request("end")
+    near_end.params.max_tokens = 3
+    near_end.output_token_ids = [5, 5]
+    assert speculator.propose([near_end], [np.zeros(4, dtype=np.int32)]) == {}  # one token left: no room
+
+
+def test_structured_outputs_with_speculation(llama_dir):
+    """The grammar's mask at every verified position: drafts it forbids are rejected, so constrained outputs
+    equal those without speculation (and the grammar still ends requests)."""
+    from folio import StructuredOutputsParams
+
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex))
+              for regex in ("(fox )+dog", "(quick brown )+(lazy dog)?", "[a-e ]+")]
+    prompts = [{"prompt_token_ids": REPEATING[i]} for i in range(3)]
+    expected = LLM(llama_dir, dtype="float32", kv_cache_memory=1 << 22).generate(prompts, params, use_tqdm=False)
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory=1 << 22, speculative_config=_spec("ngram"))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == \
+        [(o.outputs[0].text, o.outputs[0].finish_reason) for o in expected]
+    assert llm.llm_engine.get_stats().spec_decoding.num_accepted_tokens > 0

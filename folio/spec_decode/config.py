@@ -27,9 +27,6 @@ class SpeculativeConfig:
     suffix_cache_requests: int = 256
     # draft_model: a smaller model with the target's vocabulary (a Hugging Face folder or a .gguf file)
     model: Optional[str] = None
-    # adaptive: each request's drafts shrink with its acceptance; no drafts while more than this many
-    # requests decode together (decode is then compute-bound: verifying guesses costs what it saves)
-    max_batch_size: int = 16
 
     def __post_init__(self) -> None:
         def fail(name: str, rule: str) -> None:
@@ -40,7 +37,7 @@ class SpeculativeConfig:
 
         if self.method not in METHODS:
             fail("method", f"must be one of {', '.join(METHODS)}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "suffix_cache_requests", "max_batch_size"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "suffix_cache_requests"):
             if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 fail(name, "must be an integer >= 1")
         if not (is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min):

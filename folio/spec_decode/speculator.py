@@ -1,32 +1,37 @@
 """Speculator: the model runner's side of speculative decoding. After each step it asks the proposer for the
 next drafts of the requests that sampled, as many as the adaptive policy allows each one, and it learns from
-how many of them the rejection sampler accepted.
+how many of them the rejection sampler accepted and from how long the steps took.
 
-How the policy decides (measured in the README):
-  * batch: while more than `max_batch_size` requests decode in a step, nothing is proposed. A CPU decode step
-    at small batches reads every weight once whatever the number of tokens, so verifying guesses is nearly
-    free; at large batches the matmuls become compute-bound and each verified token costs as much as a step's
-    token, so a rejected guess is pure loss.
+How the policy decides (measured in the README): it gives out the drafts that maximise the expected tokens
+per second of the next step.
   * acceptance: each request keeps a decayed count of its drafts accepted and tried (a rejection ends a run,
     so the tries are the accepted drafts plus one per rejection). With acceptance rate a, the i-th draft of a
-    step is used only if all before it are accepted, with chance a^i; drafts are proposed while a^i stays at
-    least MIN_REACH_PROBABILITY. A request whose guesses keep failing drops to none, and tries one draft every
-    PROBE_EVERY steps so that it can recover when its text starts repeating.
-  * limits: never more drafts than the request's max_tokens or the context length leave room for.
+    step is used only if all before it are accepted, with chance a^i: it adds a^i tokens to the step's
+    expected yield.
+  * cost: the runner reports every decode step's time to a StepCostModel, so the policy knows what a step of
+    n tokens costs on this machine, with this model, batch and load: where a step is bound by reading the
+    weights (small batches) a few more tokens are nearly free; where the matmuls are compute-bound (large
+    batches) every verified token costs its share, and only nearly certain guesses pay.
+  * choice: with B requests decoding, the candidate drafts (every request's i-th, with its chance a^i) are
+    taken most likely first, for as long as (B + their chances) / cost(B + their number) grows. A request whose
+    guesses keep failing gets none; every PROBE_EVERY steps without drafts its chance is taken as at least the
+    prior's, so that it is tried again when its text starts repeating.
+  * limits: never more drafts than num_speculative_tokens, or than the request's max_tokens or the context
+    length leave room for.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from folio.spec_decode.config import SpeculativeConfig
 from folio.spec_decode.proposer import Proposer
+from folio.spec_decode.step_cost import StepCostModel
 from folio.worker.request_state import RequestState
 
-MIN_REACH_PROBABILITY = 0.2
+PRIOR_RATE = 0.5  # one accepted and one rejected draft: what a request starts with
 PROBE_EVERY = 8
 DECAY = 0.9  # weight of the past in the acceptance counts: the last ten or so verifications count
 
@@ -39,7 +44,7 @@ class _Acceptance:
 
     @property
     def rate(self) -> float:
-        return (self.accepted + 1.0) / (self.tried + 2.0)  # a prior of one accepted and one rejected draft
+        return (self.accepted + 1.0) / (self.tried + 2.0)  # the prior: one accepted and one rejected draft
 
 
 class Speculator:
@@ -47,17 +52,20 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.step_cost = StepCostModel()
         self._acceptance: dict[str, _Acceptance] = {}
 
     def propose(self, requests: list[RequestState], tokens: list[np.ndarray]) -> dict[str, list[int]]:
         """Drafts for the requests that just sampled (tokens[i]: requests[i]'s tokens so far)."""
-        if len(requests) > self.config.max_batch_size:
-            return {}
-        chosen = [(r, t, k) for r, t in zip(requests, tokens) if (k := self._num_drafts(r)) > 0]
+        chosen = [(r, t, k) for r, t, k in zip(requests, tokens, self._allocate(requests)) if k > 0]
         if not chosen:
             return {}
         drafts = self.proposer.propose([r for r, _, _ in chosen], [t for _, t, _ in chosen], [k for _, _, k in chosen])
         return {r.request_id: d for (r, _, _), d in zip(chosen, drafts) if d}
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode step (every request sampled, none computed a prompt chunk) of num_tokens tokens took this."""
+        self.step_cost.observe(num_tokens, seconds)
 
     def verified(self, request: RequestState, num_drafts: int, num_accepted: int) -> None:
         stats = self._acceptance.setdefault(request.request_id, _Acceptance())
@@ -71,19 +79,38 @@ class Speculator:
     def preempted(self, request_id: str) -> None:
         self.proposer.preempted(request_id)
 
-    def _num_drafts(self, request: RequestState) -> int:
-        room = self.max_model_len - request.num_tokens - 1  # the drafts and the token after them must fit
+    def _allocate(self, requests: list[RequestState]) -> list[int]:
+        """How many drafts each request may get: the most likely drafts first, while the expected tokens per
+        second of the next step grow (see above)."""
+        candidates: list[tuple[float, int]] = []  # (chance the draft is used, request index)
+        for i, request in enumerate(requests):
+            stats = self._acceptance.setdefault(request.request_id, _Acceptance())
+            rate = stats.rate
+            if stats.steps_without_drafts % PROBE_EVERY == PROBE_EVERY - 1:
+                rate = max(rate, PRIOR_RATE)
+            chance = 1.0
+            for _ in range(self._room(request)):
+                chance *= rate
+                candidates.append((chance, i))
+        candidates.sort(key=lambda c: -c[0])
+        base = len(requests)
+        expected, best, best_value = float(base), 0, base / self.step_cost.cost(base)
+        for m, (chance, _) in enumerate(candidates, 1):
+            expected += chance
+            value = expected / self.step_cost.cost(base + m)
+            if value > best_value:
+                best, best_value = m, value
+        counts = [0] * len(requests)
+        for _, i in candidates[:best]:
+            counts[i] += 1
+        for request, count in zip(requests, counts):
+            stats = self._acceptance[request.request_id]
+            stats.steps_without_drafts = 0 if count else stats.steps_without_drafts + 1
+        return counts
+
+    def _room(self, request: RequestState) -> int:
+        """Drafts the request can use: the drafts and the token after them must fit its limits."""
+        room = min(self.config.num_speculative_tokens, self.max_model_len - request.num_tokens - 1)
         if request.params.max_tokens is not None:
             room = min(room, request.params.max_tokens - len(request.output_token_ids) - 1)
-        if room <= 0:
-            return 0
-        stats = self._acceptance.setdefault(request.request_id, _Acceptance())
-        rate = stats.rate
-        k = self.config.num_speculative_tokens if rate >= 1.0 else \
-            int(math.log(MIN_REACH_PROBABILITY) / math.log(rate)) if rate > 0 else 0
-        if k == 0:
-            stats.steps_without_drafts += 1
-            if stats.steps_without_drafts % PROBE_EVERY:
-                return 0
-            k = 1
-        return min(k, self.config.num_speculative_tokens, room)
+        return max(room, 0)

@@ -14,6 +14,7 @@ verifies them, and the speculator proposes the next ones (folio.spec_decode).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,6 +74,7 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if not sched.scheduled:
             return output
+        start_time = time.perf_counter()
         step = self.inputs.prepare(sched.scheduled, self.requests)
         ctx = StepContext(self.backend, self.backend.build_metadata(step.layout), self.kv_caches)
         hidden = self.model(step.input_ids, step.positions, ctx)
@@ -110,6 +112,8 @@ class ModelRunner:
                     self.speculator.verified(request, len(draft), len(sampled.token_ids) - 1)
                 output.sampled[request.request_id] = sampled
             if self.speculator is not None:
+                if len(samplers) == len(sched.scheduled) and sched.num_tokens == len(sample_rows):  # decodes only
+                    self.speculator.observe_step(sched.num_tokens, time.perf_counter() - start_time)
                 output.draft_token_ids = self.speculator.propose(
                     samplers, [self.inputs.tokens(r.request_id) for r in samplers])
         for job in jobs:
