@@ -301,11 +301,17 @@ def test_policy_gives_drafts_where_steps_are_cheap_and_guesses_good():
     good, bad = _request("good"), _request("bad")
     for _ in range(10):
         speculator.verified(good, 6, 6)
-        speculator.verified(bad, 1, 0)
+    for _ in range(3):
+        speculator.verified(bad, 2, 0)
     drafts = speculator.propose([good, bad], tokens * 2)
     assert len(drafts["good"]) == 6 and "bad" not in drafts  # the failing request's guesses are not worth a token
-    probes = [len(speculator.propose([bad], tokens).get("bad", [])) for _ in range(2 * PROBE_EVERY)]
-    assert sum(probes) >= 2 and probes.count(0) >= 2 * PROBE_EVERY - 4, "it is only tried now and then"
+    stats = speculator._acceptance["bad"]
+    wait, stats.steps_without_drafts = stats.probe_every, 0
+    assert wait == PROBE_EVERY * 2 ** 3  # each failure doubled it
+    proposals = [len(speculator.propose([bad], tokens).get("bad", [])) for _ in range(wait + 1)]
+    assert proposals[:wait] == [0] * wait and proposals[wait] >= 1, "tried again once the wait is over"
+    speculator.verified(bad, proposals[wait], 1)
+    assert stats.probe_every == PROBE_EVERY  # a probe that pays resets the wait
 
 
 def test_policy_backs_off_where_every_token_costs_its_share():

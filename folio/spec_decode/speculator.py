@@ -4,25 +4,26 @@ how many of them the rejection sampler accepted and from how long the steps took
 
 How the policy decides (measured in the README): it gives out the drafts that maximise the expected tokens
 per second of the next step.
-  * acceptance: each request keeps a decayed count of its drafts accepted and tried (a rejection ends a run,
-    so the tries are the accepted drafts plus one per rejection). With acceptance rate a, the i-th draft of a
-    step is used only if all before it are accepted, with chance a^i: it adds a^i tokens to the step's
-    expected yield.
+  * acceptance: each request keeps, per draft position, a decayed count of the drafts tried there and
+    accepted (a rejection ends a run, so a position is tried only when all before it were accepted). The i-th
+    draft of a step is used only if it and all before it are accepted: its chance, the product of those
+    positions' rates, is what it adds to the step's expected yield.
   * cost: the runner reports every decode step's time to a StepCostModel, so the policy knows what a step of
     n tokens costs on this machine, with this model, batch and load: where a step is bound by reading the
     weights (small batches) a few more tokens are nearly free; where the matmuls are compute-bound (large
     batches) every verified token costs its share, and only nearly certain guesses pay.
   * choice: with B requests decoding, the candidate drafts (every request's i-th, with its chance a^i) are
-    taken most likely first, for as long as (B + their chances) / cost(B + their number) grows. A request whose
-    guesses keep failing gets none; every PROBE_EVERY steps without drafts its chance is taken as at least the
-    prior's, so that it is tried again when its text starts repeating.
+    taken most likely first, while (B + their chances) / cost(B + their number) keeps its best value. A request
+    whose guesses keep failing gets none; after PROBE_EVERY steps without drafts its rates are taken as at least
+    the prior's for one step, so that it is tried again when its text starts repeating (each probe that fails
+    doubles the wait, so a request that never repeats costs next to nothing).
   * limits: never more drafts than num_speculative_tokens, or than the request's max_tokens or the context
     length leave room for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,20 +32,41 @@ from folio.spec_decode.proposer import Proposer
 from folio.spec_decode.step_cost import StepCostModel
 from folio.worker.request_state import RequestState
 
-PRIOR_RATE = 0.5  # one accepted and one rejected draft: what a request starts with
-PROBE_EVERY = 8
+PRIOR_RATE = 0.5  # a draft position's acceptance rate before any verification
+PROBE_EVERY = 8  # steps without drafts before a request's guesses are tried again (doubling while they fail)
 DECAY = 0.9  # weight of the past in the acceptance counts: the last ten or so verifications count
 
 
 @dataclass
 class _Acceptance:
-    accepted: float = 0.0
-    tried: float = 0.0
-    steps_without_drafts: int = 0
+    """A request's guessing record, per draft position: how often a step tried a draft there (every draft before
+    it accepted) and how often it was accepted, both decayed. Runs of accepted guesses are bursty (a request
+    copying text gets long runs, one that stopped copying gets none), so each position keeps its own rate
+    instead of one rate for all."""
 
-    @property
-    def rate(self) -> float:
-        return (self.accepted + 1.0) / (self.tried + 2.0)  # the prior: one accepted and one rejected draft
+    tried: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    steps_without_drafts: int = 0
+    probe_every: int = PROBE_EVERY  # doubles with each probe that finds nothing accepted
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        for position in range(min(num_drafts, num_accepted + 1)):  # the positions this verification reached
+            if position == len(self.tried):
+                self.tried.append(0.0)
+                self.accepted.append(0.0)
+            self.tried[position] = DECAY * self.tried[position] + 1.0
+            self.accepted[position] = DECAY * self.accepted[position] + (position < num_accepted)
+
+    def chances(self, count: int, optimistic: bool) -> list[float]:
+        """The chance that each of the next `count` drafts is used: the product of the acceptance rates of its
+        position and those before it (a position never tried takes the last known rate, or the prior)."""
+        out, chance, rate = [], 1.0, PRIOR_RATE
+        for position in range(count):
+            if position < len(self.tried):
+                rate = (self.accepted[position] + PRIOR_RATE) / (self.tried[position] + 1.0)
+            chance *= max(rate, PRIOR_RATE) if optimistic else rate
+            out.append(chance)
+        return out
 
 
 class Speculator:
@@ -69,8 +91,8 @@ class Speculator:
 
     def verified(self, request: RequestState, num_drafts: int, num_accepted: int) -> None:
         stats = self._acceptance.setdefault(request.request_id, _Acceptance())
-        stats.accepted = DECAY * stats.accepted + num_accepted
-        stats.tried = DECAY * stats.tried + num_accepted + (num_accepted < num_drafts)
+        stats.record(num_drafts, num_accepted)
+        stats.probe_every = PROBE_EVERY if num_accepted else 2 * stats.probe_every
 
     def finished(self, request: RequestState) -> None:
         self._acceptance.pop(request.request_id, None)
@@ -85,13 +107,8 @@ class Speculator:
         candidates: list[tuple[float, int]] = []  # (chance the draft is used, request index)
         for i, request in enumerate(requests):
             stats = self._acceptance.setdefault(request.request_id, _Acceptance())
-            rate = stats.rate
-            if stats.steps_without_drafts % PROBE_EVERY == PROBE_EVERY - 1:
-                rate = max(rate, PRIOR_RATE)
-            chance = 1.0
-            for _ in range(self._room(request)):
-                chance *= rate
-                candidates.append((chance, i))
+            probing = stats.steps_without_drafts >= stats.probe_every
+            candidates += [(chance, i) for chance in stats.chances(self._room(request), optimistic=probing)]
         candidates.sort(key=lambda c: -c[0])
         base = len(requests)
         expected, best, best_value = float(base), 0, base / self.step_cost.cost(base)
