@@ -225,6 +225,8 @@ def test_continuations_find_the_longest_recurring_suffix():
 def test_ngram_copies_the_latest_occurrence():
     tokens = np.array([1, 2, 3, 4, 5, 1, 2, 3, 8, 9, 1, 2, 3], dtype=np.int32)
     assert NgramProposer(2, 4).propose([None], [tokens], [3]) == [[8, 9, 1]]
+    loop = np.array([7, 5, 6, 5, 6, 5, 6], dtype=np.int32)  # a loop: its period is repeated past the end
+    assert NgramProposer(2, 4).propose([None], [loop], [5]) == [[5, 6, 5, 6, 5]]
     assert NgramProposer(2, 4).propose([None], [np.arange(10, dtype=np.int32)], [3]) == [[]]
 
 
@@ -301,17 +303,19 @@ def test_policy_gives_drafts_where_steps_are_cheap_and_guesses_good():
     good, bad = _request("good"), _request("bad")
     for _ in range(10):
         speculator.verified(good, 6, 6)
-    for _ in range(3):
+    for _ in range(5):
         speculator.verified(bad, 2, 0)
     drafts = speculator.propose([good, bad], tokens * 2)
     assert len(drafts["good"]) == 6 and "bad" not in drafts  # the failing request's guesses are not worth a token
     stats = speculator._acceptance["bad"]
-    wait, stats.steps_without_drafts = stats.probe_every, 0
-    assert wait == PROBE_EVERY * 2 ** 3  # each failure doubled it
-    proposals = [len(speculator.propose([bad], tokens).get("bad", [])) for _ in range(wait + 1)]
-    assert proposals[:wait] == [0] * wait and proposals[wait] >= 1, "tried again once the wait is over"
-    speculator.verified(bad, proposals[wait], 1)
-    assert stats.probe_every == PROBE_EVERY  # a probe that pays resets the wait
+    stats.steps_without_drafts = 0
+    for wait in (PROBE_EVERY, 2 * PROBE_EVERY):  # a probe that fails doubles the wait for the next
+        proposals = [len(speculator.propose([bad], tokens).get("bad", [])) for _ in range(wait + 1)]
+        assert proposals[:wait] == [0] * wait and proposals[wait] >= 1, "tried again once the wait is over"
+        speculator.verified(bad, proposals[wait], 0)
+    assert stats.probe_every == 4 * PROBE_EVERY
+    speculator.verified(bad, 2, 1)
+    assert stats.probe_every == PROBE_EVERY  # a guess that pays resets the wait
 
 
 def test_policy_backs_off_where_every_token_costs_its_share():

@@ -19,6 +19,11 @@ class NgramProposer(Proposer):
         drafts = []
         for seq, k in zip(tokens, max_drafts):
             found = continuations(seq, self.min_n, self.max_n)
-            # the latest occurrence: the most recent context is the likeliest to repeat
-            drafts.append(seq[found[-1]:found[-1] + k].tolist() if found.size else [])
+            if not found.size:
+                drafts.append([])
+                continue
+            # the latest occurrence: the most recent context is the likeliest to repeat. What followed it runs up
+            # to the end of the request; past that the text repeats with its period (a loop), so it is repeated.
+            period = seq[found[-1]:].tolist()
+            drafts.append([period[i % len(period)] for i in range(k)])
         return drafts

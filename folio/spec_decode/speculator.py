@@ -48,6 +48,7 @@ class _Acceptance:
     accepted: list[float] = field(default_factory=list)
     steps_without_drafts: int = 0
     probe_every: int = PROBE_EVERY  # doubles with each probe that finds nothing accepted
+    probing: bool = False  # its drafts of this step were given on optimistic rates
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         for position in range(min(num_drafts, num_accepted + 1)):  # the positions this verification reached
@@ -92,7 +93,10 @@ class Speculator:
     def verified(self, request: RequestState, num_drafts: int, num_accepted: int) -> None:
         stats = self._acceptance.setdefault(request.request_id, _Acceptance())
         stats.record(num_drafts, num_accepted)
-        stats.probe_every = PROBE_EVERY if num_accepted else 2 * stats.probe_every
+        if num_accepted:
+            stats.probe_every = PROBE_EVERY
+        elif stats.probing:
+            stats.probe_every *= 2
 
     def finished(self, request: RequestState) -> None:
         self._acceptance.pop(request.request_id, None)
@@ -107,8 +111,8 @@ class Speculator:
         candidates: list[tuple[float, int]] = []  # (chance the draft is used, request index)
         for i, request in enumerate(requests):
             stats = self._acceptance.setdefault(request.request_id, _Acceptance())
-            probing = stats.steps_without_drafts >= stats.probe_every
-            candidates += [(chance, i) for chance in stats.chances(self._room(request), optimistic=probing)]
+            stats.probing = stats.steps_without_drafts >= stats.probe_every
+            candidates += [(chance, i) for chance in stats.chances(self._room(request), optimistic=stats.probing)]
         candidates.sort(key=lambda c: -c[0])
         base = len(requests)
         expected, best, best_value = float(base), 0, base / self.step_cost.cost(base)
