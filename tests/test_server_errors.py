@@ -66,7 +66,7 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "m
     ({"prompt": [[]]}, "empty", "prompt"),
     ({"prompt": 5}, "prompt", "prompt"),
     ({"prompt": ["a", 1]}, "prompt", "prompt"),
-    ({"prompt": [1, 99999]}, "vocabulary", None),
+    ({"prompt": [1, 99999]}, "vocabulary", "prompt"),
     ({"prompt": list(range(MAX_MODEL_LEN))}, "maximum context length", "prompt"),
     ({"stop": [1]}, "stop", "stop"),
     ({"stop": [""]}, "stop", "stop"),

@@ -1,23 +1,33 @@
-"""The OpenAI-compatible HTTP server: app factory, routes, and the uvicorn runner behind `folio serve`."""
+"""The OpenAI-compatible HTTP server: app factory, routes, and the uvicorn runner behind `folio serve`.
+
+How it stops: on SIGINT/SIGTERM the engine stops admitting at once (new requests get 503) and uvicorn stops
+accepting connections; requests in flight get `shutdown_timeout` seconds to finish, after which the engine
+ends them with finish_reason "abort", so that every stream still gets its last chunk and `[DONE]`; then the
+process exits 0. An engine that dies fails its requests, and the process exits 1 (unless told to keep
+running, answering 503), so that a supervisor restarts it.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import socket
 import threading
+from types import FrameType
 from typing import Iterator, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.responses import Response
 
 from folio import __version__
 from folio.config import EngineConfig
 from folio.engine.async_llm import AsyncLLM
-from folio.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from folio.entrypoints.openai.errors import InternalErrorMiddleware, OpenAIError, install_error_handlers
+from folio.entrypoints.openai.header_timeout import header_timeout_protocol
 from folio.entrypoints.openai.metrics import PrometheusStatLogger
 from folio.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from folio.entrypoints.openai.structured_output_metrics import StructuredOutputStatLogger
@@ -27,7 +37,9 @@ from folio.entrypoints.openai.protocol import (ChatCompletionRequest, Completion
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat, chat_prompt_ids
 from folio.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from folio.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
+from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.responses_store import ResponseStore
+from folio.entrypoints.openai.server_options import ServerOptions
 from folio.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from folio.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
 from folio.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -42,26 +54,33 @@ def served_model_name(model: Optional[str]) -> str:
 
 
 def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
-               max_body_bytes: int = MAX_BODY_BYTES, responses_store: Optional[ResponseStore] = None) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, responses_store: Optional[ResponseStore] = None,
+               options: ServerOptions = ServerOptions()) -> FastAPI:
     """An app serving `llm` as `model_name`. It registers its own metrics with the llm; the caller owns the llm
-    (and shuts it down after the server stops)."""
+    (and shuts it down after the server stops). The llm's admission policy is the caller's too
+    (options.admission())."""
     registry = CollectorRegistry()
     llm.stat_loggers.append(PrometheusStatLogger(model_name, registry))
     llm.stat_loggers.append(StructuredOutputStatLogger(llm.engine.structured_output.stats, model_name, registry))
-    completions = OpenAIServingCompletion(llm, model_name)
-    chat = OpenAIServingChat(llm, model_name)
-    embeddings = OpenAIServingEmbedding(llm, model_name)
-    responses = OpenAIServingResponses(llm, model_name, responses_store or ResponseStore())
     tokenizer = llm.engine.get_tokenizer()
     max_model_len = llm.engine.max_model_len
+    limits = RequestLimits.build(options, tokenizer, max_model_len, llm.engine.input_processor.vocab_size)
+    completions = OpenAIServingCompletion(llm, model_name, limits)
+    chat = OpenAIServingChat(llm, model_name, limits)
+    embeddings = OpenAIServingEmbedding(llm, model_name, limits)
+    responses = OpenAIServingResponses(llm, model_name, limits, responses_store or ResponseStore())
 
     app = FastAPI(title="folio", version=__version__)
     install_error_handlers(app)
+    app.state.rejections = Counter("folio:requests_rejected", "Requests refused with 503 because the waiting "
+                                   "queue was at its bound (backpressure).", ["model_name"],
+                                   registry=registry).labels(model_name)
 
     @app.get("/health")
     async def health() -> Response:
-        if not llm.is_healthy:
-            raise OpenAIError(503, f"the engine is not running: {llm.dead!r}")
+        if not llm.is_accepting:
+            raise OpenAIError(503, "the engine is shutting down" if llm.dead is None else
+                              f"the engine is not running: {llm.dead!r}")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -108,14 +127,18 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def delete_response(response_id: str) -> DeletedResponse:
         return responses.delete(response_id)
 
+    def tokenize_ids(request: TokenizeRequest) -> list[int]:
+        if request.prompt is not None:
+            limits.text(request.prompt)
+            return tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        limits.tools(request.tools)
+        return chat_prompt_ids(tokenizer, limits, request.messages, request.add_generation_prompt, request.tools)
+
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         chat.check_model(request.model)
         try:
-            if request.prompt is not None:
-                tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-            else:
-                tokens = chat_prompt_ids(tokenizer, request.messages, request.add_generation_prompt, request.tools)
+            tokens = await asyncio.to_thread(tokenize_ids, request)
         except ValueError as e:
             raise OpenAIError.bad_request(e, TokenizeRequest.model_fields) from e
         return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
@@ -127,8 +150,9 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         if bad:
             raise OpenAIError(400, f"tokens holds ids outside the vocabulary [0, {tokenizer.vocab_size}): {bad[:5]}",
                               "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, request.tokens))
 
+    app.add_middleware(InternalErrorMiddleware)  # innermost of these: a 500 it makes passes through the rest
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outside the body limit: no body read without a key
@@ -136,9 +160,44 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     return app
 
 
-class _GracefulServer(uvicorn.Server):
-    """uvicorn re-raises the signal that stopped it once it has shut down, so the process would die of SIGTERM
-    (exit 143); a graceful stop is a success, so take the signals without re-raising them."""
+# What uvicorn waits for past the engine's shutdown deadline: the last chunks and [DONE] of the streams it aborted.
+_STREAM_END_GRACE_SECONDS = 5.0
+
+
+class FolioServer(uvicorn.Server):
+    """uvicorn's server, stopping as `folio serve` promises (see the module docstring).
+
+    uvicorn re-raises the signal that stopped it once it has shut down, so the process would die of SIGTERM
+    (exit 143); a graceful stop is a success, so the signals are taken without re-raising them."""
+
+    def __init__(self, llm: AsyncLLM, app: FastAPI, options: ServerOptions) -> None:
+        super().__init__(uvicorn.Config(
+            app, log_level="warning", access_log=False, limit_concurrency=options.max_connections,
+            http=header_timeout_protocol(options.header_timeout),
+            timeout_graceful_shutdown=options.shutdown_timeout + _STREAM_END_GRACE_SECONDS))
+        self.llm = llm
+        self.options = options
+        self.engine_died = False
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        self.llm.begin_shutdown(self.options.shutdown_timeout)  # stop admitting now, not when uvicorn gets to it
+        super().handle_exit(sig, frame)
+
+    def serve_until_stopped(self, sock: socket.socket) -> int:
+        """Serve on a bound socket until a signal or the engine's death, then shut the engine down; the process's
+        exit status."""
+        try:
+            self.run(sockets=[sock])
+        finally:
+            self.llm.shutdown()
+            sock.close()
+        return 1 if self.engine_died else 0
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.llm.dead is not None and self.options.exit_on_engine_death:
+            self.engine_died = True
+            return True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -159,21 +218,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
+
+
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
-               model_name: Optional[str] = None, shutdown_timeout: float = 30.0) -> None:
-    """Serve until SIGINT/SIGTERM; then stop accepting, give requests in flight `shutdown_timeout` seconds to
-    finish, abort the rest, and return."""
+               model_name: Optional[str] = None, options: ServerOptions = ServerOptions()) -> int:
+    """`folio serve`: load the model, serve until SIGINT/SIGTERM or the engine's death; the exit status."""
     sock = bind_socket(host, port)
-    llm = AsyncLLM.from_config(config)
+    llm = AsyncLLM.from_config(config, admission=options.admission())
     name = model_name or served_model_name(config.model.model)
-    app = create_app(llm, name, api_key)
-    server = _GracefulServer(uvicorn.Config(app, log_level="warning", access_log=False,
-                                            timeout_graceful_shutdown=shutdown_timeout))
+    app = create_app(llm, name, api_key, options=options)
     shown_host = f"[{host}]" if ":" in host else host
     print(f"folio: serving {name} at http://{shown_host}:{sock.getsockname()[1]}/v1 (pid {os.getpid()})",
           flush=True)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        llm.shutdown()
-        sock.close()
+    return FolioServer(llm, app, options).serve_until_stopped(sock)
