@@ -38,11 +38,11 @@ def lone_surrogate_path(body: Any) -> Optional[str]:
         path, value = stack.pop()
         if isinstance(value, str):
             if not value.isascii() and _LONE_SURROGATE.search(value):
-                return path or "body"
+                return (path or "body").encode("utf-8", "backslashreplace").decode()  # a key in it may be the one
         elif isinstance(value, dict):
             for key, item in value.items():
-                stack.append((f"{path}.{key}" if path else str(key), key))
-                stack.append((f"{path}.{key}" if path else str(key), item))
+                item_path = f"{path}.{key}" if path else str(key)
+                stack.extend(((item_path, key), (item_path, item)))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
     return None

@@ -31,7 +31,7 @@ def _top_logprob(lp: Logprob) -> TopLogProb:
 
 def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[ChatMessage],
                     add_generation_prompt: bool = True, tools: Optional[list[ChatTool]] = None,
-                    template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+                    template_kwargs: Optional[dict[str, Any]] = None, field: str = "messages") -> list[int]:
     """The conversation through the model's chat template, tools as Transformers passes them (a list of dicts in
     the API's shape), the rendered text's length checked before it is tokenized; ValueError for what the
     template rejects."""
@@ -43,7 +43,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[
         kwargs = {**kwargs, "tools": [t.model_dump(exclude_none=True) for t in tools]}
     text = tokenizer.apply_chat_template([m.to_template_dict() for m in messages],
                                          add_generation_prompt=add_generation_prompt, **kwargs)
-    limits.text(text, "messages")
+    limits.text(text, field)
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS the model wants
 
 

@@ -175,7 +175,7 @@ class OpenAIServingResponses:
         """The rendered, tokenized prompt (in a worker thread: templates and tokenizing take time) and the
         SamplingParams; ValueError naming the field."""
         system = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
-        ids = chat_prompt_ids(self.tokenizer, self.limits, system + conversation)
+        ids = chat_prompt_ids(self.tokenizer, self.limits, system + conversation, field="input")
         check_prompt_fits(len(ids), self.max_model_len, "input")
         max_tokens = request.max_output_tokens
         if max_tokens is None:
