@@ -22,7 +22,7 @@ from folio.engine.async_llm import EngineError, EngineOverloadedError, RequestTi
 
 logger = logging.getLogger("folio")
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
           413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError",
           504: "TimeoutError"}
 RETRY_AFTER_SECONDS = 1  # an overloaded server's hint: its queue moves by a few requests a second at least
@@ -45,7 +45,7 @@ class OpenAIError(Exception):
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
 
 
 def error_response(status: int, message: str, param: Optional[str] = None,

@@ -21,7 +21,8 @@ from typing import Iterator, Optional
 import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from starlette.responses import Response
+from pydantic import BaseModel
+from starlette.responses import PlainTextResponse, Response
 
 from folio import __version__
 from folio.config import EngineConfig
@@ -29,13 +30,14 @@ from folio.engine.async_llm import AsyncLLM
 from folio.entrypoints.openai.errors import InternalErrorMiddleware, OpenAIError, install_error_handlers
 from folio.entrypoints.openai.header_timeout import header_timeout_protocol
 from folio.entrypoints.openai.metrics import PrometheusStatLogger
+from folio.entrypoints.openai.openapi import EVENT_STREAM, errors, install_openapi
 from folio.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from folio.entrypoints.openai.structured_output_metrics import StructuredOutputStatLogger
-from folio.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                               TokenizeResponse)
+from folio.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                               CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                               ModelList, TokenizeRequest, TokenizeResponse)
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat, chat_prompt_ids
-from folio.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from folio.entrypoints.openai.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from folio.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.responses_store import ResponseStore
@@ -47,6 +49,10 @@ from folio.loader.default_model import default_model_path
 
 MAX_BODY_BYTES = 16 << 20
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the embedded default model is served as
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 def served_model_name(model: Optional[str]) -> str:
@@ -72,11 +78,12 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     app = FastAPI(title="folio", version=__version__)
     install_error_handlers(app)
+    install_openapi(app, api_key=bool(api_key))
     app.state.rejections = Counter("folio:requests_rejected", "Requests refused with 503 because the waiting "
                                    "queue was at its bound (backpressure).", ["model_name"],
                                    registry=registry).labels(model_name)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "the engine takes requests"}})
     async def health() -> Response:
         if not llm.is_accepting:
             raise OpenAIError(503, "the engine is shutting down" if llm.dead is None else
@@ -84,10 +91,10 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         return Response(status_code=200)
 
     @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -98,32 +105,35 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def models() -> ModelList:
         return ModelList(data=[card])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=errors(404))
     async def model(model_id: str) -> ModelCard:
         chat.check_model(model_id)
         return card
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**EVENT_STREAM, **errors(400, 404, 413, 504)})
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await completions.serve(request, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**EVENT_STREAM, **errors(400, 404, 413, 504)})
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.serve(request, raw_request)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=errors(400, 404, 413, 504))
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
         return await embeddings.serve(request, raw_request)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", response_model=ResponseObject,
+              responses={**EVENT_STREAM, **errors(400, 404, 413, 504)})
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         return await responses.create(request, raw_request)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", responses=errors(400, 404))
     async def retrieve_response(response_id: str, raw_request: Request) -> ResponseObject:
         return responses.retrieve(response_id, dict(raw_request.query_params))
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", responses=errors(404))
     async def delete_response(response_id: str) -> DeletedResponse:
         return responses.delete(response_id)
 
@@ -134,7 +144,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         limits.tools(request.tools)
         return chat_prompt_ids(tokenizer, limits, request.messages, request.add_generation_prompt, request.tools)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=errors(400, 404, 413))
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         chat.check_model(request.model)
         try:
@@ -143,7 +153,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
             raise OpenAIError.bad_request(e, TokenizeRequest.model_fields) from e
         return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=errors(400, 404, 413))
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         chat.check_model(request.model)
         bad = [t for t in request.tokens if not 0 <= t < tokenizer.vocab_size]
