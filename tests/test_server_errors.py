@@ -20,12 +20,6 @@ def server(llama_dir):
         yield s
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
-
-
 def assert_error(response, status: int, match: str = "", param: object = ...) -> dict:
     assert response.status_code == status, response.text
     body = response.json()

@@ -24,12 +24,6 @@ def server(llama_dir):
         yield s
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
-
-
 def post_json_text(http, path: str, text: str):
     """POST a JSON body written by hand: json.dumps cannot write a lone surrogate's escape by itself."""
     return http.post(path, content=text.encode(), headers={"content-type": "application/json"})

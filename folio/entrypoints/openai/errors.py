@@ -2,13 +2,13 @@
 
 FastAPI's own answers (422 validation errors, 404/405 for unknown routes, JSON parse errors) are turned into
 the same shape, validation errors as 400 as OpenAI does, so a client sees one error format whatever went wrong.
-An unexpected exception becomes a 500 in InternalErrorMiddleware rather than in an `Exception` handler, which
-Starlette runs in its outermost middleware and then re-raises, so that uvicorn drops the keep-alive connection.
+An unexpected exception becomes a 500 in InternalErrorMiddleware (folio.entrypoints.openai.middleware) rather
+than in an `Exception` handler, which Starlette runs in its outermost middleware and then re-raises, so that
+uvicorn drops the keep-alive connection.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any, Optional
 
@@ -16,11 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from folio.engine.async_llm import EngineError, EngineOverloadedError, RequestTimeoutError
-
-logger = logging.getLogger("folio")
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
           413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError",
@@ -91,35 +88,7 @@ async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Handlers of the expected errors; add InternalErrorMiddleware too for the unexpected ones."""
+    """Handlers of the expected errors; add InternalErrorMiddleware too, for the unexpected ones."""
     for exc_type, handler in ((OpenAIError, _openai_error), (RequestValidationError, _validation_error),
                               (StarletteHTTPException, _http_error), (EngineError, _engine_error)):
         app.add_exception_handler(exc_type, handler)
-
-
-class InternalErrorMiddleware:
-    """A 500 in OpenAI's shape for an unexpected exception, logged with its traceback, and the exception kept
-    from reaching uvicorn, so the connection stays open for the client's next request. Once a response has
-    started (a stream) there is nothing to answer with: the exception goes on, and the connection is closed."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            if started:
-                raise
-            logger.exception("unexpected error serving %s", scope["path"], exc_info=exc)
-            await error_response(500, f"internal server error: {exc!r}")(scope, receive, send)

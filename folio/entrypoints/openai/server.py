@@ -27,11 +27,12 @@ from starlette.responses import PlainTextResponse, Response
 from folio import __version__
 from folio.config import EngineConfig
 from folio.engine.async_llm import AsyncLLM
-from folio.entrypoints.openai.errors import InternalErrorMiddleware, OpenAIError, install_error_handlers
+from folio.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from folio.entrypoints.openai.header_timeout import header_timeout_protocol
 from folio.entrypoints.openai.metrics import PrometheusStatLogger
 from folio.entrypoints.openai.openapi import EVENT_STREAM, errors, install_openapi
-from folio.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from folio.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware, InternalErrorMiddleware,
+                                                 RequestIdMiddleware)
 from folio.entrypoints.openai.structured_output_metrics import StructuredOutputStatLogger
 from folio.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
