@@ -27,7 +27,6 @@ from folio.engine.admission import AdmissionPolicy
 from folio.core.scheduler import SchedulerStats
 from folio.engine.input_processor import Params, PromptType
 from folio.engine.llm_engine import LLMEngine
-from folio.engine.memory_release import release_free_memory
 from folio.engine.output_processor import OutputKind
 from folio.engine.stats import IterationStats, StatsCollector
 from folio.outputs import EngineOutput, RequestOutput
@@ -133,7 +132,6 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._stats = StatsCollector()
         self._deadline: Optional[float] = None  # set by shutdown: abort what is still running at this time
-        self._stepped_since_idle = False  # whether memory may have been freed since it was last released
         self._thread = threading.Thread(target=self._run, name="folio-engine", daemon=True)
         self._thread.start()
 
@@ -239,14 +237,10 @@ class AsyncLLM:
             idle = not self.engine.has_unfinished_requests()
             if self._deadline is not None and (idle or time.monotonic() >= self._deadline):
                 return
-            if idle and self._stepped_since_idle:
-                release_free_memory()
-                self._stepped_since_idle = False
             try:
                 self._run_commands(block=idle and self._deadline is None)
                 self._expire()
                 if self.dead is None and self.engine.has_unfinished_requests():
-                    self._stepped_since_idle = True
                     self._step()
             except Exception as e:
                 logger.exception("engine step failed; failing the requests in flight")
