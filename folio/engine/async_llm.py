@@ -23,8 +23,8 @@ import time
 from typing import AsyncGenerator, Callable, Iterable, Optional, Protocol, Sequence, Union
 
 from folio.config import EngineConfig
-from folio.engine.admission import AdmissionPolicy
 from folio.core.scheduler import SchedulerStats
+from folio.engine.admission import AdmissionPolicy
 from folio.engine.input_processor import Params, PromptType
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind

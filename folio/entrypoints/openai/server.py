@@ -229,8 +229,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-
-
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
                model_name: Optional[str] = None, options: ServerOptions = ServerOptions()) -> int:
     """`folio serve`: load the model, serve until SIGINT/SIGTERM or the engine's death; the exit status."""
