@@ -2,7 +2,8 @@
 `bench` (throughput, serving latency, the Transformers baseline, the roofline, random-weight test models).
 
 Engine options are defined once, in folio.config; `_engine_options` makes their flags, shared by every subcommand
-that runs the engine through argparse parents.
+that runs the engine through argparse parents. The server's own options (limits, backpressure, shutdown) are
+defined the same way in folio.entrypoints.openai.server_options, and `serve` gets their flags from there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from folio.config import EngineConfig, engine_options
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
 from folio.entrypoints.llm import LLM
+from folio.entrypoints.openai.server_options import ServerOptions
 from folio.sampling_params import SamplingParams
 
 
@@ -29,9 +31,26 @@ def _engine_options() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group("engine options")
     for _, option, option_type in engine_options():
-        group.add_argument(f"--{option.name.replace('_', '-')}", help=_flag_help(option),
-                           **_flag_kwargs(option, option_type))
+        _add_flag(group, option, option_type)
     return parser
+
+
+def _add_flag(group: argparse._ArgumentGroup, option: dataclasses.Field, option_type: Any) -> None:
+    group.add_argument(f"--{option.name.replace('_', '-')}", help=_flag_help(option),
+                       **_flag_kwargs(option, option_type))
+
+
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server options")
+    types = typing.get_type_hints(ServerOptions)
+    for option in dataclasses.fields(ServerOptions):
+        _add_flag(group, option, types[option.name])
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """The server options given as flags; the rest keep their defaults."""
+    return ServerOptions(**{option.name: getattr(args, option.name) for option in dataclasses.fields(ServerOptions)
+                            if getattr(args, option.name, None) is not None})
 
 
 def _flag_help(option: dataclasses.Field) -> str:
@@ -98,9 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "$FOLIO_API_KEY, else no key)")
     serve.add_argument("--served-model-name", help="the model's name in the API (default: the model path, or "
                                                    "SmolLM2-135M-Instruct for the embedded model)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="on SIGINT/SIGTERM, seconds requests in flight get to finish before they are aborted "
-                            "(default: 30)")
+    _add_server_options(serve)
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", parents=[engine, sampling], help="complete prompts and print them",
@@ -153,9 +170,8 @@ def _with_model_arg(args: argparse.Namespace) -> argparse.Namespace:
 def _serve(args: argparse.Namespace) -> int:
     from folio.entrypoints.openai.server import run_server  # fastapi and uvicorn only for the server
 
-    run_server(engine_config(args), args.host, args.port, args.api_key, args.served_model_name,
-               args.shutdown_timeout)
-    return 0
+    return run_server(engine_config(args), args.host, args.port, args.api_key, args.served_model_name,
+                      server_options(args))
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:

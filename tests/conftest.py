@@ -103,6 +103,13 @@ def llama_server(llama_dir):
         yield server
 
 
+@pytest.fixture(scope="module")
+def http(server):
+    """An HTTP client of the module's `server` fixture."""
+    with server.http() as client:
+        yield client
+
+
 def hf_greedy(folder: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Transformers' greedy continuation (the oracle), cut after EOS as an engine would stop."""
     model = _hf_model(folder)

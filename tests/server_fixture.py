@@ -10,11 +10,11 @@ from typing import Iterator, Optional
 
 import httpx
 import openai
-import uvicorn
 
 from folio.config import EngineConfig
 from folio.engine.async_llm import AsyncLLM
-from folio.entrypoints.openai.server import bind_socket, create_app
+from folio.entrypoints.openai.server import FolioServer, bind_socket, create_app
+from folio.entrypoints.openai.server_options import ServerOptions
 
 MODEL_NAME = "tiny-llama"
 ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
@@ -24,7 +24,10 @@ ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
 class RunningServer:
     base_url: str  # http://127.0.0.1:PORT
     llm: AsyncLLM
+    server: FolioServer
+    thread: threading.Thread
     api_key: Optional[str] = None
+    exit_status: Optional[int] = None  # serve_until_stopped()'s, once the server has stopped
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", max_retries=0)
@@ -58,21 +61,27 @@ def wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def running_server(model_dir: str, api_key: Optional[str] = None, max_body_bytes: Optional[int] = None,
-                   **engine_kwargs) -> Iterator[RunningServer]:
-    llm = AsyncLLM.from_config(EngineConfig.from_kwargs(model=model_dir, **{**ENGINE_KWARGS, **engine_kwargs}))
-    app = create_app(llm, MODEL_NAME, api_key, **({"max_body_bytes": max_body_bytes} if max_body_bytes else {}))
+                   options: ServerOptions = ServerOptions(), **engine_kwargs) -> Iterator[RunningServer]:
+    """`folio serve`'s server in a thread (which gets no signals); it stops when the test ends."""
+    llm = AsyncLLM.from_config(EngineConfig.from_kwargs(model=model_dir, **{**ENGINE_KWARGS, **engine_kwargs}),
+                               admission=options.admission())
+    app = create_app(llm, MODEL_NAME, api_key, options=options,
+                     **({"max_body_bytes": max_body_bytes} if max_body_bytes else {}))
     sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    server = FolioServer(llm, app, options)
+
+    def run() -> None:
+        running.exit_status = server.serve_until_stopped(sock)
+
+    running = RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", llm, server,
+                            threading.Thread(target=run, daemon=True), api_key)
+    running.thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        assert running.thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.01)
     try:
-        yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", llm, api_key)
+        yield running
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
-        llm.shutdown()
-        sock.close()
+        running.thread.join(timeout=10)

@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from folio import LLM, SamplingParams
-from folio.cli import build_parser, engine_config, main
+from folio.cli import build_parser, engine_config, main, server_options
 from folio.config import EngineConfig, engine_options
+from folio.entrypoints.openai.server_options import ServerOptions
 from folio.spec_decode.config import SpeculativeConfig
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4MiB", "--num-threads", "1"]
@@ -39,6 +40,18 @@ def test_help(command, capsys):
         assert all(flag in text for flag in ("--host", "--port", "--api-key", "--served-model-name"))
     if command in (["generate"], ["chat"]):
         assert all(flag in text for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed"))
+
+
+def test_server_options_are_serve_flags():
+    """Each ServerOptions field is a `folio serve` flag; flags left out keep the definition's default."""
+    assert server_options(build_parser().parse_args(["serve"])) == ServerOptions()
+    args = build_parser().parse_args(["serve", "--max-stop-strings", "5", "--request-timeout", "2.5",
+                                      "--no-exit-on-engine-death", "--max-waiting-requests", "0"])
+    assert server_options(args) == ServerOptions(max_stop_strings=5, request_timeout=2.5, exit_on_engine_death=False,
+                                                 max_waiting_requests=0)
+    assert server_options(args).admission().max_waiting_requests is None  # 0: no bound
+    with pytest.raises(ValueError, match="request_timeout"):
+        ServerOptions(request_timeout=0)
 
 
 ENGINE_COMMANDS = [["serve"], ["generate"], ["chat"], ["bench", "throughput"], ["bench", "baseline"],

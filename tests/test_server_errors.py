@@ -20,12 +20,6 @@ def server(llama_dir):
         yield s
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
-
-
 def assert_error(response, status: int, match: str = "", param: object = ...) -> dict:
     assert response.status_code == status, response.text
     body = response.json()
@@ -66,7 +60,7 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "m
     ({"prompt": [[]]}, "empty", "prompt"),
     ({"prompt": 5}, "prompt", "prompt"),
     ({"prompt": ["a", 1]}, "prompt", "prompt"),
-    ({"prompt": [1, 99999]}, "vocabulary", None),
+    ({"prompt": [1, 99999]}, "vocabulary", "prompt"),
     ({"prompt": list(range(MAX_MODEL_LEN))}, "maximum context length", "prompt"),
     ({"stop": [1]}, "stop", "stop"),
     ({"stop": [""]}, "stop", "stop"),

@@ -5,6 +5,11 @@ The engine is touched by that thread only: callers send it commands (add, abort,
 thread-safe queue, and it hands each request's outputs back to the caller's event loop with
 `call_soon_threadsafe`. Each submission gets a RequestStream; closing a stream before it has finished
 (the client went away) aborts its requests, which frees their KV blocks at the next command drain.
+
+Under load it refuses rather than queues without end (folio.engine.admission): a submission arriving while
+the waiting queue is at its bound fails with EngineOverloadedError, and a request past its deadline is aborted
+and fails with RequestTimeoutError. Whatever stops the engine thread, even a BaseException, fails every stream
+still listening and every submission still queued, so that no caller waits for ever.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import AsyncGenerator, Callable, Iterable, Optional, Protocol, Seque
 
 from folio.config import EngineConfig
 from folio.core.scheduler import SchedulerStats
+from folio.engine.admission import AdmissionPolicy
 from folio.engine.input_processor import Params, PromptType
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
@@ -37,6 +43,14 @@ class EngineDeadError(EngineError):
     """The engine is shut down, or stopped after an error it could not recover from."""
 
 
+class EngineOverloadedError(EngineError):
+    """The waiting queue is at its bound: the request was not queued, and may be sent again later."""
+
+
+class RequestTimeoutError(EngineError):
+    """The request ran past its deadline: it was aborted and its KV blocks freed."""
+
+
 class StatLogger(Protocol):
     """Receives stats after every step, on the engine thread: it must be quick and thread-safe."""
 
@@ -50,8 +64,9 @@ class RequestStream:
     which prompt); an engine failure is raised from the iteration. It ends once every request has finished.
     """
 
-    def __init__(self, llm: "AsyncLLM", request_ids: list[str]) -> None:
+    def __init__(self, llm: "AsyncLLM", request_ids: list[str], deadline: Optional[float] = None) -> None:
         self.request_ids = request_ids
+        self.deadline = deadline  # monotonic time at which the engine aborts what is unfinished
         self._llm = llm
         self._unfinished = set(request_ids)
         self._loop = asyncio.get_running_loop()
@@ -99,14 +114,20 @@ class RequestStream:
 class AsyncLLM:
     """An LLMEngine driven by a background thread, with async per-request output streams."""
 
-    def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = ()) -> None:
+    def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = (),
+                 admission: AdmissionPolicy = AdmissionPolicy()) -> None:
         self.engine = engine
+        self.admission = admission
         # Appended to by servers before they take requests; read by the engine thread after each step.
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self.scheduler_stats: SchedulerStats = engine.get_stats()  # snapshot after the latest step
         self.dead: Optional[BaseException] = None  # set when the engine can no longer run steps
         self._accepting = True
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # Held while submitting a command and while the engine thread closes the queue, so that nothing is put
+        # after its last drain. Re-entrant: a signal handler may call begin_shutdown on a thread that holds it.
+        self._commands_lock = threading.RLock()
+        self._commands_closed = False
         # Engine thread only:
         self._streams: dict[str, RequestStream] = {}
         self._stats = StatsCollector()
@@ -115,12 +136,18 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, stat_loggers: Sequence[StatLogger] = ()) -> "AsyncLLM":
-        return cls(LLMEngine(config), stat_loggers)
+    def from_config(cls, config: EngineConfig, stat_loggers: Sequence[StatLogger] = (),
+                    admission: AdmissionPolicy = AdmissionPolicy()) -> "AsyncLLM":
+        return cls(LLMEngine(config), stat_loggers, admission)
 
     @property
     def is_healthy(self) -> bool:
         return self.dead is None and self._thread.is_alive()
+
+    @property
+    def is_accepting(self) -> bool:
+        """Healthy and not shutting down: new requests are taken."""
+        return self._accepting and self.is_healthy
 
     # ---- caller side (any thread for abort/shutdown; an event loop for the rest) -----------------------
 
@@ -134,9 +161,9 @@ class AsyncLLM:
             raise ValueError("AsyncLLM streams DELTA or FINAL_ONLY outputs")
         if not self._accepting or not self.is_healthy:
             raise EngineDeadError("the engine is shut down" if not self._accepting else f"the engine died: {self.dead!r}")
-        stream = RequestStream(self, [rid for rid, _ in prompts])
-        self._commands.put(functools.partial(self._add, stream, list(prompts), params, priority, time.monotonic(),
-                                             output_kind))
+        arrival_time = time.monotonic()
+        stream = RequestStream(self, [rid for rid, _ in prompts], self.admission.deadline(arrival_time))
+        self._submit(functools.partial(self._add, stream, list(prompts), params, priority, arrival_time, output_kind))
         try:
             await stream.accepted()
         except BaseException:
@@ -160,36 +187,64 @@ class AsyncLLM:
     def abort(self, request_ids: Union[str, Iterable[str]]) -> None:
         """Abort requests (thread-safe, returns at once); streams still listening get a final "abort" output."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self._commands.put(functools.partial(self._abort, ids))
+        try:
+            self._submit(functools.partial(self._abort, ids))
+        except EngineDeadError:
+            pass  # the engine thread has ended, and with it every request
+
+    def begin_shutdown(self, timeout: float = 0.0) -> None:
+        """Stop admitting now; requests running get `timeout` seconds to finish, then end with finish_reason
+        "abort", and the engine thread ends. Returns at once (a signal handler may call it)."""
+        self._accepting = False
+        try:
+            self._submit(functools.partial(self._begin_shutdown, time.monotonic() + timeout))
+        except EngineDeadError:
+            pass  # already ended
 
     def shutdown(self, timeout: float = 0.0) -> None:
-        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the rest, join the thread."""
-        self._accepting = False
-        if self._thread.is_alive():
-            self._commands.put(functools.partial(self._begin_shutdown, time.monotonic() + timeout))
-            self._thread.join()
+        """begin_shutdown, then wait for the engine thread to end."""
+        self.begin_shutdown(timeout)
+        self._thread.join()
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._commands_lock:
+            if self._commands_closed:
+                raise EngineDeadError("the engine is shut down" if self.dead is None else
+                                      f"the engine died: {self.dead!r}")
+            self._commands.put(command)
 
     # ---- engine thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            idle = self.dead is not None or not self.engine.has_unfinished_requests()
-            if self._deadline is not None and (idle or time.monotonic() >= self._deadline):
-                break
-            try:
-                self._run_commands(block=idle and self._deadline is None)
-                if self.dead is None and self.engine.has_unfinished_requests():
-                    self._step()
-            except Exception as e:
-                logger.exception("engine step failed; failing the requests in flight")
-                self._fail_all(EngineError(f"the engine failed while running this request: {e!r}"))
+        try:
+            self._serve()
+        except BaseException as e:  # KeyboardInterrupt, SystemExit or the like: no step can be trusted now
+            logger.exception("the engine thread stopped")
+            self.dead = e
         try:
             if self.dead is None:
                 self._abort(list(self._streams))  # listeners get a final output with finish_reason "abort"
         except Exception:
             logger.exception("aborting the requests left at shutdown failed")
-        self._fail_all(EngineDeadError("the engine is shut down"))
-        self._run_commands(block=False)  # answer submissions that raced with the shutdown
+        self._fail_all(EngineDeadError("the engine is shut down" if self.dead is None else
+                                       f"the engine died: {self.dead!r}"))
+        with self._commands_lock:
+            self._commands_closed = True
+        self._run_commands(block=False)  # answer submissions that raced with the end
+
+    def _serve(self) -> None:
+        while self.dead is None:
+            idle = not self.engine.has_unfinished_requests()
+            if self._deadline is not None and (idle or time.monotonic() >= self._deadline):
+                return
+            try:
+                self._run_commands(block=idle and self._deadline is None)
+                self._expire()
+                if self.dead is None and self.engine.has_unfinished_requests():
+                    self._step()
+            except Exception as e:
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_all(EngineError(f"the engine failed while running this request: {e!r}"))
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -204,6 +259,10 @@ class AsyncLLM:
              priority: int, arrival_time: float, output_kind: OutputKind) -> None:
         if self.dead is not None or self._deadline is not None:
             stream.put(EngineDeadError("the engine is not accepting requests"))
+            return
+        refusal = self.admission.refusal(self.engine.scheduler.waiting)
+        if refusal is not None:
+            stream.put(EngineOverloadedError(f"the server is overloaded: {refusal}; retry later"))
             return
         added: list[str] = []
         try:
@@ -227,6 +286,19 @@ class AsyncLLM:
 
     def _begin_shutdown(self, deadline: float) -> None:
         self._deadline = deadline
+
+    def _expire(self) -> None:
+        """Abort the requests of every stream past its deadline; the stream fails with RequestTimeoutError."""
+        if self.admission.request_timeout is None:
+            return
+        now = time.monotonic()
+        for stream in {s for s in self._streams.values() if s.deadline is not None and s.deadline <= now}:
+            request_ids = [rid for rid in stream.request_ids if rid in self._streams]
+            self._record(self.engine.abort_request(request_ids))
+            for request_id in request_ids:
+                del self._streams[request_id]
+            stream.put(RequestTimeoutError(f"the request did not finish within the server's request timeout of "
+                                           f"{self.admission.request_timeout:g} s; it was aborted"))
 
     def _step(self) -> None:
         outputs = self.engine.step()

@@ -116,8 +116,9 @@ class LLMEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         processed = self.input_processor.process_prompt(prompt)
         requests = self.input_processor.make_requests(request_id, processed, params, priority, arrival_time)
-        self.structured_output.validate(params.structured_outputs)
-        self.structured_output.add_requests(requests)
+        if isinstance(params, SamplingParams):  # a pooling request samples nothing, so nothing constrains it
+            self.structured_output.validate(params.structured_outputs)
+            self.structured_output.add_requests(requests)
         self.output_processor.add_request(request_id, processed, params, output_kind, arrival_time)
         for request in requests:
             self.scheduler.add_request(request)

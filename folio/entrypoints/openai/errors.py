@@ -2,11 +2,13 @@
 
 FastAPI's own answers (422 validation errors, 404/405 for unknown routes, JSON parse errors) are turned into
 the same shape, validation errors as 400 as OpenAI does, so a client sees one error format whatever went wrong.
+An unexpected exception becomes a 500 in InternalErrorMiddleware (folio.entrypoints.openai.middleware) rather
+than in an `Exception` handler, which Starlette runs in its outermost middleware and then re-raises, so that
+uvicorn drops the keep-alive connection.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any, Optional
 
@@ -15,12 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from folio.engine.async_llm import EngineDeadError, EngineError
+from folio.engine.async_llm import EngineError, EngineOverloadedError, RequestTimeoutError
 
-logger = logging.getLogger("folio")
-
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+          413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+          504: "TimeoutError"}
+RETRY_AFTER_SECONDS = 1  # an overloaded server's hint: its queue moves by a few requests a second at least
 
 
 class OpenAIError(Exception):
@@ -40,11 +42,20 @@ class OpenAIError(Exception):
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(status: int, message: str, param: Optional[str] = None,
+                   headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def engine_error_status(error: EngineError) -> int:
+    """504 for a request past its deadline; 500 for a failure while running it; else 503 (the engine is shut
+    down, dead, or overloaded: the request was not run, and another server or a later try may take it)."""
+    if isinstance(error, RequestTimeoutError):
+        return 504
+    return 503 if type(error) is not EngineError else 500
 
 
 async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -66,20 +77,18 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail))
+    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)  # a 405's Allow among them
 
 
 async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
-    return error_response(503 if isinstance(exc, EngineDeadError) else 500, str(exc))
-
-
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
-    return error_response(500, f"internal server error: {exc!r}")
+    if isinstance(exc, EngineOverloadedError):
+        request.app.state.rejections.inc()
+        return error_response(503, str(exc), headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return error_response(engine_error_status(exc), str(exc))
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Handlers of the expected errors; add InternalErrorMiddleware too, for the unexpected ones."""
     for exc_type, handler in ((OpenAIError, _openai_error), (RequestValidationError, _validation_error),
-                              (StarletteHTTPException, _http_error), (EngineError, _engine_error),
-                              (Exception, _unexpected)):
+                              (StarletteHTTPException, _http_error), (EngineError, _engine_error)):
         app.add_exception_handler(exc_type, handler)

@@ -3,16 +3,20 @@
 Requests are strict where OpenAI is (`"stream": 0` or `"n": "2"` is a 400, not a silent conversion) and
 reject NaN/Infinity, which Python's JSON parser accepts but no sampler can use. Value ranges are left to
 SamplingParams, so the API and the Python engine give the same error for the same bad value. Unknown
-fields are ignored, as vLLM does, because clients send fields of newer API versions.
+fields are ignored, as vLLM does, because clients send fields of newer API versions. A request body is
+refused if any of its strings holds a lone UTF-16 surrogate ("\ud800", which JSON allows): it is not text,
+and the tokenizer cannot encode it. Sizes that a server option bounds are checked by `check_limits`.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 
@@ -21,6 +25,40 @@ MAX_N = 16  # completions per prompt; more would let one request monopolise the 
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_path(body: Any) -> Optional[str]:
+    """Where in a parsed JSON body a string (a value or a key) holds a lone surrogate, or None. Iterative: a
+    deeply nested body must not exhaust the stack."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _LONE_SURROGATE.search(value):
+                return (path or "body").encode("utf-8", "backslashreplace").decode()  # a key in it may be the one
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                item_path = f"{path}.{key}" if path else str(key)
+                stack.extend(((item_path, key), (item_path, item)))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+class RequestBody(RequestModel):
+    """A whole request body: its strings must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise ValueError(f"{path} holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair), "
+                             "which is not valid Unicode text")
+        return data
 
 
 class StreamOptions(RequestModel):
@@ -40,7 +78,7 @@ class StructuredOutputsRequest(RequestModel):
         return StructuredOutputsParams(**self.model_dump(exclude_none=True, by_alias=True))
 
 
-class SamplingRequest(RequestModel):
+class SamplingRequest(RequestBody):
     """Fields that completions and chat share, turned into SamplingParams in one place."""
 
     model: Optional[str] = None
@@ -75,6 +113,12 @@ class SamplingRequest(RequestModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    def check_limits(self, limits: RequestLimits) -> None:
+        """The sizes a server option bounds; ValueError naming the field."""
+        limits.stop([self.stop] if isinstance(self.stop, str) else self.stop)
+        limits.logit_bias(self.logit_bias)
+        limits.stop_token_ids(self.stop_token_ids)
+
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -108,6 +152,11 @@ class CompletionRequest(SamplingRequest):
     use_beam_search: bool = False
     best_of: Optional[int] = None
     length_penalty: float = 1.0
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        super().check_limits(limits)
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            limits.prompt_count(len(self.prompt))
 
     @model_validator(mode="after")
     def _zero_tokens_need_echo(self) -> "CompletionRequest":
@@ -279,32 +328,16 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false} for Qwen3
-    tools: Optional[list[ChatTool]] = None  # rendered by the chat template; calls come back as text
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
-    response_format: Optional[ResponseFormat] = None
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        super().check_limits(limits)
+        limits.tools(self.tools)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
-
-    # What needs structured output (a grammar over the sampler) is refused until folio has it.
-    @field_validator("tool_choice")
-    @classmethod
-    def _unconstrained_tool_choice(cls, value: Any) -> Any:
-        if value == "required" or isinstance(value, dict):
-            raise ValueError("'required' or a named function needs structured output, which this server does not "
-                             "support yet; use 'auto' or 'none'")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_response_format(cls, value: Optional[ResponseFormat]) -> Optional[ResponseFormat]:
-        if value is not None and value.type != "text":
-            raise ValueError(f"{value.type!r} needs structured output, which this server does not support yet; "
-                             "use 'text'")
-        return value
 
 
 class TopLogProb(BaseModel):
@@ -413,7 +446,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(RequestModel):
+class TokenizeRequest(RequestBody):
     """Either a prompt, or chat messages rendered with the chat template first."""
 
     model: Optional[str] = None

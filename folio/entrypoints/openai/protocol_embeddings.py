@@ -6,10 +6,11 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel
 
-from folio.entrypoints.openai.protocol import RequestModel
+from folio.entrypoints.openai.protocol import RequestBody
+from folio.entrypoints.openai.request_limits import RequestLimits
 
 
-class EmbeddingRequest(RequestModel):
+class EmbeddingRequest(RequestBody):
     model: Optional[str] = None
     input: Union[str, list[str], list[int], list[list[int]]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -19,6 +20,10 @@ class EmbeddingRequest(RequestModel):
     pooling_type: str = "last"  # or "mean" (folio.pooling_params)
     normalize: bool = True
     priority: int = 0
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        if isinstance(self.input, list) and self.input and not isinstance(self.input[0], int):
+            limits.prompt_count(len(self.input), "input")
 
 
 class EmbeddingData(BaseModel):

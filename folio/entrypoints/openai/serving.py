@@ -3,6 +3,10 @@
 Both endpoints consume the same thing, per-choice deltas made from the engine's DELTA outputs, so streaming
 and non-streaming are one mechanism: a stream chunk is one delta, a full response is each choice's deltas
 joined. Subclasses say only how to build prompts and how to dress a delta in their JSON shape.
+
+A request's sizes are checked first (folio.entrypoints.openai.request_limits); its prompts are then tokenized,
+and its chat template rendered, in a worker thread, so that a large prompt does not hold up the event loop
+and every other client with it.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
-from folio.engine.async_llm import AsyncLLM, EngineDeadError, EngineError, RequestStream
-from folio.entrypoints.openai.errors import OpenAIError, error_body
+from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
+from folio.entrypoints.openai.errors import OpenAIError, engine_error_status, error_body
 from folio.entrypoints.openai.protocol import DeltaToolCall, PromptTokensDetails, SamplingRequest, UsageInfo
+from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.outputs import Logprob
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
@@ -115,9 +120,10 @@ def check_context(prompt_len: int, max_tokens: int, max_model_len: int, field: s
 class OpenAIServing(ABC):
     request_id_prefix: str
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.limits = limits
         self.tokenizer = llm.engine.get_tokenizer()
         self.max_model_len = llm.engine.max_model_len
 
@@ -125,7 +131,8 @@ class OpenAIServing(ABC):
 
     @abstractmethod
     def prompts(self, request: SamplingRequest) -> list[Prompt]:
-        """Tokenized prompts; ValueError for bad input."""
+        """Tokenized prompts, each checked against self.limits before tokenizing; ValueError for bad input.
+        Runs in a worker thread."""
 
     @abstractmethod
     def max_tokens(self, request: SamplingRequest, longest_prompt: int) -> int:
@@ -172,8 +179,7 @@ class OpenAIServing(ABC):
         self.check_model(request.model)
         fields = type(request).model_fields
         try:
-            prompts = self.prompts(request)
-            params = self._sampling_params(request, prompts)
+            prompts, params = await self.prepare(request)
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
         request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex}"
@@ -191,6 +197,16 @@ class OpenAIServing(ABC):
                                      media_type="text/event-stream")
         return await cancel_on_disconnect(raw_request, self._collect(stream, deltas, request_id, created, request,
                                                                      prompts, cached))
+
+    async def prepare(self, request: SamplingRequest) -> tuple[list[Prompt], SamplingParams]:
+        """The request's prompts and SamplingParams, its sizes checked first; ValueError naming the field."""
+        request.check_limits(self.limits)
+
+        def tokenize() -> tuple[list[Prompt], SamplingParams]:
+            prompts = self.prompts(request)
+            return prompts, self._sampling_params(request, prompts)
+
+        return await asyncio.to_thread(tokenize)
 
     def _sampling_params(self, request: SamplingRequest, prompts: list[Prompt]) -> SamplingParams:
         if not prompts or any(not p.token_ids for p in prompts):
@@ -247,7 +263,7 @@ class OpenAIServing(ABC):
                 usage = self.usage(prompts, completion_tokens, cached)
                 yield _event(self.envelope(request_id, created, [], usage, stream=True))
         except EngineError as e:  # the status line is long gone: report it in the stream, as vLLM does
-            yield _event(error_body(503 if isinstance(e, EngineDeadError) else 500, str(e)))
+            yield _event(error_body(engine_error_status(e), str(e)))
         finally:
             stream.close()
         yield "data: [DONE]\n\n"

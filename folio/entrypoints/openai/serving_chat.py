@@ -12,6 +12,7 @@ from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, Cha
                                                ChatCompletionRequest, ChatCompletionResponse, ChatLogProb, ChatMessage,
                                                ChatStreamChoice, ChatTool, DeltaMessage, NamedToolChoice, TopLogProb,
                                                UsageInfo)
+from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, clamp_logprob
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice, tool_choice_constraint
 from folio.entrypoints.openai.tool_parser import ToolCallParser, join_tool_calls
@@ -28,27 +29,31 @@ def _top_logprob(lp: Logprob) -> TopLogProb:
     return TopLogProb(token=token, logprob=clamp_logprob(lp.logprob), bytes=list(token.encode("utf-8")))
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    tools: Optional[list[ChatTool]] = None,
-                    template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[ChatMessage],
+                    add_generation_prompt: bool = True, tools: Optional[list[ChatTool]] = None,
+                    template_kwargs: Optional[dict[str, Any]] = None, field: str = "messages") -> list[int]:
     """The conversation through the model's chat template, tools as Transformers passes them (a list of dicts in
-    the API's shape); ValueError for what the template rejects."""
+    the API's shape), the rendered text's length checked before it is tokenized; ValueError for what the
+    template rejects."""
     kwargs = template_kwargs or {}
     reserved = _RESERVED_TEMPLATE_ARGS & kwargs.keys()
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     if tools:
         kwargs = {**kwargs, "tools": [t.model_dump(exclude_none=True) for t in tools]}
-    return tokenizer.apply_chat_template([m.to_template_dict() for m in messages],
-                                         add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
+    text = tokenizer.apply_chat_template([m.to_template_dict() for m in messages],
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    limits.text(text, field)
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS the model wants
 
 
 class OpenAIServingChat(OpenAIServing):
     request_id_prefix = "chatcmpl"
 
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
-        return [Prompt(None, chat_prompt_ids(self.tokenizer, request.messages, request.add_generation_prompt,
-                                             request.tools, request.chat_template_kwargs))]
+        return [Prompt(None, chat_prompt_ids(self.tokenizer, self.limits, request.messages,
+                                             request.add_generation_prompt, request.tools,
+                                             request.chat_template_kwargs))]
 
     def structured_outputs(self, request: ChatCompletionRequest) -> Optional[StructuredOutputsParams]:
         """At most one constraint: structured_outputs, response_format, or the grammar of tool_choice (with

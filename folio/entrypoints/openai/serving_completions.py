@@ -35,8 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return await super().serve(request, raw_request)
         self.check_model(request.model)
         try:
-            prompts = self.prompts(request)
-            params = self._sampling_params(request, prompts)
+            prompts, params = await self.prepare(request)
             beam = BeamSearchParams(beam_width=max(params.n, request.best_of or params.n),
                                     max_tokens=params.max_tokens, ignore_eos=request.ignore_eos,
                                     length_penalty=request.length_penalty)
@@ -58,6 +57,8 @@ class OpenAIServingCompletion(OpenAIServing):
         raw = request.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
+        for item in raw:
+            self.limits.prompt(item + (request.suffix or "") if isinstance(item, str) else item)
         if request.suffix is not None:
             if not all(isinstance(item, str) for item in raw):
                 raise ValueError("suffix needs the prompt as text, not token ids")

@@ -8,6 +8,7 @@ openai client asks for by default and decodes itself.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import uuid
 from typing import Union
@@ -21,6 +22,7 @@ from folio.engine.output_processor import OutputKind
 from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.protocol_embeddings import (EmbeddingData, EmbeddingRequest, EmbeddingResponse,
                                                           EmbeddingUsage)
+from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.serving import cancel_on_disconnect, check_model, check_prompt_fits
 from folio.pooling_params import PoolingParams
 
@@ -32,9 +34,10 @@ def encode_vector(vector: list[float], encoding_format: str) -> Union[list[float
 
 
 class OpenAIServingEmbedding:
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.limits = limits
         self.tokenizer = llm.engine.get_tokenizer()
         self.max_model_len = llm.engine.max_model_len
         self.dimensions = llm.engine.model_config.hidden_size
@@ -43,7 +46,8 @@ class OpenAIServingEmbedding:
         check_model(request.model, self.model_name)
         fields = EmbeddingRequest.model_fields
         try:
-            inputs = self._token_ids(request)
+            request.check_limits(self.limits)
+            inputs = await asyncio.to_thread(self._token_ids, request)
             params = PoolingParams(request.pooling_type, request.normalize)
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
@@ -56,12 +60,15 @@ class OpenAIServingEmbedding:
         return await cancel_on_disconnect(raw_request, self._collect(stream, request, inputs))
 
     def _token_ids(self, request: EmbeddingRequest) -> list[list[int]]:
+        """Each input tokenized (in a worker thread), its size checked first; ValueError naming the field."""
         if request.dimensions is not None and request.dimensions != self.dimensions:
             raise ValueError(f"dimensions must be this model's own, {self.dimensions}: its embeddings cannot be "
                              "shortened (it was not trained for that)")
         raw = request.input
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
+        for item in raw:
+            self.limits.prompt(item, "input")
         inputs = [self.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in raw]
         if not inputs or any(not ids for ids in inputs):
             raise ValueError("input must not be empty")

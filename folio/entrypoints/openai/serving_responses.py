@@ -12,6 +12,7 @@ response.failed when the engine failed). What would need structured output (tool
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -25,6 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
 from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.protocol import ChatMessage, FunctionCallRequest, TextPart, ToolCallRequest
+from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.protocol_responses import (DeletedResponse, FunctionCallItem, IncompleteDetails,
                                                          InputItem, InputMessage, InputTokensDetails, OutputMessage,
                                                          OutputText, ResponseError, ResponseObject, ResponsesRequest,
@@ -137,9 +139,10 @@ class _Turn:
 
 
 class OpenAIServingResponses:
-    def __init__(self, llm: AsyncLLM, model_name: str, store: ResponseStore) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits, store: ResponseStore) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.limits = limits
         self.store = store
         self.tokenizer = llm.engine.get_tokenizer()
         self.max_model_len = llm.engine.max_model_len
@@ -149,19 +152,11 @@ class OpenAIServingResponses:
         fields = ResponsesRequest.model_fields
         try:
             refuse_unsupported(request)
+            request.check_limits(self.limits)
             if not request.input:
                 raise ValueError("input must not be empty")
             conversation = self._earlier_turns(request.previous_response_id) + chat_messages(request.input)
-            system = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
-            ids = chat_prompt_ids(self.tokenizer, system + conversation)
-            check_prompt_fits(len(ids), self.max_model_len, "input")
-            max_tokens = request.max_output_tokens
-            if max_tokens is None:
-                max_tokens = self.max_model_len - len(ids)
-            elif max_tokens < 1:
-                raise ValueError(f"max_output_tokens must be >= 1, got {max_tokens}")
-            check_context(len(ids), max_tokens, self.max_model_len, "max_output_tokens")
-            params = request.to_sampling_params(max_tokens)
+            ids, params = await asyncio.to_thread(self._prompt_and_params, request, conversation)
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
         turn = _Turn(request, params, self.model_name, conversation, len(ids))
@@ -174,6 +169,21 @@ class OpenAIServingResponses:
         if request.stream:
             return StreamingResponse(self._events(stream, turn), media_type="text/event-stream")
         return await cancel_on_disconnect(raw_request, self._collect(stream, turn))
+
+    def _prompt_and_params(self, request: ResponsesRequest,
+                           conversation: list[ChatMessage]) -> tuple[list[int], SamplingParams]:
+        """The rendered, tokenized prompt (in a worker thread: templates and tokenizing take time) and the
+        SamplingParams; ValueError naming the field."""
+        system = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
+        ids = chat_prompt_ids(self.tokenizer, self.limits, system + conversation, field="input")
+        check_prompt_fits(len(ids), self.max_model_len, "input")
+        max_tokens = request.max_output_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(ids)
+        elif max_tokens < 1:
+            raise ValueError(f"max_output_tokens must be >= 1, got {max_tokens}")
+        check_context(len(ids), max_tokens, self.max_model_len, "max_output_tokens")
+        return ids, request.to_sampling_params(max_tokens)
 
     def retrieve(self, response_id: str, query: dict[str, str]) -> ResponseObject:
         for name, value in query.items():

@@ -1,0 +1,58 @@
+"""ServerOptions: what `folio serve` bounds and how it stops, beside the engine's own options.
+
+These are not engine options (folio.config): the offline `LLM` runs the prompts it is given and has no
+clients to protect itself from. They are defined once here, with the same `option()` as the engine's, so
+that `folio serve`'s flags are made from these definitions (folio.cli) and their defaults live here alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from folio.config import option
+from folio.engine.admission import AdmissionPolicy
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    # What one request may ask for: each is checked before any tokenizing, with a 400 naming the field.
+    max_prompts_per_request: int = option(64, "most prompts (completions) or inputs (embeddings) in one request; "
+                                              "n is capped at 16 apart from this")
+    max_stop_strings: int = option(64, "most stop strings in one request")
+    max_stop_string_chars: int = option(1024, "longest stop string, in characters")
+    max_logit_bias: int = option(300, "most logit_bias entries in one request (OpenAI's limit)")
+    max_tools: int = option(128, "most tools in one chat request (OpenAI's limit)")
+    # Backpressure and deadlines (folio.engine.admission).
+    max_waiting_requests: int = option(
+        1024, "refuse new requests with 503 and Retry-After while this many sequences wait for the batch "
+              "(0: no bound)")
+    max_waiting_tokens: int = option(
+        1 << 20, "refuse new requests with 503 and Retry-After while the waiting sequences hold this many "
+                 "prompt tokens (0: no bound)")
+    request_timeout: Optional[float] = option(
+        None, "seconds from arrival after which a request still unfinished is aborted with a 504 error "
+              "(its KV blocks freed)", default_means="none")
+    # Connections.
+    max_connections: int = option(1024, "open connections and requests in progress beyond which uvicorn answers "
+                                        "503 at once")
+    header_timeout: float = option(10.0, "seconds a connection gets to send a request's headers before it is "
+                                         "closed (slow or stalled clients)")
+    # Stopping.
+    shutdown_timeout: float = option(30.0, "on SIGINT/SIGTERM, seconds requests in flight get to finish before "
+                                           "they end with finish_reason 'abort'")
+    exit_on_engine_death: bool = option(True, "exit with status 1 when the engine dies, failing its requests, so "
+                                              "that a supervisor restarts the server")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"{f.name} must be >= 0, got {value}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+
+    def admission(self) -> AdmissionPolicy:
+        return AdmissionPolicy(self.max_waiting_requests or None, self.max_waiting_tokens or None,
+                               self.request_timeout)
