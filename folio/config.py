@@ -43,6 +43,7 @@ def parse_memory_size(text: str) -> Union[int, float]:
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+QUANTIZATION_SCHEMES = ("int8", "int4")  # folio.models.quantization
 
 
 @dataclass
@@ -60,10 +61,16 @@ class ModelOptions:
     attention_backend: Optional[str] = option(
         None, "attention kernel: cpu_paged (C++, reads the paged cache in place) or torch_sdpa (reference)",
         default_means="$FOLIO_ATTENTION_BACKEND, else the fastest that builds here")
+    quantization: Optional[str] = option(
+        None, "quantise the weights as they load: int8 (per-channel; int8 activations for larger batches) or int4 "
+              "(groups of 128, weight-only; the lm_head in int8)",
+        default_means="none: the weights run in dtype", choices=QUANTIZATION_SCHEMES)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {self.quantization!r}")
         self.torch_dtype  # validates dtype
 
     @property

@@ -1,0 +1,34 @@
+"""The `quantization` engine option: which weight scheme each linear layer of a model gets.
+
+A scheme is a chooser (folio.models.linear): given a layer's name and declared shapes, its linear method.
+- int8: every layer in int8 with per-channel scales, the lm_head too (at batch 1 it is a quarter of the
+  0.5B Qwen2's weight reads).
+- int4: every layer in int4 (folio.models.int4_linear), but the lm_head in int8: logits lose more to 4 bits
+  than any other layer, and llama.cpp's 4-bit types keep the output layer wider too.
+Layers whose input size is not a multiple of 32 (the kernels' block) stay on the dense method.
+"""
+
+from __future__ import annotations
+
+from folio.config import QUANTIZATION_SCHEMES
+from folio.models.int4_linear import Int4LinearMethod
+from folio.models.int8_linear import Int8LinearMethod
+from folio.models.linear import Linear, LinearMethod, LinearMethodChooser
+from folio.models.quant_reference import BLOCK
+
+LM_HEAD = "lm_head"
+
+
+def quantization_chooser(scheme: str, dense: LinearMethod) -> LinearMethodChooser:
+    """The chooser of a scheme; `dense` serves the layers the kernels cannot take."""
+    if scheme not in QUANTIZATION_SCHEMES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {scheme!r}")
+    int8 = Int8LinearMethod()
+    body = int8 if scheme == "int8" else Int4LinearMethod()
+
+    def choose(name: str, layer: Linear) -> LinearMethod:
+        if layer.input_size % BLOCK:
+            return dense
+        return int8 if name == LM_HEAD else body
+
+    return choose
