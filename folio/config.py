@@ -44,6 +44,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATION_SCHEMES = ("int8", "int4")  # folio.models.quantization
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # folio.attention.kv_quant
 
 
 @dataclass
@@ -95,10 +96,16 @@ class CacheOptions:
         None, "KV cache size: bytes (4GiB, 512MiB) or a fraction of available memory (0.3)",
         default_means="the smaller of 4 GiB and 40% of available memory", type=parse_memory_size)
     enable_prefix_caching: bool = option(True, "reuse the KV cache of earlier prompts' full blocks")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache storage: auto (the model's dtype), int8 or fp8 (e4m3): 8-bit codes with a float32 scale "
+                "per token and head, about half of bf16's bytes, so about twice the tokens fit",
+        choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None and not (
                 (isinstance(self.kv_cache_memory, float) and 0.0 < self.kv_cache_memory <= 1.0)
                 or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 1)):

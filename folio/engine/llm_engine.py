@@ -49,7 +49,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         backend = platform.attention_backend(config.model.attention_backend)
-        kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype)
+        kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype, config.cache.kv_cache_dtype)
         num_blocks, self.max_model_len = self._size_kv_cache(kv_cache_spec, backend,
                                                              config.model.max_model_len or cfg.max_position_embeddings)
 
@@ -76,9 +76,10 @@ class LLMEngine:
             logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len to %d",
                            capacity, max_model_len, capacity)
             max_model_len = capacity
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at %d tokens per "
-                    "request: %.1fx", num_blocks, spec.block_size, capacity, num_blocks * bytes_per_block / 2**20,
-                    max_model_len, capacity / max_model_len)
+        logger.info("KV cache (%s): %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at %d tokens per "
+                    "request: %.1fx", spec.dtype if spec.cache_dtype == "auto" else spec.cache_dtype, num_blocks,
+                    spec.block_size, capacity, num_blocks * bytes_per_block / 2**20, max_model_len,
+                    capacity / max_model_len)
         return num_blocks, max_model_len
 
     @classmethod
