@@ -43,7 +43,7 @@ def parse_memory_size(text: str) -> Union[int, float]:
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
-QUANTIZATION_SCHEMES = ("int8", "int4")  # folio.models.quantization
+QUANTIZATION_SCHEMES = ("int8", "w8a8", "int4", "int4-g128", "gguf")  # folio.models.quantization
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # folio.attention.kv_quant
 
 
@@ -63,9 +63,10 @@ class ModelOptions:
         None, "attention kernel: cpu_paged (C++, reads the paged cache in place) or torch_sdpa (reference)",
         default_means="$FOLIO_ATTENTION_BACKEND, else the fastest that builds here")
     quantization: Optional[str] = option(
-        None, "quantise the weights as they load: int8 (per-channel; int8 activations for larger batches) or int4 "
-              "(groups of 128, weight-only; the lm_head in int8)",
-        default_means="none: the weights run in dtype", choices=QUANTIZATION_SCHEMES)
+        None, "low-precision weights, quantised as they load: int8 (per-channel, float activations), w8a8 (int8 "
+              "and, from 2 rows, int8 activations per token), int4 / int4-g128 (groups of 32 / 128, float "
+              "activations; the lm_head in int8); gguf: a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K layers as stored",
+        default_means="none: the weights run in dtype (GGUF types dequantised)", choices=QUANTIZATION_SCHEMES)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

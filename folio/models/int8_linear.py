@@ -1,9 +1,10 @@
 """int8 weights: one symmetric scale per output channel, quantised on the fly (folio.models.quantized_linear).
 
-A batch of few rows multiplies the int8 weight with float activations (W8A16: reading the weight is the
-cost, and 8 bits halve it against bf16); larger batches also quantise each activation row to int8 at run
-time (W8A8, dynamic per token) and sum int8 products exactly in int32, four times the multiply-adds per
-instruction of float32 FMAs. Where the switch lies was measured (README, "Quantisation"): W8A8_MIN_ROWS.
+Scheme "int8" multiplies the int8 weight with float activations (W8A16) at every batch size: reading the
+weight is the cost of decode, and 8 bits halve it against bf16. Scheme "w8a8" also quantises each
+activation row to int8 at run time (dynamic, per token) for batches of W8A8_MIN_ROWS rows or more, and sums
+int8 products exactly in int32: four times the multiply-adds per instruction of float32 FMAs, at the cost of
+the activations' rounding (measured: README, "Quantisation").
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ W8A8_MIN_ROWS = 2
 
 
 class Int8LinearMethod(QuantizedLinearMethod):
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
+
     def packed_shape(self, rows: int, input_size: int) -> tuple[tuple[int, ...], torch.dtype, int]:
         return (rows, input_size), torch.int8, 1
 
@@ -30,6 +34,6 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return q, scales, None
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= W8A8_MIN_ROWS:
+        if self.int8_activations and x.shape[0] >= W8A8_MIN_ROWS:
             return quant_kernels.w8a8_linear(x, layer.weight, layer.weight_scale.view(-1), layer.bias)
         return quant_kernels.weight_only_linear(x, layer.weight, layer.weight_scale, None, layer.bias)
