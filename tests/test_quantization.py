@@ -12,7 +12,7 @@ from folio.models import quant_kernels
 from folio.models import quant_reference as ref
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.int4_linear import Int4LinearMethod
-from folio.models.int8_linear import W8A8_MIN_ROWS, Int8LinearMethod
+from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear
 from folio.models.quantization import quantization_chooser
 from tests.conftest import hf_logprobs
@@ -49,13 +49,12 @@ def test_shards_quantise_as_they_load_into_their_rows(method):
     assert torch.equal(layer.weight, packed) and torch.equal(layer.weight_scale, scales)
     assert (layer.weight_offset is None) == (offsets is None)
     assert layer.bias.dtype == torch.float32
-    x = torch.randn(W8A8_MIN_ROWS, 64)
-    weight_only = ref.weight_only_linear(x, packed, scales, offsets, layer.bias, compute_dtype=torch.float64)
-    assert torch.allclose(layer(x[:1]), weight_only[:1], rtol=1e-5, atol=1e-5)
-    if getattr(method, "int8_activations", False):  # from W8A8_MIN_ROWS rows on, activations in int8 too
+    x = torch.randn(3, 64)
+    if getattr(method, "int8_activations", False):
         assert torch.equal(layer(x), ref.w8a8_linear(x, packed, scales.view(-1), layer.bias))
     else:
-        assert torch.allclose(layer(x), weight_only, rtol=1e-5, atol=1e-5)
+        weight_only = ref.weight_only_linear(x, packed, scales, offsets, layer.bias, compute_dtype=torch.float64)
+        assert torch.allclose(layer(x), weight_only.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_wrong_shard_or_shape_is_a_value_error():

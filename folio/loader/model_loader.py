@@ -20,6 +20,7 @@ from safetensors import safe_open
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import iter_gguf_tensors, load_gguf_cached, read_gguf, tensor_types
 from folio.loader.gguf_native import native_chooser, native_layers
+from folio.models.compressed_tensors import compressed_tensors_chooser
 from folio.loader.weights import load_weights
 from folio.models.linear import LinearMethods, as_chooser, bind_linear_methods, process_weights_after_loading
 from folio.models.model_config import ModelConfig
@@ -106,7 +107,9 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     (see folio.models.linear); a function of the model because a method may size itself by the model, as
     the dense one does. None: the current platform's (folio.platforms). device: where the weights live.
     gguf_native: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K linear layers keep their blocks and run on the
-    int8 / int4 kernels (folio.loader.gguf_native); its other tensors are dequantised.
+    int8 / int4 kernels (folio.loader.gguf_native); its other tensors are dequantised. A Hugging Face folder
+    whose config.json has a quantization_config (compressed-tensors int8, folio.models.compressed_tensors)
+    loads its quantised layers as stored.
     """
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
@@ -137,6 +140,8 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     with _default_dtype(dtype), device:
         net = build_model(cfg, max_positions)
         methods = (linear_method or current_platform().linear_method)(net)
+        if "quantization_config" in hf_config:  # pre-quantised: its layers load as stored, the rest as asked
+            methods = compressed_tensors_chooser(hf_config["quantization_config"], as_chooser(methods))
         if gguf_native:
             layers, quantized_tensors = native_layers(tensor_types(path), net)
             methods = native_chooser(layers, as_chooser(methods))

@@ -1,10 +1,11 @@
 """int8 weights: one symmetric scale per output channel, quantised on the fly (folio.models.quantized_linear).
 
-Scheme "int8" multiplies the int8 weight with float activations (W8A16) at every batch size: reading the
-weight is the cost of decode, and 8 bits halve it against bf16. Scheme "w8a8" also quantises each
-activation row to int8 at run time (dynamic, per token) for batches of W8A8_MIN_ROWS rows or more, and sums
-int8 products exactly in int32: four times the multiply-adds per instruction of float32 FMAs, at the cost of
-the activations' rounding (measured: README, "Quantisation").
+Scheme "int8" multiplies the int8 weight with float activations (W8A16): reading the weight is the cost of
+decode, and 8 bits halve it against bf16. Scheme "w8a8" also quantises each activation row to int8 at run
+time (dynamic, per token) and sums int8 products exactly in int32: four times the multiply-adds per
+instruction of float32 FMAs, at the cost of the activations' rounding. Measured on AVX2 (README,
+"Quantisation"), W8A8 is faster at every batch size, one row included (W8A16 there is bound by widening int8
+to float32, not by memory), so w8a8 uses it throughout and int8 is the scheme for accuracy.
 """
 
 from __future__ import annotations
@@ -17,9 +18,6 @@ from folio.models import quant_kernels
 from folio.models.linear import Linear
 from folio.models.quant_reference import quantize_int8
 from folio.models.quantized_linear import QuantizedLinearMethod
-
-# Batches of at least this many rows run W8A8 (measured with benchmarks/quant_linear_bench.py).
-W8A8_MIN_ROWS = 2
 
 
 class Int8LinearMethod(QuantizedLinearMethod):
@@ -34,6 +32,6 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return q, scales, None
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.int8_activations and x.shape[0] >= W8A8_MIN_ROWS:
+        if self.int8_activations:
             return quant_kernels.w8a8_linear(x, layer.weight, layer.weight_scale.view(-1), layer.bias)
         return quant_kernels.weight_only_linear(x, layer.weight, layer.weight_scale, None, layer.bias)

@@ -2,8 +2,8 @@
 
 A scheme is a chooser (folio.models.linear): given a layer's name and declared shapes, its linear method.
 - int8: every layer in int8 with per-channel scales and float activations, the lm_head too (at batch 1 it
-  is a quarter of the 0.5B Qwen2's weight reads); w8a8: the same weights, int8 activations from
-  W8A8_MIN_ROWS rows on (folio.models.int8_linear).
+  is a quarter of the 0.5B Qwen2's weight reads); w8a8: the same weights with dynamic per-token int8
+  activations (folio.models.int8_linear).
 - int4, int4-g128: every layer in int4 (groups of 32 / 128, folio.models.int4_linear), but the lm_head in
   int8: logits lose more to 4 bits than any other layer, and llama.cpp's 4-bit types keep it wider too.
 - gguf: the dense method here; the GGUF loader binds the layers it keeps quantised (folio.loader.gguf_native).
