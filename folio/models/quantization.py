@@ -12,7 +12,6 @@ Layers whose input size is not a multiple of 32 (the kernels' block) stay on the
 
 from __future__ import annotations
 
-from folio.config import QUANTIZATION_SCHEMES
 from folio.models.int4_linear import Int4LinearMethod
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear, LinearMethod, LinearMethodChooser
@@ -22,9 +21,8 @@ LM_HEAD = "lm_head"
 
 
 def quantization_chooser(scheme: str, dense: LinearMethod) -> LinearMethodChooser:
-    """The chooser of a scheme; `dense` serves the layers the kernels cannot take."""
-    if scheme not in QUANTIZATION_SCHEMES:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {scheme!r}")
+    """The chooser of a scheme (one of config.QUANTIZATION_SCHEMES, validated there); `dense` serves the
+    layers the kernels cannot take."""
     if scheme == "gguf":
         return lambda name, layer: dense
     int8 = Int8LinearMethod(int8_activations=scheme == "w8a8")
