@@ -98,6 +98,7 @@ def test_schemes_quantise_every_layer_they_can():
 def test_quantised_models_stay_close_to_float_transformers(tiny_model_factory, scheme, arch, tie):
     folder = tiny_model_factory(arch, tie)
     llm = LLM(folder, dtype="float32", quantization=scheme, kv_cache_memory=1 << 22)
+    assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight_scale.dtype == torch.float32
     model = llm.llm_engine.runner.model
     assert model.layers[0].mlp.down_proj.weight.dtype == (torch.uint8 if scheme == "int4" else torch.int8)
     assert model.lm_head.weight.dtype == torch.int8
@@ -106,3 +107,13 @@ def test_quantised_models_stay_close_to_float_transformers(tiny_model_factory, s
     got = torch.tensor([e[PROMPT[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
     want = hf_logprobs(folder, PROMPT)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
     assert float((got - want).abs().mean()) < MEAN_LOGPROB_ERROR[scheme]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4"])
+def test_a_bf16_model_keeps_float32_scales_and_biases(tiny_model_factory, scheme):
+    folder = tiny_model_factory("qwen2", False)
+    llm = LLM(folder, dtype="bfloat16", quantization=scheme, kv_cache_memory=1 << 22)
+    qkv = llm.llm_engine.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_scale.dtype == qkv.bias.dtype == torch.float32
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4

@@ -26,7 +26,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/sum.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 #include <torch/csrc/utils/pybind.h>
@@ -294,7 +293,7 @@ void w8a8(const W8A8& a) {
 
 // Per-row symmetric int8: s = max|x| / 127 (1 for a zero row), q = round_half_even(x / s), as the reference.
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, int8_t* xa, float* sx) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* r = x + m * K;
       float amax = 0.f;
@@ -307,6 +306,19 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, int8_t* xa,
         xa[m * K + k] = static_cast<int8_t>(std::fabs(q));
       }
     }
+  });
+}
+
+// Sums of each row of x over each group of G values (int4's offsets multiply them). Inline for a few rows: no
+// parallel region, which costs milliseconds when another process holds a core.
+void group_sums(const float* x, int64_t M, int64_t K, int64_t G, float* out) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < K / G; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) s += x[m * K + k];
+        out[m * (K / G) + g] = s;
+      }
   });
 }
 
@@ -379,7 +391,8 @@ at::Tensor weight_only_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10
     TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat && offsets->is_contiguous(),
                 "offsets must be float32 shaped like scales");
     a.offsets = offsets->data_ptr<float>();
-    xsum = xf.view({M, ng, G}).sum(2).contiguous();
+    xsum = at::empty({M, ng}, xf.options());
+    group_sums(xf.data_ptr<float>(), M, K, G, xsum.data_ptr<float>());
     a.xsum = xsum.data_ptr<float>();
   }
   by_isa(isa, [&](auto v) {

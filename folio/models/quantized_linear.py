@@ -45,9 +45,11 @@ class QuantizedLinearMethod(LinearMethod):
             layer.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             set_weight_loader(layer.weight, lambda param, tensor, shard_id: self._load(layer, tensor, shard_id),
                               layer.shards)
-        layer.register_buffer("weight_scale", torch.empty(layer.output_size, groups), persistent=False)
-        layer.register_buffer("weight_offset", torch.empty(layer.output_size, groups) if self.asymmetric else None,
+        # float32 whatever the model's dtype (the kernels' format; bf16 would round the scales)
+        layer.register_buffer("weight_scale", torch.empty(layer.output_size, groups, dtype=torch.float32),
                               persistent=False)
+        offsets = torch.empty(layer.output_size, groups, dtype=torch.float32) if self.asymmetric else None
+        layer.register_buffer("weight_offset", offsets, persistent=False)
         layer.bias = layer.row_parameter() if layer.with_bias else None
 
     def _load(self, layer: Linear, tensor: torch.Tensor, shard_id: ShardId) -> None:
