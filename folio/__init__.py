@@ -6,11 +6,13 @@ from folio.engine.output_processor import OutputKind
 from folio.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from folio.entrypoints.llm import LLM
 from folio.logger import configure_logging
-from folio.outputs import CompletionOutput, Logprob, RequestOutput
+from folio.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "OutputKind", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob", "OutputKind", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "__version__"]
 
 configure_logging()

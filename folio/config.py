@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 
 from folio.platforms import current_platform
+from folio.spec_decode.config import SpeculativeConfig
 
 
 def option(default: Any, help: str, default_means: Optional[str] = None, **cli: Any) -> Any:
@@ -141,6 +142,19 @@ class ParallelOptions:
 
 
 @dataclass
+class SpeculativeOptions:
+    """Speculative decoding (folio.spec_decode): off unless configured."""
+
+    speculative_config: Optional[SpeculativeConfig] = option(
+        None, 'speculative decoding as JSON, vLLM\'s shape: {"method": "ngram" | "suffix" | "draft_model", '
+              '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, "model": PATH, ...}',
+        default_means="off", type=SpeculativeConfig.parse)
+
+    def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+
+@dataclass
 class EngineConfig:
     """The engine's options, one group per part of the engine. A new group (speculative decoding, structured
     output) is one more field here; its options then become keywords and flags with no further code."""
@@ -149,6 +163,7 @@ class EngineConfig:
     cache: CacheOptions = field(default_factory=CacheOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
 
     @classmethod
     def from_kwargs(cls, **options: Any) -> EngineConfig:

@@ -1,9 +1,10 @@
-"""What users get back: RequestOutput and CompletionOutput, in the shapes vLLM users know."""
+"""What users get back: RequestOutput and CompletionOutput (generation), EmbeddingRequestOutput (pooling), in the
+shapes vLLM users know."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -59,3 +60,21 @@ class RequestOutput:
     prompt_logprobs: Optional[PromptLogprobs] = None
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = field(default=None, repr=False)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The vector of a pooling request (`LLM.embed`); `outputs` is None when it was aborted before its prompt ran."""
+
+    request_id: str
+    outputs: Optional[EmbeddingOutput]
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+EngineOutput = Union[RequestOutput, EmbeddingRequestOutput]  # what an engine step hands out

@@ -78,6 +78,19 @@ def _text_of(content: list) -> str:
     return "\n".join(texts)
 
 
+def _with_parsed_arguments(call: Any) -> Any:
+    """A tool call whose function arguments are a JSON object string, with them as a dict; anything else as is."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return call  # the template shows what the model wrote
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
+
+
 class Tokenizer:
     """Wraps a `tokenizers.Tokenizer` (no transformers at runtime) plus tokenizer_config facts and the chat template."""
 
@@ -167,16 +180,27 @@ class Tokenizer:
             raise ValueError(f"chat template does not compile: {e}") from e
 
     def _normalize(self, messages: list[dict]) -> list[dict]:
-        """Drop None values (OpenAI clients send content=None next to tool_calls; templates then print "None") and
-        join text parts for templates that expect a string."""
-        wants_parts = self.chat_template is not None and _LOOPS_OVER_CONTENT.search(self.chat_template) is not None
+        """OpenAI-shaped messages in the shape templates are written for, as vLLM passes them:
+          * None values dropped, and a missing content made empty (clients send content=None next to tool_calls;
+            templates would print "None" or fail on it);
+          * text parts joined for templates that expect a string;
+          * `developer` (OpenAI's newer name for `system`) renamed `system` unless the template knows it;
+          * tool call arguments, a JSON string in the API, parsed into the dict templates serialise."""
+        template = self.chat_template or ""
+        wants_parts = _LOOPS_OVER_CONTENT.search(template) is not None
+        knows_developer = "developer" in template
         out = []
         for message in messages:
             if not isinstance(message, dict):
                 raise ValueError(f"chat messages must be dicts, got {type(message).__name__}")
             message = {k: v for k, v in message.items() if v is not None}
-            if isinstance(message.get("content"), list) and not wants_parts:
+            message.setdefault("content", [] if wants_parts else "")
+            if isinstance(message["content"], list) and not wants_parts:
                 message["content"] = _text_of(message["content"])
+            if message.get("role") == "developer" and not knows_developer:
+                message["role"] = "system"
+            if message.get("tool_calls"):
+                message["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
             out.append(message)
         return out
 

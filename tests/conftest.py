@@ -59,10 +59,10 @@ def build_tiny_model(folder: str, arch: str = "llama", tie: bool = False, seed: 
     import transformers
 
     cls_name, extra = ARCH_CONFIGS[arch]
-    cfg = getattr(transformers, cls_name)(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=tie,
-        bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0, initializer_range=0.2, **{**extra, **overrides})
+    defaults = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                    bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0, initializer_range=0.2)
+    cfg = getattr(transformers, cls_name)(**{**defaults, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if arch == "qwen2":  # Qwen2 has q/k/v biases; make them non-zero so that loading them is tested
@@ -92,6 +92,15 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_dir):
+    """A real server on the tiny llama with the default engine settings, one per test module."""
+    from server_fixture import running_server
+
+    with running_server(llama_dir) as server:
+        yield server
 
 
 def hf_greedy(folder: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

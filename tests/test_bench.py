@@ -92,6 +92,24 @@ def test_throughput_chat_dataset_without_breakdown(llama_dir, tmp_path):
     assert report["prompt_tokens"] > 3 * 10  # templated conversations
 
 
+def test_throughput_versus_no_speculation_on_the_code_edit_prompts(llama_dir, tmp_path, capsys):
+    out = str(tmp_path / "tp.json")
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    report = _run(["bench", "throughput", "--model", llama_dir, *ENGINE_FLAGS, "--max-model-len", "512",
+                   "--dataset", "code-edit", "--num-prompts", "3", "--output-len", "24", "--warmup-prompts", "1",
+                   "--speculative-config", spec, "--versus-no-speculation", "--no-breakdown", "--json", out], out)
+    with_spec, without = report["speculative"], report["no_speculation"]
+    assert with_spec["output_tokens"] == without["output_tokens"] == 72
+    assert report["speedup"] == pytest.approx(with_spec["output_tokens_per_s"] / without["output_tokens_per_s"])
+    stats = with_spec["spec_decoding"]
+    assert stats["num_draft_tokens"] >= stats["num_accepted_tokens"] == sum(stats["num_accepted_tokens_per_pos"])
+    assert without["spec_decoding"] is None
+    text = capsys.readouterr().out
+    assert "mean acceptance length" in text and "the output tokens/s without it" in text
+    assert main(["bench", "throughput", "--model", llama_dir, "--versus-no-speculation"]) == 1
+    assert "--versus-no-speculation needs --speculative-config" in capsys.readouterr().err
+
+
 def test_profiling_leaves_the_engine_as_it_was(llama_dir):
     from folio.bench.step_profile import profile_steps
 

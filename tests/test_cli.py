@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import pytest
 from folio import LLM, SamplingParams
 from folio.cli import build_parser, engine_config, main
 from folio.config import EngineConfig, engine_options
+from folio.spec_decode.config import SpeculativeConfig
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4MiB", "--num-threads", "1"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -47,12 +50,14 @@ def test_every_engine_option_is_a_flag(command):
     values = {"model": "/some/model", "dtype": "bfloat16", "block_size": 8, "kv_cache_memory": 1 << 20,
               "max_num_seqs": 3, "max_num_batched_tokens": 64, "max_model_len": 100, "scheduling_policy": "priority",
               "enable_prefix_caching": False, "seed": 5, "num_threads": 2, "attention_backend": "torch_sdpa",
-              "quantization": "int4", "kv_cache_dtype": "int8"}
+              "quantization": "int4", "kv_cache_dtype": "int8",
+              "speculative_config": SpeculativeConfig("ngram", num_speculative_tokens=3)}
     assert set(values) == {option.name for _, option, _ in engine_options()}, "a new engine option needs a flag"
     argv = list(command)
     for name, value in values.items():
         flag = f"--{name.replace('_', '-')}"
-        argv += ([flag if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(value)])
+        text = json.dumps(dataclasses.asdict(value)) if dataclasses.is_dataclass(value) else str(value)
+        argv += ([flag if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, text])
     config = engine_config(build_parser().parse_args(argv))
     assert {option.name: getattr(getattr(config, group), option.name)
             for group, option, _ in engine_options()} == values  # each flag lands in its option's group

@@ -115,7 +115,7 @@ def test_incremental_rows_equal_naive_inputs(data):
             if req.num_computed_tokens == len(req.all_token_ids):
                 token = data.draw(st.integers(0, 999))
                 req.state.output_token_ids.append(token)
-                batch.append_token(req.request_id, token)
+                batch.append_tokens(req.request_id, [token])
 
 
 def test_prepare_raises_when_blocks_are_missing():
@@ -136,11 +136,11 @@ def test_rows_are_reused_after_release():
     assert np.array_equal(batch.token_ids[0, :2], [4, 5])
 
 
-def test_append_token_refuses_to_pass_max_model_len():
+def test_append_tokens_refuses_to_pass_max_model_len():
     batch = InputBatch(max_num_reqs=1, max_model_len=4, block_size=BLOCK)
     a = fake_request("a", [1, 2, 3], blocks=[0])
     check_step(batch, [a], [3])
-    batch.append_token("a", 9)
+    batch.append_tokens("a", [9])
     assert batch.token_ids[0, :4].tolist() == [1, 2, 3, 9]
     with pytest.raises(ValueError, match="max_model_len"):
-        batch.append_token("a", 10)
+        batch.append_tokens("a", [10])

@@ -347,7 +347,7 @@ def test_inverse_transform_draw_never_lands_on_zero_probability_tokens(monkeypat
         monkeypatch.setattr(sampling_ops, "_kernel_for", lambda *args: None)
     probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.25, 0.75, 0.0, 0.0, 0.0]])
     monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.fill_(u))
-    assert sampler_mod._draw(probs, [row(SamplingParams(temperature=1.0))] * 2).tolist() == want
+    assert sampler_mod.draw(probs, [row(SamplingParams(temperature=1.0))] * 2).tolist() == want
 
 
 def test_draw_kernel_agrees_with_the_torch_reference(monkeypatch):

@@ -78,6 +78,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "m
     ({"seed": "1"}, "seed", "seed"),
     ({"stream_options": {"include_usage": True}}, "stream_options", None),
     ({"priority": 1.5}, "priority", "priority"),
+    ({"suffix": "return x"}, "suffix is not supported by this model", "suffix"),
+    ({"suffix": 3}, "string", "suffix"),
 ])
 def test_bad_completion_requests(http, change, match, param):
     assert_error(http.post("/v1/completions", json={**COMPLETION, **change}), 400, match, param)
@@ -86,10 +88,21 @@ def test_bad_completion_requests(http, change, match, param):
 @pytest.mark.parametrize("change,match,param", [
     ({"messages": []}, "messages", "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role", "messages"),
-    ({"messages": [{"role": "tool", "content": "hi"}]}, "role", "messages"),
-    ({"messages": [{"role": "user"}]}, "content", "messages"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, "tool_call_id", "messages"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]}, "tool_call_id", "messages"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "tool_calls belong", "messages"),
+    ({"messages": [{"role": "user"}]}, "content is required", "messages"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "content is required", "messages"),
     ({"messages": [{"role": "user", "content": 3}]}, "content", "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "", "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "only text content is supported, got a content part of type 'image_url'", "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]}]},
+     "arguments", "messages"),
+    ({"response_format": {"type": "bogus"}}, "response_format.type", "response_format"),
+    ({"response_format": {"type": "json_object"}}, "structured output", "response_format"),
+    ({"tool_choice": "required"}, "structured output", "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "structured output", "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "function", "tools"),
     ({"messages": "hi"}, "list", "messages"),
     ({"logprobs": 1}, "boolean", "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs", None),
@@ -127,6 +140,7 @@ def test_unknown_routes_and_methods(http):
 
 def test_tokenizer_endpoints_reject_bad_input(http):
     assert_error(http.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}), 400)
+    assert_error(http.post("/tokenize", json={"prompt": "a", "tools": []}), 400, "tools go with messages")
     assert_error(http.post("/tokenize", json={}), 400)
     assert_error(http.post("/detokenize", json={"tokens": [1, -1]}), 400, "vocabulary", "tokens")
     assert_error(http.post("/detokenize", json={"tokens": ["a"]}), 400, "", "tokens")
@@ -151,7 +165,8 @@ _values = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), 
 _fields = ["prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
            "frequency_penalty", "logit_bias", "logprobs", "echo", "top_k", "min_p", "repetition_penalty",
            "min_tokens", "stop_token_ids", "ignore_eos", "stream", "priority", "messages", "top_logprobs",
-           "max_completion_tokens", "skip_special_tokens", "include_stop_str_in_output"]
+           "max_completion_tokens", "skip_special_tokens", "include_stop_str_in_output", "suffix", "tools",
+           "tool_choice", "response_format"]
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))

@@ -3,7 +3,7 @@
 A model runner in another process receives each SchedulerOutput as pickled bytes and answers with a pickled
 ModelRunnerOutput, as a worker process would; the engine driving it must give exactly the outputs of the
 engine with its runner in-process, through chunked prefill, preemption and resumption, seeded sampling,
-penalties, min_tokens, logprobs and prompt logprobs.
+penalties, min_tokens, logprobs and prompt logprobs, and pooled embeddings.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pickle
 
 import pytest
 
-from folio import LLM, SamplingParams
+from folio import LLM, PoolingParams, SamplingParams
 from folio.core.step_contract import (ModelRunnerOutput, NewRequestData, SampledLogprobs, SampledTokens,
                                       ScheduledRequestData, SchedulerOutput)
 
@@ -54,9 +54,15 @@ def _summary(outputs) -> list:
             for o in outputs]
 
 
+def _embeddings(llm: LLM) -> list:
+    return [[o.outputs.embedding for o in llm.embed(PROMPTS, PoolingParams(pooling), use_tqdm=False)]
+            for pooling in ("last", "mean")]
+
+
 def test_runner_in_another_process_gives_the_same_outputs(llama_dir):
     local = LLM(llama_dir, **ENGINE)
     expected = _summary(local.generate(PROMPTS, PARAMS, use_tqdm=False))
+    expected_embeddings = _embeddings(local)
     assert local.llm_engine.scheduler.num_preemptions > 0, "the workload should preempt"
 
     context = multiprocessing.get_context("spawn")
@@ -74,10 +80,12 @@ def test_runner_in_another_process_gives_the_same_outputs(llama_dir):
         llm = LLM(llama_dir, **ENGINE)
         llm.llm_engine.runner.execute = remote_execute
         got = _summary(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        got_embeddings = _embeddings(llm)  # pooling requests: pooling params in, vectors out
     finally:
         parent.send_bytes(b"")
         worker.join(timeout=60)
     assert got == expected
+    assert got_embeddings == expected_embeddings
     assert any(m.preempted_ids for m in messages) and any(m.new_requests for m in messages)
 
 
@@ -111,7 +119,9 @@ def test_messages_survive_a_pickle_round_trip():
                           scheduled=[ScheduledRequestData("a", 0, 3, [4, 5])], preempted_ids=["b"],
                           finished_ids=["c"])
     answer = ModelRunnerOutput(sampled={"a": SampledTokens([7], [SampledLogprobs([7, 1], [-0.1, -2.5], [1, 2])])},
-                               prompt_logprobs={"a": [SampledLogprobs([2], [-1.0], [1])]})
+                               prompt_logprobs={"a": [SampledLogprobs([2], [-1.0], [1])]}, pooled={"d": [0.6, 0.8]})
+    pooling = NewRequestData("d", [1, 2], None, frozenset(), PoolingParams("mean"))
+    assert pickle.loads(pickle.dumps(pooling)) == pooling
     assert pickle.loads(pickle.dumps(out)) == out
     assert pickle.loads(pickle.dumps(answer)) == answer
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from folio.bench.workload import CHAT_DATASET
+from folio.bench.workload import DATASETS
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Qwen2(.5)-0.5B: the model of the performance study's W1 workload
@@ -101,7 +101,7 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
 
 
 def _corpus() -> Iterator[str]:
-    with open(CHAT_DATASET, encoding="utf-8") as f:
+    with open(DATASETS["chat"], encoding="utf-8") as f:
         for line in f:
             for message in json.loads(line)["messages"]:
                 yield message["content"]

@@ -79,7 +79,7 @@ def _body(request: BenchRequest, args: argparse.Namespace, model: str, max_token
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
                             "stream": True, "stream_options": {"include_usage": True}}
     if args.endpoint == "chat":
-        body["messages"] = request.messages
+        body["messages"] = request.chat_messages
     else:
         body["prompt"] = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt_text
     return body

@@ -20,11 +20,12 @@ from folio.bench.noise import OtherLoad, note
 from folio.bench.report import Summary, dtype_name, summarize, write_json
 from folio.bench.step_profile import PHASES, StepBreakdown, profile_steps
 from folio.bench.workload import BenchRequest, add_workload_arguments, describe, engine_requests
-from folio.config import EngineConfig
+from folio.config import EngineConfig, SpeculativeOptions
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
+from folio.spec_decode.stats import SpecDecodingStats
 
 WARMUP_OUTPUT_LEN = 8
 DEFAULT_WARMUP_PROMPTS = 4
@@ -48,6 +49,16 @@ class ThroughputResult:
     e2e_latency: Optional[Summary]
     breakdown: Optional[StepBreakdown]
     other_cores: float  # CPU other processes used meanwhile (folio.bench.noise); >= 0.1: not a clean figure
+    spec_decoding: Optional[SpecDecodingStats] = None  # over the measured run, when speculation is on
+
+
+@dataclass
+class SpeculationComparison:
+    """The same workload with speculative decoding and without it, one after the other in one process."""
+
+    speculative: ThroughputResult
+    no_speculation: ThroughputResult
+    speedup: float  # output tokens/s with speculation / without
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                         help="time the phases of each step (default: on; off runs the engine without wrappers)")
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    parser.add_argument("--versus-no-speculation", action="store_true",
+                        help="with --speculative-config: also run the workload without speculation, in the same "
+                             "process, and report the speed-up")
     sampling = parser.add_argument_group("sampling (default: greedy)")
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--top-p", type=float, default=1.0)
@@ -113,6 +127,7 @@ def warm_up(engine: LLMEngine, requests: list[BenchRequest], num_prompts: int,
 def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, breakdown: bool,
             sampling: SamplingParams = GREEDY) -> ThroughputResult:
     """Run the workload once, all requests arriving together, and report throughput and latencies."""
+    spec_before = engine.get_stats().spec_decoding
     with profile_steps(engine) if breakdown else contextlib.nullcontext() as profile:
         load = OtherLoad()
         start = time.perf_counter()
@@ -135,7 +150,9 @@ def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, brea
         tpot=summarize([(m.last_token_time - m.first_token_time) / (n - 1) for m, n in zip(metrics, generated)
                         if n > 1]),
         e2e_latency=summarize([m.finished_time - m.arrival_time for m in metrics]),
-        breakdown=profile.breakdown() if profile else None, other_cores=other_cores)
+        breakdown=profile.breakdown() if profile else None, other_cores=other_cores,
+        spec_decoding=(engine.get_stats().spec_decoding.since(spec_before)
+                       if config.speculative.speculative_config else None))
 
 
 def print_result(result: ThroughputResult) -> None:
@@ -149,6 +166,11 @@ def print_result(result: ThroughputResult) -> None:
         print(f"  TPOT {result.tpot.line(1e3, 'ms')}")
     print(f"  E2E  {result.e2e_latency.line(1e3, 'ms')}")
     print(f"  {note(result.other_cores)}")
+    spec = result.spec_decoding
+    if spec is not None:
+        print(f"  speculative decoding: {spec.num_draft_tokens} draft tokens in {spec.num_drafts} verifications, "
+              f"acceptance rate {spec.acceptance_rate:.2f}, mean acceptance length {spec.mean_acceptance_length:.2f}, "
+              f"accepted per position {spec.num_accepted_tokens_per_pos}")
     b = result.breakdown
     if b is None:
         return
@@ -174,11 +196,24 @@ def prepare(args: argparse.Namespace, config: EngineConfig) -> tuple[LLMEngine, 
 
 
 def main(args: argparse.Namespace, config: EngineConfig) -> int:
-    engine, requests = prepare(args, config)
+    if args.versus_no_speculation and config.speculative.speculative_config is None:
+        raise ValueError("--versus-no-speculation needs --speculative-config")
     sampling = sampling_params(args)
-    warm_up(engine, requests, args.warmup_prompts, sampling)
-    result = measure(engine, requests, f"{describe(args)}, {describe_sampling(sampling)}", args.breakdown, sampling)
+    workload = f"{describe(args)}, {describe_sampling(sampling)}"
+    result = _run(args, config, sampling, workload)
     print_result(result)
+    if args.versus_no_speculation:
+        plain = _run(args, dataclasses.replace(config, speculative=SpeculativeOptions()), sampling, workload)
+        print_result(plain)
+        comparison = SpeculationComparison(result, plain, result.output_tokens_per_s / plain.output_tokens_per_s)
+        print(f"speculative decoding: {comparison.speedup:.2f}x the output tokens/s without it")
+        result = comparison
     if args.json:
         write_json(args.json, result)
     return 0
+
+
+def _run(args: argparse.Namespace, config: EngineConfig, sampling: SamplingParams, workload: str) -> ThroughputResult:
+    engine, requests = prepare(args, config)
+    warm_up(engine, requests, args.warmup_prompts, sampling)
+    return measure(engine, requests, workload, args.breakdown, sampling)

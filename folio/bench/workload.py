@@ -1,14 +1,17 @@
-"""The requests a benchmark sends: random token ids of fixed lengths, or chat conversations.
+"""The requests a benchmark sends: random token ids of fixed lengths, chat conversations, or texts.
 
 Random prompts make lengths exact, so folio, Transformers and a server all see the same work; chat prompts
 (`folio/bench/data/chat_prompts.jsonl`, synthetic, shipped here because nothing may be downloaded) give varied
-lengths and shared system prompts, closer to real traffic. Every choice is seeded (`--dataset-seed`), so two
+lengths and shared system prompts, closer to real traffic. `code-edit` (`folio/bench/data/code_edit.jsonl`)
+holds code-editing and quoting requests, chat conversations and plain texts, whose answers repeat much of
+their prompt: the workload speculative decoding is for. Every choice is seeded (`--dataset-seed`), so two
 runs, or two systems in one run, get the same requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -18,28 +21,36 @@ from typing import Iterator, Optional
 
 from folio.tokenizer import Tokenizer
 
-CHAT_DATASET = os.path.join(os.path.dirname(__file__), "data", "chat_prompts.jsonl")
+DATASETS = {"chat": os.path.join(os.path.dirname(__file__), "data", "chat_prompts.jsonl"),
+            "code-edit": os.path.join(os.path.dirname(__file__), "data", "code_edit.jsonl")}
 DEFAULT_OUTPUT_LEN = 128  # the random dataset's; chat conversations carry their own
 
 
 @dataclass
 class BenchRequest:
     output_len: int  # tokens to generate (EOS is ignored, so exactly this many)
-    prompt_token_ids: Optional[list[int]] = None  # random prompts, and chat prompts once templated
+    prompt_token_ids: Optional[list[int]] = None  # random prompts, and the others once tokenized
     messages: Optional[list[dict]] = None  # chat conversations
+    text: Optional[str] = None  # plain-text prompts, sent without a chat template
 
     @property
     def prompt_text(self) -> str:
-        """A chat conversation as one plain text, for a completions endpoint that has no chat template."""
-        return "\n\n".join(m["content"] for m in self.messages or ())
+        """The prompt as one plain text, for a completions endpoint (a conversation's messages joined)."""
+        return self.text if self.text is not None else "\n\n".join(m["content"] for m in self.messages or ())
+
+    @property
+    def chat_messages(self) -> list[dict]:
+        """The prompt as a conversation, for a chat endpoint (a text becomes one user message)."""
+        return self.messages if self.messages is not None else [{"role": "user", "content": self.text or ""}]
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--dataset", default="random",
                        help="'random' (random token ids of --input-len), 'chat' (the shipped synthetic chat "
-                            "conversations) or a .jsonl file of {\"messages\": [...], \"output_len\": N} lines; "
-                            "chat prompts repeat when --num-prompts exceeds the file (default: random)")
+                            "conversations), 'code-edit' (the shipped code-editing and quoting prompts) or a .jsonl "
+                            "file of {\"messages\": [...] or \"prompt\": TEXT, \"output_len\": N} lines; prompts "
+                            "repeat when --num-prompts exceeds the file (default: random)")
     group.add_argument("--num-prompts", type=int, default=64, help="requests in the workload (default: 64)")
     group.add_argument("--input-len", type=int, default=256, help="prompt tokens of the random dataset "
                                                                   "(default: 256)")
@@ -76,18 +87,21 @@ def random_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchRequ
 
 
 def _conversations(args: argparse.Namespace) -> Iterator[BenchRequest]:
-    """The dataset's conversations in seeded shuffled passes, without end."""
-    path = CHAT_DATASET if args.dataset == "chat" else args.dataset
+    """The dataset's requests (conversations or texts) in seeded shuffled passes, without end."""
+    path = DATASETS.get(args.dataset, args.dataset)
     with open(path, encoding="utf-8") as f:
         items = [json.loads(line) for line in f if line.strip()]
-    if not items or not all(isinstance(i, dict) and isinstance(i.get("messages"), list) and "output_len" in i
+    if not items or not all(isinstance(i, dict) and "output_len" in i and (isinstance(i.get("messages"), list)
+                                                                         or isinstance(i.get("prompt"), str))
                             for i in items):
-        raise ValueError(f'{path} must hold one {{"messages": [...], "output_len": N}} object per line')
+        raise ValueError(f'{path} must hold one {{"messages": [...] or "prompt": TEXT, "output_len": N}} object '
+                         'per line')
     rng = random.Random(args.dataset_seed)
     while True:
         rng.shuffle(items)
         for item in items:
-            yield BenchRequest(args.output_len or int(item["output_len"]), messages=item["messages"])
+            yield BenchRequest(args.output_len or int(item["output_len"]), messages=item.get("messages"),
+                               text=item.get("prompt"))
 
 
 def client_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
@@ -110,9 +124,12 @@ def engine_requests(args: argparse.Namespace, vocab_size: int, tokenizer: Tokeni
     requests, skipped, conversations = [], 0, _conversations(args)
     while len(requests) < args.num_prompts:
         request = next(conversations)
-        ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
+        if request.messages is not None:
+            ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
+        else:
+            ids = tokenizer.encode(request.text)
         if len(ids) + request.output_len <= max_model_len:
-            requests.append(BenchRequest(request.output_len, prompt_token_ids=ids, messages=request.messages))
+            requests.append(dataclasses.replace(request, prompt_token_ids=ids))
         else:
             skipped += 1
             if not requests and skipped > 10 * args.num_prompts:

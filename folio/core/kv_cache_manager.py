@@ -47,7 +47,7 @@ class KVCacheManager:
     def find_cached(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached blocks that starts the request's tokens. The last token is never taken
         from the cache: it must be computed to get the logits of the next one."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.needs_every_prompt_position:
             return []
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         hits = []
@@ -64,14 +64,15 @@ class KVCacheManager:
             self.prefix_stats.queries += num_tokens
             self.prefix_stats.hits += num_cached
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[KVCacheBlock] = ()) -> Optional[list[int]]:
-        """Make room for `num_new_tokens` tokens after the computed ones and the given cache hits. Returns the
-        ids of the blocks the request gained (the hits, then new blocks; often none), or None (and nothing
-        taken) if the pool is short."""
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[KVCacheBlock] = (),
+                       num_lookahead_tokens: int = 0) -> Optional[list[int]]:
+        """Make room for `num_new_tokens` tokens after the computed ones and the given cache hits, and for
+        `num_lookahead_tokens` more that only a draft model writes. Returns the ids of the blocks the request
+        gained (the hits, then new blocks; often none), or None (and nothing taken) if the pool is short."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(cached_blocks)
+        needed = (cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size) - len(blocks)
+                  - len(cached_blocks))
         revived = sum(1 for b in cached_blocks if b.ref_cnt == 0)  # hits sitting in the free list
         if needed + revived > self.pool.num_free_blocks:
             return None

@@ -12,7 +12,8 @@ Prefill chunks and decode tokens of different requests then go through the same 
 The step's result is a SchedulerOutput message (folio.core.step_contract) for the model runner: a request's
 unchanging facts the first time it is scheduled, then per step only its counts and new block ids. The
 runner's answer comes back through `update_from_output`, which appends the sampled tokens to the core's own
-Requests and ends those that hit a stop condition.
+Requests and ends those that hit a stop condition. A pooling request (an embedding) is scheduled like any
+prompt and ends as soon as the runner answers with its vector.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import Request, RequestStatus
 from folio.core.step_contract import (ModelRunnerOutput, NewRequestData, SampledLogprobs, ScheduledRequestData,
                                       SchedulerOutput)
+from folio.spec_decode.stats import SpecDecodingStats
 
 
 @dataclass
@@ -42,6 +44,7 @@ class CoreOutput:
     stop_reason: Optional[object] = None
     first_scheduled_time: Optional[float] = None
     num_cached_tokens: int = 0
+    pooled: Optional[list[float]] = None  # a pooling request's vector; it is finished
 
 
 @dataclass
@@ -52,6 +55,7 @@ class SchedulerStats:
     num_preemptions: int  # since start
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int  # of those, tokens found
+    spec_decoding: SpecDecodingStats  # since start
 
 
 class WaitingQueue:
@@ -94,10 +98,14 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerOptions, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerOptions, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 num_lookahead_tokens: int = 0) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
+        # slots reserved past each scheduled chunk, for a draft model's KV of the tokens it guesses
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_decoding_stats = SpecDecodingStats()
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -138,7 +146,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.prefix_stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage, self.num_preemptions,
-                              prefix.queries, prefix.hits)
+                              prefix.queries, prefix.hits, self.spec_decoding_stats.snapshot())
 
     # ---- the step ------------------------------------------------------------------------------------
 
@@ -150,19 +158,24 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # the known tokens and the drafts to verify after them, within the budget and the context length
+            num_new = min(request.num_tokens + len(request.draft_token_ids) - request.num_computed_tokens, budget,
+                          self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            while (new_blocks := self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)) is None:
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; self.running shrank, so i now points at the next one
+            drafts = request.draft_token_ids[:max(0, request.num_computed_tokens + num_new - request.num_tokens)]
+            request.draft_token_ids = []
             out.scheduled.append(ScheduledRequestData(request.request_id, request.num_computed_tokens, num_new,
-                                                      new_blocks))
+                                                      new_blocks, drafts))
             budget -= num_new
             i += 1
 
@@ -172,7 +185,7 @@ class Scheduler:
             cached = self.kv_cache_manager.find_cached(request)
             num_cached = len(cached) * self.kv_cache_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, cached)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, cached, self.num_lookahead_tokens)
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -182,7 +195,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
                 out.new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
-                                                       request.sampling_params, request.stop_token_ids))
+                                                       request.sampling_params, request.stop_token_ids,
+                                                       request.pooling_params))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequestData(request.request_id, num_cached, num_new, new_blocks))
@@ -205,6 +219,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_front(request)
@@ -217,11 +232,19 @@ class Scheduler:
             request = self.requests[scheduled.request_id]
             request.num_computed_tokens += scheduled.num_tokens
             prompt_logprobs = self._new_prompt_logprobs(request, scheduled, runner_output)
+            pooled = runner_output.pooled.get(request.request_id)
+            if pooled is not None:
+                outputs.append(self._finish_pooled(request, pooled))
+                continue
             sampled = runner_output.sampled.get(request.request_id)
             if sampled is None:  # a prefill chunk that does not reach the end of the prompt yet
                 if prompt_logprobs is not None:
                     outputs.append(CoreOutput(request.request_id, [], [], prompt_logprobs=prompt_logprobs))
                 continue
+            if scheduled.draft_token_ids:  # the KV of rejected drafts is not the request's: roll back past it
+                num_accepted = len(sampled.token_ids) - 1
+                request.num_computed_tokens -= len(scheduled.draft_token_ids) - num_accepted
+                self.spec_decoding_stats.record(len(scheduled.draft_token_ids), num_accepted)
             status = None
             new_token_ids = []
             for token_id in sampled.token_ids:  # tokens after a stop are dropped
@@ -233,6 +256,8 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
+            else:
+                request.draft_token_ids = runner_output.draft_token_ids.get(request.request_id, [])
             outputs.append(CoreOutput(
                 request.request_id, new_token_ids, sampled.logprobs[:len(new_token_ids)],
                 prompt_logprobs=prompt_logprobs,
@@ -240,6 +265,13 @@ class Scheduler:
                 stop_reason=request.stop_reason, first_scheduled_time=request.first_scheduled_time,
                 num_cached_tokens=request.num_cached_tokens))
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: list[float]) -> CoreOutput:
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return CoreOutput(request.request_id, [], [], finish_reason="stop",
+                          first_scheduled_time=request.first_scheduled_time,
+                          num_cached_tokens=request.num_cached_tokens, pooled=pooled)
 
     @staticmethod
     def _new_prompt_logprobs(request: Request, scheduled: ScheduledRequestData,

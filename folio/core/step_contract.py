@@ -6,7 +6,8 @@ survives a pickle round trip and a runner can live in another process (a tensor-
 
 What the runner is told, and what it keeps:
   * the first time a request is scheduled, everything about it that does not change (`NewRequestData`:
-    prompt, sampling parameters with their seed, the tokens that min_tokens holds back);
+    prompt, sampling parameters with their seed, the tokens that min_tokens holds back; or, for a request
+    that wants its prompt pooled into an embedding, pooling parameters instead of sampling ones);
   * every step, per scheduled request, only what changed (`ScheduledRequestData`: how many tokens it has
     in the cache, how many to compute, the blocks it gained, draft tokens to verify);
   * which requests were preempted (their blocks are gone: the runner drops their block tables but keeps
@@ -14,12 +15,20 @@ What the runner is told, and what it keeps:
 The runner owns all per-request state from then on (token rows, block tables, generators, the history
 penalties count): it appends the tokens it samples itself, which the core appends to its own `Request` when
 it reads the answer. The core decides when a request stops; the runner learns it from `finished_ids`.
+A pooling request is answered with its vector when its last prompt token is computed, and the core ends it.
+
+Speculative decoding: the runner's answer may carry draft tokens per request; the scheduler gives them back
+in the next step as `draft_token_ids` after the request's known tokens, and the runner answers with the
+accepted drafts plus one token. The core then rolls its computed-token count back past the rejected drafts
+(their KV is written but never trusted, nor published to the prefix cache).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
 
@@ -29,8 +38,9 @@ class NewRequestData:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams  # with its seed: the runner owns the request's random generator
+    sampling_params: Optional[SamplingParams]  # with its seed (the runner owns the generator); None when pooling
     stop_token_ids: frozenset[int]  # held back until min_tokens: params.stop_token_ids, plus EOS unless ignore_eos
+    pooling_params: Optional[PoolingParams] = None  # set instead of sampling_params: pool the prompt, sample nothing
 
 
 @dataclass
@@ -87,3 +97,7 @@ class ModelRunnerOutput:
     # logprobs of the prompt tokens that this step's chunk predicts, for requests that asked for them: entry i
     # belongs to position num_computed_tokens + i (predicting the token after it)
     prompt_logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
+    # speculative decoding: guesses of the tokens after each request's last sampled one, to verify next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # pooling requests whose computed tokens reached the end of the prompt: their vector, instead of a sample
+    pooled: dict[str, list[float]] = field(default_factory=dict)

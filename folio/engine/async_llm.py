@@ -19,11 +19,11 @@ from typing import AsyncGenerator, Callable, Iterable, Optional, Protocol, Seque
 
 from folio.config import EngineConfig
 from folio.core.scheduler import SchedulerStats
-from folio.engine.input_processor import PromptType
+from folio.engine.input_processor import Params, PromptType
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
 from folio.engine.stats import IterationStats, StatsCollector
-from folio.outputs import RequestOutput
+from folio.outputs import EngineOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
 logger = logging.getLogger("folio")
@@ -46,8 +46,8 @@ class StatLogger(Protocol):
 class RequestStream:
     """The outputs of the engine requests submitted together (one HTTP request), in the order the engine made them.
 
-    Iterating yields RequestOutputs (their request_id says which prompt); an engine failure is raised from
-    the iteration. It ends once every request has finished.
+    Iterating yields RequestOutputs, or EmbeddingRequestOutputs for pooling requests (their request_id says
+    which prompt); an engine failure is raised from the iteration. It ends once every request has finished.
     """
 
     def __init__(self, llm: "AsyncLLM", request_ids: list[str]) -> None:
@@ -55,9 +55,9 @@ class RequestStream:
         self._llm = llm
         self._unfinished = set(request_ids)
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Union[RequestOutput, BaseException, None]] = asyncio.Queue()
+        self._queue: asyncio.Queue[Union[EngineOutput, BaseException, None]] = asyncio.Queue()
 
-    def put(self, item: Union[RequestOutput, BaseException, None]) -> None:
+    def put(self, item: Union[EngineOutput, BaseException, None]) -> None:
         """Engine thread: hand over an output, an error, or None (= the requests were accepted)."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
@@ -78,7 +78,7 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         if not self._unfinished:
             raise StopAsyncIteration
         item = await self._queue.get()
@@ -124,7 +124,7 @@ class AsyncLLM:
 
     # ---- caller side (any thread for abort/shutdown; an event loop for the rest) -----------------------
 
-    async def add_requests(self, prompts: Sequence[tuple[str, PromptType]], params: Optional[SamplingParams] = None,
+    async def add_requests(self, prompts: Sequence[tuple[str, PromptType]], params: Optional[Params] = None,
                            priority: int = 0, output_kind: OutputKind = OutputKind.DELTA) -> RequestStream:
         """Submit (request_id, prompt) pairs sharing params; all are accepted or none (ValueError naming the field).
 
@@ -200,7 +200,7 @@ class AsyncLLM:
         except queue.Empty:
             pass
 
-    def _add(self, stream: RequestStream, prompts: list[tuple[str, PromptType]], params: Optional[SamplingParams],
+    def _add(self, stream: RequestStream, prompts: list[tuple[str, PromptType]], params: Optional[Params],
              priority: int, arrival_time: float, output_kind: OutputKind) -> None:
         if self.dead is not None or self._deadline is not None:
             stream.put(EngineDeadError("the engine is not accepting requests"))
@@ -233,7 +233,7 @@ class AsyncLLM:
         self._record(outputs)  # before delivery: a client that has its answer finds it in the metrics too
         self._deliver(outputs)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -242,7 +242,7 @@ class AsyncLLM:
                 del self._streams[output.request_id]
             stream.put(output)
 
-    def _record(self, outputs: list[RequestOutput]) -> None:
+    def _record(self, outputs: list[EngineOutput]) -> None:
         scheduler_stats = self.engine.get_stats()
         iteration = self._stats.record(outputs)
         for stat_logger in self.stat_loggers:

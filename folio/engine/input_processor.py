@@ -3,7 +3,8 @@
 Everything a request could be rejected for is checked here, before it reaches the scheduler, so that a
 bad request raises a ValueError naming its field and never disturbs the requests already running.
 A request with n > 1 becomes n independent core requests ("{i}_{request_id}") that the output
-processor gathers back into one RequestOutput.
+processor gathers back into one RequestOutput. A request with PoolingParams (an embedding) is one core
+request that samples nothing.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from folio.core.request import Request
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
 
 PromptType = Union[str, dict]
+Params = Union[SamplingParams, PoolingParams]
 MAX_LOGPROBS = 20
 
 
@@ -64,7 +67,7 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
@@ -73,8 +76,11 @@ class InputProcessor:
             if bad:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
-    def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+    def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: Params,
                       priority: int, arrival_time: float) -> list[Request]:
+        if isinstance(params, PoolingParams):
+            return [Request(request_id, prompt.prompt_token_ids, None, priority=priority, arrival_time=arrival_time,
+                            cache_salt=prompt.cache_salt, pooling_params=params)]
         self.check_params(params)
         if params.n == 1:
             children = [(request_id, params)]

@@ -21,11 +21,12 @@ from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import RequestStatus
 from folio.core.scheduler import Scheduler, SchedulerStats
-from folio.engine.input_processor import InputProcessor, PromptType
+from folio.engine.input_processor import InputProcessor, Params, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.loader.model_loader import load_model
-from folio.outputs import RequestOutput
+from folio.outputs import EngineOutput
 from folio.platforms import current_platform
+from folio.spec_decode.draft_model import load_draft_model
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
 from folio.worker.kv_cache import KVCacheSpec
@@ -50,15 +51,21 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         backend = platform.attention_backend(config.model.attention_backend)
+        max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        spec = config.speculative.speculative_config
+        draft = None if spec is None or spec.method != "draft_model" else \
+            load_draft_model(spec, cfg, dtype, max_model_len, config.cache.block_size, platform)
         kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype, config.cache.kv_cache_dtype)
-        num_blocks, self.max_model_len = self._size_kv_cache(kv_cache_spec, backend,
-                                                             config.model.max_model_len or cfg.max_position_embeddings)
+        num_lookahead_tokens = spec.num_speculative_tokens if draft else 0
+        num_blocks, self.max_model_len = self._size_kv_cache(
+            [kv_cache_spec] + ([draft.kv_cache_spec] if draft else []), backend, max_model_len, num_lookahead_tokens)
 
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        # a draft model writes the KV of its guesses past each step's tokens: slots are reserved for them
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
         self.runner = ModelRunner(loaded.model, kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
-                                  self.max_model_len, backend, platform.device)
+                                  self.max_model_len, backend, platform.device, spec, draft)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
                                               loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -66,20 +73,25 @@ class LLMEngine:
         logger.info("engine ready: %s (%s, %s, %s attention) in %.1f s", loaded.path, cfg.architecture, dtype,
                     type(backend).__name__, time.perf_counter() - start)
 
-    def _size_kv_cache(self, spec: KVCacheSpec, backend: AttentionBackend, max_model_len: int) -> tuple[int, int]:
-        """The number of blocks the platform's KV budget holds, and max_model_len lowered to fit in them."""
-        bytes_per_block = spec.bytes_per_block(backend)
+    def _size_kv_cache(self, specs: list[KVCacheSpec], backend: AttentionBackend, max_model_len: int,
+                       num_lookahead_tokens: int) -> tuple[int, int]:
+        """The number of blocks the platform's KV budget holds (a block: the KV of every model that keeps some,
+        the target's and a draft model's), and max_model_len lowered so that one request of that length and
+        the lookahead slots reserved past it fit in them."""
+        bytes_per_block = sum(spec.bytes_per_block(backend) for spec in specs)
         num_blocks = self.platform.kv_cache_budget(self.config.cache.kv_cache_memory) // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for even one block of {bytes_per_block} bytes")
-        capacity = num_blocks * spec.block_size
+        block_size = self.config.cache.block_size
+        capacity = num_blocks * block_size - num_lookahead_tokens
         if capacity < max_model_len:
             logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len to %d",
                            capacity, max_model_len, capacity)
             max_model_len = capacity
+        target = specs[0]
         logger.info("KV cache (%s): %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at %d tokens per "
-                    "request: %.1fx", spec.dtype if spec.cache_dtype == "auto" else spec.cache_dtype, num_blocks,
-                    spec.block_size, capacity, num_blocks * bytes_per_block / 2**20, max_model_len,
+                    "request: %.1fx", target.dtype if target.cache_dtype == "auto" else target.cache_dtype,
+                    num_blocks, block_size, capacity, num_blocks * bytes_per_block / 2**20, max_model_len,
                     capacity / max_model_len)
         return num_blocks, max_model_len
 
@@ -93,12 +105,13 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[Params] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
-        """Validate, tokenize and queue a request; raises ValueError (naming the field) for bad input."""
+        """Validate, tokenize and queue a request; raises ValueError (naming the field) for bad input. With
+        PoolingParams the request's one output is an EmbeddingRequestOutput."""
         params = params or SamplingParams()
-        if request_id in self.output_processor.states:
+        if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         processed = self.input_processor.process_prompt(prompt)
@@ -107,7 +120,7 @@ class LLMEngine:
         for request in requests:
             self.scheduler.add_request(request)
 
-    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[EngineOutput]:
         """End requests now and free their blocks; returns their final (aborted) outputs."""
         outputs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -127,7 +140,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

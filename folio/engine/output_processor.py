@@ -2,7 +2,8 @@
 
 The engine core only deals in token ids; here each completion is detokenized incrementally, checked for
 stop strings (a match ends the core request too), and its logprobs are turned into Logprob dicts.
-The n samples of one request are gathered back into one RequestOutput.
+The n samples of one request are gathered back into one RequestOutput. A pooling request has nothing to
+detokenize: its one output, an EmbeddingRequestOutput, is made when the core hands over its vector.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Optional
 
 from folio.core.scheduler import CoreOutput
 from folio.detokenizer import IncrementalDetokenizer
-from folio.engine.input_processor import ProcessedPrompt, child_request_id
-from folio.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from folio.engine.input_processor import Params, ProcessedPrompt, child_request_id
+from folio.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineOutput, Logprob,
+                           RequestMetrics, RequestOutput)
 from folio.core.step_contract import SampledLogprobs
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
 
@@ -61,9 +64,16 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
+        self.pooling: dict[str, ProcessedPrompt] = {}  # pooling requests in flight
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, kind: OutputKind,
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states or request_id in self.pooling
+
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: Params, kind: OutputKind,
                     arrival_time: float) -> None:
+        if isinstance(params, PoolingParams):
+            self.pooling[request_id] = prompt
+            return
         completions = {}
         for i in range(params.n):
             child = child_request_id(request_id, i, params.n)
@@ -77,6 +87,8 @@ class OutputProcessor:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def child_ids(self, request_id: str) -> list[str]:
+        if request_id in self.pooling:
+            return [request_id]
         state = self.states.get(request_id)
         return list(state.completions) if state else []
 
@@ -85,12 +97,18 @@ class OutputProcessor:
         for child in (state.completions if state else ()):
             self.child_to_parent.pop(child, None)
 
-    def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs to hand out and the core requests that a stop string ended."""
+    def process(self, core_outputs: list[CoreOutput]) -> tuple[list[EngineOutput], list[str]]:
+        """Returns the outputs to hand out and the core requests that a stop string ended."""
         touched: dict[str, _RequestState] = {}
         stopped: list[str] = []
+        outputs: list[EngineOutput] = []
         now = time.monotonic()
         for out in core_outputs:
+            if out.pooled is not None:
+                prompt = self.pooling.pop(out.request_id)
+                outputs.append(EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled),
+                                                      prompt.prompt_token_ids))
+                continue
             parent = self.child_to_parent.get(out.request_id)
             if parent is None:
                 continue
@@ -123,7 +141,6 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
 
-        outputs = []
         for state in touched.values():
             if state.finished:
                 state.metrics.finished_time = now
@@ -134,8 +151,10 @@ class OutputProcessor:
                 self.remove(state.request_id)
         return outputs, stopped
 
-    def abort(self, request_id: str) -> Optional[RequestOutput]:
+    def abort(self, request_id: str) -> Optional[EngineOutput]:
         """Mark a request aborted; returns its final output for streams still listening."""
+        if request_id in self.pooling:
+            return EmbeddingRequestOutput(request_id, None, self.pooling.pop(request_id).prompt_token_ids)
         state = self.states.get(request_id)
         if state is None:
             return None

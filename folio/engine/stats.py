@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from folio.outputs import RequestOutput
+from folio.outputs import EngineOutput, RequestOutput
 
 
 @dataclass
@@ -48,9 +48,12 @@ class StatsCollector:
     def __init__(self) -> None:
         self._progress: dict[str, _Progress] = {}
 
-    def record(self, outputs: list[RequestOutput]) -> IterationStats:
+    def record(self, outputs: list[EngineOutput]) -> IterationStats:
+        """Pooling requests (embeddings) generate no tokens and are left out."""
         stats = IterationStats()
         for out in outputs:
+            if not isinstance(out, RequestOutput):
+                continue
             metrics = out.metrics
             progress = self._progress.setdefault(out.request_id, _Progress())
             new_tokens = sum(len(c.token_ids) for c in out.outputs)

@@ -1,4 +1,5 @@
-"""LLM: the offline Python API, in vLLM's conventions (`LLM(...).generate(prompts, SamplingParams(...))`)."""
+"""LLM: the offline Python API, in vLLM's conventions (`LLM(...).generate(prompts, SamplingParams(...))`,
+`LLM(...).embed(prompts)`)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from typing import Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from folio.engine.input_processor import PromptType
+from folio.engine.input_processor import Params, PromptType
 from folio.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
-from folio.outputs import RequestOutput
+from folio.outputs import EmbeddingRequestOutput, EngineOutput, RequestOutput
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
 
@@ -45,6 +47,15 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         return self._run(prompts, list(sampling_params), priority or [0] * len(prompts), use_tqdm)
 
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Optional[PoolingParams] = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (`.outputs.embedding`), pooled from the model's final hidden states as
+        pooling_params says (default: the last token's, normalised); results come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        return self._run(prompts, [pooling_params or PoolingParams()] * len(prompts), [0] * len(prompts), use_tqdm)
+
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search for each prompt; each output holds the beam_width best sequences, best first."""
@@ -66,8 +77,8 @@ class LLM:
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], priority: list[int],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[Params], priority: list[int],
+             use_tqdm: bool) -> list[EngineOutput]:
         engine = self.llm_engine
         ids = []
         try:
@@ -78,7 +89,7 @@ class LLM:
         except Exception:
             engine.abort_request(ids)  # a bad prompt rejects the whole call, leaving nothing behind
             raise
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, EngineOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2)
         try:
             while engine.has_unfinished_requests():

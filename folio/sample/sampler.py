@@ -81,7 +81,7 @@ class Sampler:
 
         logprobs: list[Optional[SampledLogprobs]] = [None] * len(requests)
         if lp_rows:
-            gathered = _gather_logprobs(raw_logprobs, sampled[lp_index], [requests[i].params.logprobs for i in lp_rows])
+            gathered = gather_logprobs(raw_logprobs, sampled[lp_index], [requests[i].params.logprobs for i in lp_rows])
             for i, entry in zip(lp_rows, gathered):
                 logprobs[i] = entry
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
@@ -101,11 +101,17 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int],
                          f"got {tuple(logits.shape)}")
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = torch.tensor(target_token_ids, dtype=torch.long, device=logits.device)
-    return _gather_logprobs(logprobs, targets, [num_logprobs] * len(target_token_ids))
+    return gather_logprobs(logprobs, targets, [num_logprobs] * len(target_token_ids))
 
 
 def _sample_random(logits: torch.Tensor, rows: list[RequestState]) -> torch.Tensor:
     """Sample one token per (non-greedy) row; logits is a private [R, V] tensor, modified in place."""
+    return draw(random_weights(logits, rows), rows)
+
+
+def random_weights(logits: torch.Tensor, rows: list[RequestState]) -> torch.Tensor:
+    """The distribution each random row samples from, as unnormalised weights: logits (a private [R, V]
+    tensor, turned into the weights in place) after temperature, min_p, top_k and top_p."""
     device = logits.device
     logits /= torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
 
@@ -125,7 +131,7 @@ def _sample_random(logits: torch.Tensor, rows: list[RequestState]) -> torch.Tens
 
     # softmax's numerators, in place (a [64, 151936] float32 temporary costs more in page faults than in
     # arithmetic): the draw needs weights, not normalised probabilities; masked tokens get exactly 0
-    return _draw(logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_(), rows)
+    return logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
 
 
 def _apply_top_k(logits: torch.Tensor, row_ids: list[int], top_k: list[int]) -> None:
@@ -148,7 +154,7 @@ def _apply_top_p(logits: torch.Tensor, row_ids: list[int], top_p: list[float]) -
         sub.masked_fill_(~keep, -math.inf)
 
 
-def _draw(probs: torch.Tensor, rows: list[RequestState]) -> torch.Tensor:
+def draw(probs: torch.Tensor, rows: list[RequestState]) -> torch.Tensor:
     """One token per row from probs [R, V] (non-negative weights, not necessarily normalised) by inverse
     transform (sampling_ops.draw_rows), u ~ Uniform[0, 1).
 
@@ -168,7 +174,7 @@ def _draw(probs: torch.Tensor, rows: list[RequestState]) -> torch.Tensor:
     return draw_rows(probs, u)
 
 
-def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int]) -> list[SampledLogprobs]:
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int]) -> list[SampledLogprobs]:
     """Per row: the top-num_logprobs entries (ranks 1..k), then token_ids[row] if not among them, with its
     rank = 1 + the number of tokens more likely than it."""
     vocab_size = logprobs.shape[1]

@@ -1,9 +1,9 @@
 """Persistent input buffers of the model runner, updated incrementally from step to step.
 
 Every request the runner is computing owns a row of two arrays that live as long as the engine: its token
-ids and its block table. A step only writes what changed since the previous one (the token each request
+ids and its block table. A step only writes what changed since the previous one (the tokens each request
 sampled, appended by the runner; the block ids the step's message brings, a new one every `block_size`
-tokens; a whole row when a request arrives or resumes), then builds the step's flattened inputs (token ids,
+tokens; draft tokens to verify, past the known ones; a whole row when a request arrives or resumes), then builds the step's flattened inputs (token ids,
 positions, cache slots, the [B, max blocks] block table) with a few vectorised numpy gathers over those rows,
 instead of per-request Python lists rebuilt every step.
 
@@ -56,14 +56,21 @@ class InputBatch:
             if row is not None:
                 self.free_rows.append(row)
 
-    def append_token(self, request_id: str, token_id: int) -> None:
-        """A token the runner sampled for a request: it is the next position's input."""
+    def append_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Tokens the runner sampled for a request: the next positions' inputs."""
         row = self.rows[request_id]
         n = self.num_tokens[row]
-        if n >= self.max_model_len:
+        if n + len(token_ids) > self.max_model_len:
             raise ValueError(f"request {request_id} would exceed max_model_len {self.max_model_len}")
-        self.token_ids[row, n] = token_id
-        self.num_tokens[row] = n + 1
+        self.token_ids[row, n:n + len(token_ids)] = token_ids
+        self.num_tokens[row] = n + len(token_ids)
+
+    def tokens(self, request_id: str) -> np.ndarray:
+        """The request's tokens so far, a read-only view of its row."""
+        row = self.rows[request_id]
+        view = self.token_ids[row, :self.num_tokens[row]]
+        view.flags.writeable = False
+        return view
 
     def prepare(self, scheduled: list[ScheduledRequestData], requests: Mapping[str, RequestState]) -> StepInputs:
         """Bring the rows of this step's requests up to date, then gather the step's flattened inputs."""
@@ -79,6 +86,11 @@ class InputBatch:
                 have = self.num_blocks[row] = have + len(new)
             if have * self.block_size < start + item.num_tokens:
                 raise ValueError(f"request {item.request_id}: {have} blocks for {start + item.num_tokens} tokens")
+            if item.draft_token_ids:  # guesses after the known tokens: inputs of this step only, never kept
+                n = self.num_tokens[row]
+                if n + len(item.draft_token_ids) > self.max_model_len:
+                    raise ValueError(f"request {item.request_id}: drafts past max_model_len {self.max_model_len}")
+                self.token_ids[row, n:n + len(item.draft_token_ids)] = item.draft_token_ids
             rows.append(row)
             starts.append(start)
             query_lens.append(item.num_tokens)

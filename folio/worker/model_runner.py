@@ -6,12 +6,16 @@ block tables, generators, sampling history) is its own, built from those message
 The batch carries no padding between requests: token ids, positions and cache slots of every scheduled
 token are concatenated (gathered from the persistent per-request rows of worker/input_batch.py); each
 request brings its query length and context length. Logits are computed only at the positions that
-sample (and at prompt positions of requests that asked for prompt logprobs).
+sample (and at prompt positions of requests that asked for prompt logprobs); a pooling request's hidden
+states go to the pooler instead (worker/pooler.py), which answers with its vector when its prompt ends. With
+speculative decoding, a request's draft tokens follow its known ones in the batch, the rejection sampler
+verifies them, and the speculator proposes the next ones (folio.spec_decode).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -21,10 +25,15 @@ from folio.models import fused_ops
 from folio.models.llama import StepContext
 from folio.sample import sampling_ops
 from folio.sample.logits_processors import default_logits_processors
+from folio.sample.rejection_sampler import RejectionSampler
 from folio.sample.sampler import Sampler, compute_prompt_logprobs
 from folio.sample.sampling_metadata import SamplingMetadata
+from folio.spec_decode.config import SpeculativeConfig
+from folio.spec_decode.draft_model import DraftModel
+from folio.spec_decode.factory import make_speculator
 from folio.worker.input_batch import InputBatch
 from folio.worker.kv_cache import KVCacheSpec
+from folio.worker.pooler import Pooler
 from folio.worker.request_state import RequestState
 
 
@@ -38,9 +47,12 @@ class _PromptLogprobsJob:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache_spec: KVCacheSpec, num_blocks: int, max_num_seqs: int,
-                 max_model_len: int, backend: AttentionBackend, device: torch.device) -> None:
+                 max_model_len: int, backend: AttentionBackend, device: torch.device,
+                 speculative_config: Optional[SpeculativeConfig] = None, draft: Optional[DraftModel] = None) -> None:
         self.model = model
         self.backend = backend
+        self.device = device
+        self.num_blocks = num_blocks
         self.inputs = InputBatch(max_num_seqs, max_model_len, kv_cache_spec.block_size, device)
         self.requests: dict[str, RequestState] = {}
         if kv_cache_spec.dtype == torch.bfloat16:
@@ -48,7 +60,10 @@ class ModelRunner:
         sampling_ops.prepare()
         self.kv_caches = kv_cache_spec.allocate(backend, num_blocks, device)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         self.logits_processors = default_logits_processors()
+        self.pooler = Pooler()
+        self.speculator = None if speculative_config is None else make_speculator(speculative_config, self, draft)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -61,37 +76,63 @@ class ModelRunner:
         ctx = StepContext(self.backend, self.backend.build_metadata(step.layout), self.kv_caches)
         hidden = self.model(step.input_ids, step.positions, ctx)
 
-        sample_rows, samplers, jobs = [], [], []
+        sample_rows, samplers, drafts, jobs = [], [], [], []
         end = 0
         for item in sched.scheduled:
             request, start = self.requests[item.request_id], end
             end += item.num_tokens
-            if item.num_computed_tokens + item.num_tokens == request.num_tokens:  # reaches its last known token
-                sample_rows.append(end - 1)
+            if request.pooling_params is not None:
+                vector = self.pooler.add_chunk(item.request_id, request.pooling_params, hidden[start:end],
+                                               item.num_computed_tokens, len(request.prompt_token_ids))
+                if vector is not None:
+                    output.pooled[item.request_id] = vector
+                continue
+            num_drafts = len(item.draft_token_ids)
+            if item.num_computed_tokens + item.num_tokens == request.num_tokens + num_drafts:  # reaches the end
+                sample_rows.extend(range(end - 1 - num_drafts, end))  # the last known token's row, the drafts'
                 samplers.append(request)
+                drafts.append(item.draft_token_ids)
             if request.params.prompt_logprobs is not None:
                 job = self._prompt_logprobs_job(item, request, start)
                 if job is not None:
                     jobs.append(job)
 
         if samplers:
-            metadata = SamplingMetadata.build(samplers, self.logits_processors)
-            out = self.sampler(self.model.compute_logits(hidden[sample_rows]), metadata)  # it makes its own fp32 copy
-            for request, token, lp in zip(samplers, out.sampled_token_ids, out.logprobs):
-                request.output_token_ids.append(token)
-                self.inputs.append_token(request.request_id, token)
-                output.sampled[request.request_id] = SampledTokens([token], [lp] if lp is not None else [])
+            logits = self.model.compute_logits(hidden[sample_rows])  # the samplers make their own fp32 copies
+            for request, draft, sampled in zip(samplers, drafts, self._sample(logits, samplers, drafts)):
+                request.output_token_ids.extend(sampled.token_ids)
+                self.inputs.append_tokens(request.request_id, sampled.token_ids)
+                if draft:
+                    self.speculator.verified(request, len(draft), len(sampled.token_ids) - 1)
+                output.sampled[request.request_id] = sampled
+            if self.speculator is not None:
+                output.draft_token_ids = self.speculator.propose(
+                    samplers, [self.inputs.tokens(r.request_id) for r in samplers])
         for job in jobs:
             logits = self.model.compute_logits(hidden[job.hidden_rows]).float()
             output.prompt_logprobs[job.request_id] = compute_prompt_logprobs(logits, job.targets, job.num_logprobs)
         return output
 
+    def _sample(self, logits: torch.Tensor, requests: list[RequestState], drafts: list[list[int]]) -> list[SampledTokens]:
+        """One token per request, or with drafts to verify, the accepted ones and one more."""
+        if any(drafts):
+            return self.rejection_sampler(logits, requests, drafts, self.logits_processors)
+        out = self.sampler(logits, SamplingMetadata.build(requests, self.logits_processors))
+        return [SampledTokens([token], [lp] if lp is not None else [])
+                for token, lp in zip(out.sampled_token_ids, out.logprobs)]
+
     def _update_states(self, sched: SchedulerOutput) -> None:
         """Forget finished requests, drop the block tables of preempted ones, take in new ones."""
         for request_id in sched.finished_ids:
-            self.requests.pop(request_id, None)
+            request = self.requests.pop(request_id, None)
+            if request is not None and self.speculator is not None:
+                self.speculator.finished(request)
+        self.pooler.forget(sched.finished_ids)
         self.inputs.remove(sched.finished_ids)
         self.inputs.remove(sched.preempted_ids)
+        if self.speculator is not None:
+            for request_id in sched.preempted_ids:
+                self.speculator.preempted(request_id)
         for new in sched.new_requests:
             self.requests[new.request_id] = RequestState.from_new_request(new)
 

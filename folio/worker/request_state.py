@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from folio.core.step_contract import NewRequestData
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
 
@@ -21,18 +22,20 @@ from folio.sampling_params import SamplingParams
 class RequestState:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: Optional[SamplingParams]  # None for a pooling request
     stop_token_ids: frozenset[int]  # held back by min_tokens: EOS (unless ignore_eos) + params.stop_token_ids
     # Its own generator when params.seed is set, so its draws depend only on its seed and history; None draws
     # from the global RNG.
     generator: Optional[torch.Generator] = None
     output_token_ids: list[int] = field(default_factory=list)  # sampled so far
+    pooling_params: Optional[PoolingParams] = None
 
     @classmethod
     def from_new_request(cls, new: NewRequestData) -> "RequestState":
-        seed = new.sampling_params.seed
+        seed = new.sampling_params.seed if new.sampling_params is not None else None
         generator = None if seed is None else torch.Generator().manual_seed(seed)
-        return cls(new.request_id, new.prompt_token_ids, new.sampling_params, new.stop_token_ids, generator)
+        return cls(new.request_id, new.prompt_token_ids, new.sampling_params, new.stop_token_ids, generator,
+                   pooling_params=new.pooling_params)
 
     @property
     def num_tokens(self) -> int:

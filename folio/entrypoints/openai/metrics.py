@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from folio.core.scheduler import SchedulerStats
 from folio.engine.stats import IterationStats
+from folio.spec_decode.stats import SpecDecodingStats
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -48,6 +49,16 @@ class PrometheusStatLogger:
             "prefix_cache_hits": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
         }
         self._seen = dict.fromkeys(self.since_start, 0)
+        self.spec_decode = {
+            "num_drafts": counter("spec_decode_num_drafts", "Verification steps that checked draft tokens."),
+            "num_draft_tokens": counter("spec_decode_num_draft_tokens", "Draft tokens verified."),
+            "num_accepted_tokens": counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+        }
+        self._spec_seen = dict.fromkeys(self.spec_decode, 0)
+        self.accepted_per_pos = Counter("folio:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by their position among a step's drafts.",
+                                        labels + ["position"], registry=registry)
+        self._per_pos_seen: list[int] = []
         self.success = Counter("folio:request_success", "Count of finished requests by finish reason.",
                                labels + ["finished_reason"], registry=registry)
         for reason in FINISH_REASONS:  # each series exists (at 0) before the first request, so rate() works at once
@@ -67,6 +78,7 @@ class PrometheusStatLogger:
             total = getattr(scheduler_stats, name)
             counter.inc(max(total - self._seen[name], 0))
             self._seen[name] = total
+        self._record_spec_decoding(scheduler_stats.spec_decoding)
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.inc(iteration_stats.num_generation_tokens)
         for value in iteration_stats.time_to_first_tokens:
@@ -79,3 +91,15 @@ class PrometheusStatLogger:
             self.e2e.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.queue_time.observe(finished.queue_time)
+
+    def _record_spec_decoding(self, stats: SpecDecodingStats) -> None:
+        for name, counter in self.spec_decode.items():
+            total = getattr(stats, name)
+            counter.inc(max(total - self._spec_seen[name], 0))
+            self._spec_seen[name] = total
+        per_pos = stats.num_accepted_tokens_per_pos
+        self._per_pos_seen += [0] * (len(per_pos) - len(self._per_pos_seen))
+        for pos, total in enumerate(per_pos):
+            if total > self._per_pos_seen[pos]:
+                self.accepted_per_pos.labels(self.model_name, str(pos)).inc(total - self._per_pos_seen[pos])
+                self._per_pos_seen[pos] = total

@@ -1,4 +1,4 @@
-"""ASGI middleware: API-key check and request body size limit.
+"""ASGI middleware: API-key check, request body size limit, and the x-request-id header.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap `receive` and hide client
 disconnects from the routes that abort engine requests when their client goes away.
@@ -7,8 +7,10 @@ disconnects from the routes that abort engine requests when their client goes aw
 from __future__ import annotations
 
 import hmac
+import uuid
 
 from starlette.exceptions import HTTPException
+from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from folio.entrypoints.openai.errors import error_response
@@ -62,3 +64,24 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class RequestIdMiddleware:
+    """Every response carries `x-request-id`: the client's own when it sent one (so it can match its logs with
+    ours), else a fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["x-request-id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -9,9 +9,9 @@ fields are ignored, as vLLM does, because clients send fields of newer API versi
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from folio.sampling_params import SamplingParams
 
@@ -84,6 +84,7 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    suffix: Optional[str] = None  # fill-in-the-middle: for code models with FIM tokens
     echo: bool = False
     logprobs: Optional[int] = None  # legacy completions: how many top tokens per position
     # beam search (vLLM's extra): beam width max(n, best_of), the n best beams returned
@@ -152,13 +153,76 @@ class TextPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(RequestModel):
+    """A call an assistant message made, sent back by the client with the rest of the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+def text_parts_only(*text_types: str) -> Callable[[Any], Any]:
+    """A validator refusing content parts of other types up front: as a union member they would fail with
+    pydantic's opaque union message."""
+
+    def check(content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind not in text_types:
+                    raise ValueError(f"only text content is supported, got a content part of type {kind!r}")
+        return content
+
+    return check
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    """Every message shape of the Chat Completions API. `developer` is OpenAI's newer name for `system`; a tool
+    result comes as a `tool` message naming the call it answers; an assistant message that called tools may
+    have no content."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    _only_text = field_validator("content", mode="before")(text_parts_only("text"))
+
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content is required in a {self.role} message (only an assistant message with "
+                             "tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages only")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     def to_template_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema
+    strict: Optional[bool] = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -168,12 +232,32 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false} for Qwen3
+    tools: Optional[list[ChatTool]] = None  # rendered by the chat template; calls come back as text
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    response_format: Optional[ResponseFormat] = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
+
+    # What needs structured output (a grammar over the sampler) is refused until folio has it.
+    @field_validator("tool_choice")
+    @classmethod
+    def _unconstrained_tool_choice(cls, value: Any) -> Any:
+        if value == "required" or isinstance(value, dict):
+            raise ValueError("'required' or a named function needs structured output, which this server does not "
+                             "support yet; use 'auto' or 'none'")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_response_format(cls, value: Optional[ResponseFormat]) -> Optional[ResponseFormat]:
+        if value is not None and value.type != "text":
+            raise ValueError(f"{value.type!r} needs structured output, which this server does not support yet; "
+                             "use 'text'")
+        return value
 
 
 class TopLogProb(BaseModel):
@@ -261,6 +345,7 @@ class TokenizeRequest(RequestModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    tools: Optional[list[ChatTool]] = None  # with messages: rendered by the chat template as chat does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -268,6 +353,8 @@ class TokenizeRequest(RequestModel):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages (they are rendered by the chat template)")
         return self
 
 

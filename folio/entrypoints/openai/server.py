@@ -19,12 +19,18 @@ from folio.config import EngineConfig
 from folio.engine.async_llm import AsyncLLM
 from folio.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from folio.entrypoints.openai.metrics import PrometheusStatLogger
-from folio.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from folio.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from folio.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                                TokenizeResponse)
-from folio.entrypoints.openai.serving_chat import OpenAIServingChat
+from folio.entrypoints.openai.serving_chat import OpenAIServingChat, chat_prompt_ids
+from folio.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from folio.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
+from folio.entrypoints.openai.responses_store import ResponseStore
 from folio.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from folio.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
+from folio.entrypoints.openai.serving_responses import OpenAIServingResponses
+from folio.loader.default_model import default_model_path
 
 MAX_BODY_BYTES = 16 << 20
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the embedded default model is served as
@@ -35,13 +41,15 @@ def served_model_name(model: Optional[str]) -> str:
 
 
 def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, responses_store: Optional[ResponseStore] = None) -> FastAPI:
     """An app serving `llm` as `model_name`. It registers its own metrics with the llm; the caller owns the llm
     (and shuts it down after the server stops)."""
     registry = CollectorRegistry()
     llm.stat_loggers.append(PrometheusStatLogger(model_name, registry))
     completions = OpenAIServingCompletion(llm, model_name)
     chat = OpenAIServingChat(llm, model_name)
+    embeddings = OpenAIServingEmbedding(llm, model_name)
+    responses = OpenAIServingResponses(llm, model_name, responses_store or ResponseStore())
     tokenizer = llm.engine.get_tokenizer()
     max_model_len = llm.engine.max_model_len
 
@@ -62,10 +70,17 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    card = ModelCard(id=model_name, root=llm.engine.config.model.model or default_model_path(),
+                     max_model_len=max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=llm.engine.config.model.model,
-                                         max_model_len=max_model_len)])
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        chat.check_model(model_id)
+        return card
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -75,6 +90,22 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.serve(request, raw_request)
 
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.serve(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw_request: Request) -> ResponseObject:
+        return responses.retrieve(response_id, dict(raw_request.query_params))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete(response_id)
+
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         chat.check_model(request.model)
@@ -82,9 +113,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
             if request.prompt is not None:
                 tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
             else:
-                tokens = tokenizer.apply_chat_template([m.to_template_dict() for m in request.messages],
-                                                       add_generation_prompt=request.add_generation_prompt,
-                                                       tokenize=True)
+                tokens = chat_prompt_ids(tokenizer, request.messages, request.add_generation_prompt, request.tools)
         except ValueError as e:
             raise OpenAIError.bad_request(e, TokenizeRequest.model_fields) from e
         return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
@@ -100,7 +129,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last = outermost: no body read without a key
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outside the body limit: no body read without a key
+    app.add_middleware(RequestIdMiddleware)  # outermost: a 401 carries the id too
     return app
 
 

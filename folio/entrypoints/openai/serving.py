@@ -88,6 +88,27 @@ async def cancel_on_disconnect(raw_request: Request, work: Awaitable[Response]) 
     return task.result()
 
 
+def check_model(requested: Optional[str], served: str) -> None:
+    """404 for a model this server does not serve (a request may leave the model out)."""
+    if requested is not None and requested != served:
+        raise OpenAIError(404, f"The model `{requested}` does not exist.", "model")
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int, field: str = "prompt") -> None:
+    if prompt_len >= max_model_len:
+        raise ValueError(f"{field} is {prompt_len} tokens long, but this model's maximum context length is "
+                         f"{max_model_len} tokens (the prompt and at least one generated token must fit)")
+
+
+def check_context(prompt_len: int, max_tokens: int, max_model_len: int, field: str = "max_tokens") -> None:
+    """A 400 in OpenAI's words when the prompt and the tokens asked for do not fit in the context."""
+    if prompt_len + max_tokens > max_model_len:
+        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                               f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                               f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                               "completion.", field)
+
+
 class OpenAIServing(ABC):
     request_id_prefix: str
 
@@ -126,14 +147,13 @@ class OpenAIServing(ABC):
         return delta
 
     def opening_chunks(self, request_id: str, created: int, request: SamplingRequest) -> list[BaseModel]:
-        """Chunks a stream starts with before any token (chat's role announcement)."""
+        """Chunks sent just before the first token's (chat's role announcement)."""
         return []
 
     # ---- the shared flow ---------------------------------------------------------------------------
 
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
-            raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
+        check_model(name, self.model_name)
 
     async def serve(self, request: SamplingRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
@@ -163,15 +183,9 @@ class OpenAIServing(ABC):
         if not prompts or any(not p.token_ids for p in prompts):
             raise ValueError("prompt must not be empty")
         longest = max(len(p.token_ids) for p in prompts)
-        if longest >= self.max_model_len:
-            raise ValueError(f"prompt is {longest} tokens long, but this model's maximum context length is "
-                             f"{self.max_model_len} tokens (the prompt and at least one generated token must fit)")
+        check_prompt_fits(longest, self.max_model_len)
         max_tokens = self.max_tokens(request, longest)
-        if longest + max_tokens > self.max_model_len:
-            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                   f"you requested {longest + max_tokens} tokens ({longest} in the messages, "
-                                   f"{max_tokens} in the completion). Please reduce the length of the messages or "
-                                   "completion.", "max_tokens")
+        check_context(longest, max_tokens, self.max_model_len)
         logprobs, prompt_logprobs = self.logprob_counts(request)
         return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
 
@@ -204,10 +218,14 @@ class OpenAIServing(ABC):
     async def _sse(self, stream: RequestStream, deltas: AsyncIterator[ChoiceDelta], request_id: str, created: int,
                    request: SamplingRequest, prompts: list[Prompt], cached: dict[int, int]) -> AsyncIterator[str]:
         completion_tokens = 0
+        # Held back until the first token (as vLLM does): clients time the first chunk as the first token, and a
+        # chunk sent before the prefill would report the time to the headers instead.
+        opening = self.opening_chunks(request_id, created, request)
         try:
-            for chunk in self.opening_chunks(request_id, created, request):
-                yield _event(chunk)
             async for delta in deltas:
+                for chunk in opening:
+                    yield _event(chunk)
+                opening = []
                 completion_tokens += delta.num_generated
                 if delta.text or delta.finish_reason or delta.logprobs:
                     choice = self.choice(request, delta, stream=True)

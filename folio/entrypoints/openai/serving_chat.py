@@ -1,19 +1,21 @@
-"""POST /v1/chat/completions: messages through the model's chat template, chat-shaped logprobs and chunks."""
+"""POST /v1/chat/completions: messages and tools through the model's chat template, chat-shaped logprobs and
+chunks."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import BaseModel
 
 from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogProbs, ChatCompletionChunk,
-                                               ChatCompletionRequest, ChatCompletionResponse, ChatLogProb,
-                                               ChatStreamChoice, DeltaMessage, TopLogProb, UsageInfo)
+                                               ChatCompletionRequest, ChatCompletionResponse, ChatLogProb, ChatMessage,
+                                               ChatStreamChoice, ChatTool, DeltaMessage, TopLogProb, UsageInfo)
 from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, clamp_logprob
 from folio.outputs import Logprob
+from folio.tokenizer import Tokenizer
 
 # Template variables a request may not override through chat_template_kwargs.
-_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools"})
 
 
 def _top_logprob(lp: Logprob) -> TopLogProb:
@@ -21,18 +23,27 @@ def _top_logprob(lp: Logprob) -> TopLogProb:
     return TopLogProb(token=token, logprob=clamp_logprob(lp.logprob), bytes=list(token.encode("utf-8")))
 
 
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    tools: Optional[list[ChatTool]] = None,
+                    template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+    """The conversation through the model's chat template, tools as Transformers passes them (a list of dicts in
+    the API's shape); ValueError for what the template rejects."""
+    kwargs = template_kwargs or {}
+    reserved = _RESERVED_TEMPLATE_ARGS & kwargs.keys()
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    if tools:
+        kwargs = {**kwargs, "tools": [t.model_dump(exclude_none=True) for t in tools]}
+    return tokenizer.apply_chat_template([m.to_template_dict() for m in messages],
+                                         add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
+
+
 class OpenAIServingChat(OpenAIServing):
     request_id_prefix = "chatcmpl"
 
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
-        kwargs = request.chat_template_kwargs or {}
-        reserved = _RESERVED_TEMPLATE_ARGS & kwargs.keys()
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
-        ids = self.tokenizer.apply_chat_template([m.to_template_dict() for m in request.messages],
-                                                 add_generation_prompt=request.add_generation_prompt, tokenize=True,
-                                                 **kwargs)
-        return [Prompt(None, ids)]
+        return [Prompt(None, chat_prompt_ids(self.tokenizer, request.messages, request.add_generation_prompt,
+                                             request.tools, request.chat_template_kwargs))]
 
     def max_tokens(self, request: ChatCompletionRequest, longest_prompt: int) -> int:
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens

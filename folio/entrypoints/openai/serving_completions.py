@@ -1,7 +1,8 @@
 """POST /v1/completions: prompts as text or token ids, echo, and the legacy logprobs shape.
 
 `echo` with `max_tokens: 0` and `logprobs` scores a prompt without generating (lm-eval's loglikelihood):
-the engine runs one token, which is dropped, and the prompt's own logprobs are returned.
+the engine runs one token, which is dropped, and the prompt's own logprobs are returned. `suffix` asks a code
+model for the text between the prompt and the suffix (fill_in_the_middle.py); echo then shows the prompt.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from starlette.responses import Response
 
 from folio.entrypoints.beam_search import BeamSearchParams, beam_search_async
 from folio.entrypoints.openai.errors import OpenAIError
-
+from folio.entrypoints.openai.fill_in_the_middle import fim_prompt_ids
 from folio.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                                CompletionResponse, UsageInfo)
 from folio.entrypoints.openai.serving import (ChoiceDelta, OpenAIServing, PositionLogprobs, Prompt, cancel_on_disconnect,
@@ -57,6 +58,10 @@ class OpenAIServingCompletion(OpenAIServing):
         raw = request.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
+        if request.suffix is not None:
+            if not all(isinstance(item, str) for item in raw):
+                raise ValueError("suffix needs the prompt as text, not token ids")
+            return [Prompt(item, fim_prompt_ids(self.tokenizer, item, request.suffix)) for item in raw]
         return [Prompt(item, self.tokenizer.encode(item)) if isinstance(item, str) else Prompt(None, list(item))
                 for item in raw]
 

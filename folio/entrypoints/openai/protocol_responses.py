@@ -1,0 +1,159 @@
+"""Request and response bodies of the Responses API (/v1/responses), in the conventions of protocol.py.
+
+A request takes chat's sampling fields, vLLM's extras included (extra_body with the openai client), except `n`
+and `max_tokens`: a response has one output, and `max_output_tokens` is its limit. Input is text only: messages
+(a plain string is one user message), and the function calls and their outputs of an earlier turn.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
+
+from folio.entrypoints.openai.protocol import RequestModel, SamplingRequest, text_parts_only
+
+
+class InputTextPart(RequestModel):
+    type: Literal["input_text", "output_text"]  # output_text: an earlier response's message sent back
+    text: str
+
+
+class InputMessage(RequestModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[InputTextPart]]
+
+    _only_text = field_validator("content", mode="before")(text_parts_only("input_text", "output_text"))
+
+
+class FunctionCallItem(RequestModel):
+    """A function call the model made in an earlier turn."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(RequestModel):
+    """The result of a function call, sent by the client."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+def _item_type(value: Any) -> Optional[str]:
+    if isinstance(value, dict):
+        return value.get("type", "message")  # an "easy" input message has no type
+    return getattr(value, "type", None)
+
+
+InputItem = Annotated[
+    Union[Annotated[InputMessage, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+    Discriminator(_item_type, custom_error_type="input_item",
+                  custom_error_message="input items must be messages, function_call or function_call_output items "
+                                       "(this server takes text only)")]
+
+
+class TextFormat(RequestModel):
+    type: str
+
+
+class TextConfig(RequestModel):
+    format: Optional[TextFormat] = None
+
+
+class ResponsesRequest(SamplingRequest):
+    input: Union[str, list[InputItem]]
+    instructions: Optional[str] = None  # a system message before the input; not carried to later turns
+    max_output_tokens: Optional[int] = None
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    metadata: Optional[dict[str, str]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[TextConfig] = None
+    truncation: Optional[str] = None
+    # refused unless empty (serving_responses.py says why)
+    reasoning: Optional[dict[str, Any]] = None
+    background: Optional[bool] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = None
+
+
+# ---- the response ----------------------------------------------------------------------------------------
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[OutputMessage]
+    usage: Optional[ResponseUsage] = None
+    incomplete_details: Optional[IncompleteDetails] = None
+    error: Optional[ResponseError] = None
+    # the request's settings, echoed
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    previous_response_id: Optional[str] = None
+    store: bool
+    temperature: float
+    top_p: float
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: Optional[str] = None
+    parallel_tool_calls: bool = True
+    tool_choice: str = "auto"
+    tools: list[Any] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: Literal["disabled"] = "disabled"
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
