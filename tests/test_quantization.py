@@ -15,6 +15,7 @@ from folio.models.int4_linear import Int4LinearMethod
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear
 from folio.models.quantization import quantization_chooser
+from folio.models.quantized_linear import DEQUANTIZE_MIN_ROWS
 from tests.conftest import hf_logprobs
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
@@ -55,6 +56,14 @@ def test_shards_quantise_as_they_load_into_their_rows(method):
     else:
         weight_only = ref.weight_only_linear(x, packed, scales, offsets, layer.bias, compute_dtype=torch.float64)
         assert torch.allclose(layer(x), weight_only.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [Int8LinearMethod(), Int4LinearMethod()], ids=["int8", "int4"])
+def test_prefill_sized_batches_run_the_dense_gemm_on_the_dequantised_weight(method):
+    layer, _ = _fused_layer(method, bias=True)
+    x = torch.randn(DEQUANTIZE_MIN_ROWS, 64)
+    weight = ref.dequantize(layer.weight, layer.weight_scale, layer.weight_offset)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
 
 
 def test_a_wrong_shard_or_shape_is_a_value_error():

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from folio.models import quant_kernels
 from folio.models.int4_linear import Int4LinearMethod
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear, LinearMethod, LinearMethodChooser
@@ -86,16 +85,13 @@ def _q4k_scales(packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GGUFInt8LinearMethod(Int8LinearMethod):
-    """int8 groups of 32 from Q8_0 blocks: weight-only at every batch size (W8A8 takes one scale per row)."""
+    """int8 groups of 32 from Q8_0 blocks: weight-only (the W8A8 kernel takes one scale per row)."""
 
     def packed_shape(self, rows: int, input_size: int) -> tuple[tuple[int, ...], torch.dtype, int]:
         return (rows, input_size), torch.int8, input_size // BLOCK
 
     def quantize(self, w: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         return w.convert()
-
-    def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.weight_only_linear(x, layer.weight, layer.weight_scale, None, layer.bias)
 
 
 class GGUFInt4LinearMethod(Int4LinearMethod):

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 
-from folio.models import quant_kernels
 from folio.models.linear import Linear
 from folio.models.quant_reference import BLOCK, quantize_int4
 from folio.models.quantized_linear import QuantizedLinearMethod
@@ -35,4 +34,4 @@ class Int4LinearMethod(QuantizedLinearMethod):
         return quantize_int4(w, self.group_size(w.shape[1]))
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.weight_only_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
+        return self.weight_only(layer, x)

@@ -34,4 +34,4 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             return quant_kernels.w8a8_linear(x, layer.weight, layer.weight_scale.view(-1), layer.bias)
-        return quant_kernels.weight_only_linear(x, layer.weight, layer.weight_scale, None, layer.bias)
+        return self.weight_only(layer, x)
