@@ -16,7 +16,7 @@ import typing
 from typing import Any, Optional, Sequence
 
 from folio import envs
-from folio.bench import baseline, make_model, roofline, serve, throughput
+from folio.bench import baseline, make_model, perplexity, roofline, serve, throughput
 from folio.config import EngineConfig, engine_options
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench(commands: argparse._SubParsersAction, engine: argparse.ArgumentParser) -> None:
     """`folio bench NAME`: each benchmark module brings add_arguments and main; those that run the engine take
     the engine flags and get main(args, EngineConfig)."""
-    bench = commands.add_parser("bench", help="benchmarks: throughput, serve, baseline, roofline, make-model",
+    bench = commands.add_parser("bench", help="benchmarks: throughput, serve, baseline, roofline, perplexity, make-model",
                                 description="Benchmarks. Timings on a shared CPU are noisy: compare the ratios "
                                             "each benchmark measures side by side in one run.")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
@@ -149,6 +149,7 @@ def _add_bench(commands: argparse._SubParsersAction, engine: argparse.ArgumentPa
             ("serve", serve, False, "latency and throughput of an OpenAI-compatible server under load"),
             ("baseline", baseline, True, "folio against Hugging Face Transformers on the same workload"),
             ("roofline", roofline, True, "this machine's limits and the fastest the workload could run"),
+            ("perplexity", perplexity, True, "perplexity over a text: the accuracy of quantisation and 8-bit KV"),
             ("make-model", make_model, False, "write a random-weight model folder of a named architecture")):
         parser = benchmarks.add_parser(name, parents=[engine] if uses_engine else [], help=summary,
                                        description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

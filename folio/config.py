@@ -44,6 +44,8 @@ def parse_memory_size(text: str) -> Union[int, float]:
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+QUANTIZATION_SCHEMES = ("int8", "w8a8", "int4", "int4-g128", "gguf")  # folio.models.quantization
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # folio.attention.kv_quant
 
 
 @dataclass
@@ -61,10 +63,17 @@ class ModelOptions:
     attention_backend: Optional[str] = option(
         None, "attention kernel: cpu_paged (C++, reads the paged cache in place) or torch_sdpa (reference)",
         default_means="$FOLIO_ATTENTION_BACKEND, else the fastest that builds here")
+    quantization: Optional[str] = option(
+        None, "low-precision weights, quantised as they load: int8 (per-channel, float activations), w8a8 (int8 "
+              "and dynamic per-token int8 activations), int4 / int4-g128 (groups of 32 / 128, float "
+              "activations; the lm_head in int8); gguf: a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K layers as stored",
+        default_means="none: the weights run in dtype (GGUF types dequantised)", choices=QUANTIZATION_SCHEMES)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {self.quantization!r}")
         self.torch_dtype  # validates dtype
 
     @property
@@ -89,10 +98,16 @@ class CacheOptions:
         None, "KV cache size: bytes (4GiB, 512MiB) or a fraction of available memory (0.3)",
         default_means="the smaller of 4 GiB and 40% of available memory", type=parse_memory_size)
     enable_prefix_caching: bool = option(True, "reuse the KV cache of earlier prompts' full blocks")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache storage: auto (the model's dtype), int8 or fp8 (e4m3): 8-bit codes with a float32 scale "
+                "per token and head, about half of bf16's bytes, so about twice the tokens fit",
+        choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None and not (
                 (isinstance(self.kv_cache_memory, float) and 0.0 < self.kv_cache_memory <= 1.0)
                 or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 1)):

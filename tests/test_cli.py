@@ -55,7 +55,7 @@ def test_server_options_are_serve_flags():
 
 
 ENGINE_COMMANDS = [["serve"], ["generate"], ["chat"], ["bench", "throughput"], ["bench", "baseline"],
-                   ["bench", "roofline"]]
+                   ["bench", "roofline"], ["bench", "perplexity"]]
 
 
 @pytest.mark.parametrize("command", ENGINE_COMMANDS)
@@ -63,6 +63,7 @@ def test_every_engine_option_is_a_flag(command):
     values = {"model": "/some/model", "dtype": "bfloat16", "block_size": 8, "kv_cache_memory": 1 << 20,
               "max_num_seqs": 3, "max_num_batched_tokens": 64, "max_model_len": 100, "scheduling_policy": "priority",
               "enable_prefix_caching": False, "seed": 5, "num_threads": 2, "attention_backend": "torch_sdpa",
+              "quantization": "int4", "kv_cache_dtype": "int8",
               "speculative_config": SpeculativeConfig("ngram", num_speculative_tokens=3),
               "structured_outputs_backend": "llguidance"}
     assert set(values) == {option.name for _, option, _ in engine_options()}, "a new engine option needs a flag"

@@ -58,7 +58,7 @@ def test_a_plugged_in_method_generates_what_the_dense_one_does(tiny_model_factor
     folder = tiny_model_factory(arch, tie)
     dense = _greedy(folder, dtype)
     reference = ReferenceLinearMethod()
-    monkeypatch.setattr(type(current_platform()), "linear_method", lambda self, model: reference)
+    monkeypatch.setattr(type(current_platform()), "linear_method", lambda self, model, quantization=None: reference)
     assert _greedy(folder, dtype) == dense
     assert len(reference.bound) == 2 * 4 + 1 and reference.calls > 0  # qkv, o, gate_up, down per layer; lm_head
     assert all(layer.method is reference for layer in reference.bound)

@@ -19,7 +19,8 @@ without compiler or ninja. `load_extension()` returns None (after one logged war
 callers then use TorchSDPABackend (see folio.platforms.cpu).
 
 Handled in place: float32 and bfloat16 caches, any head_dim (AVX-512 code for multiples of 16 up to 256, a
-scalar loop otherwise). Anything else (float16 caches, q/k/v in another dtype than the cache) goes to the
+scalar loop otherwise), and 8-bit caches (folio.attention.kv_quant: int8 or fp8 codes with a scale per row,
+written and read by the scalar loop). Anything else (float16 caches, q/k/v in another dtype than the cache) goes to the
 reference backend for that call.
 """
 
@@ -31,6 +32,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from folio.attention import kv_quant
 from folio.attention.backend import AttentionBackend, BatchLayout
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
@@ -91,8 +93,9 @@ class CPUPagedAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        dtype = k_cache.dtype
-        if dtype not in SUPPORTED_DTYPES or not k_cache.is_cpu or not q.dtype == k.dtype == v.dtype == dtype:
+        dtype = q.dtype
+        cache_ok = k_cache.dtype == dtype or kv_quant.of_cache(k_cache) is not None
+        if dtype not in SUPPORTED_DTYPES or not k_cache.is_cpu or not (q.dtype == k.dtype == v.dtype and cache_ok):
             return self._reference_forward(q, k, v, kv_cache, metadata)
         if q.stride(-1) != 1:
             q = q.contiguous()

@@ -3,7 +3,8 @@ calls scaled_dot_product_attention (grouped-query attention without repeating K/
 
 Decoding requests (one query token each) are batched into one SDPA call over a padded context; requests
 with several query tokens (prefill chunks) get one call each with a causal mask offset by their cached
-context. Correctness first: faster backends implement the same interface.
+context. Correctness first: faster backends implement the same interface. An 8-bit cache
+(folio.attention.kv_quant) is written quantised and read back dequantised to q's dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from folio.attention import kv_quant
 from folio.attention.backend import AttentionBackend, BatchLayout
 
 
@@ -66,23 +68,28 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: TorchSDPAMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, metadata.slot_mapping, k)
-        v_flat.index_copy_(0, metadata.slot_mapping, v)
+        quant = kv_quant.of_cache(k_cache)
+        num_kv_heads, row = k_cache.shape[-2:]
+        k_flat = k_cache.view(-1, num_kv_heads, row)
+        v_flat = v_cache.view(-1, num_kv_heads, row)
+        k_flat.index_copy_(0, metadata.slot_mapping, k if quant is None else quant.quantize(k))
+        v_flat.index_copy_(0, metadata.slot_mapping, v if quant is None else quant.quantize(v))
+
+        def gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            rows = flat[slots]
+            return rows if quant is None else quant.dequantize(rows, q.dtype)
 
         out = torch.empty_like(q)
         if metadata.decode_token_idx is not None:
             qd = q[metadata.decode_token_idx].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = k_flat[metadata.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = v_flat[metadata.decode_slots].transpose(1, 2)
+            kd = gather(k_flat, metadata.decode_slots).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = gather(v_flat, metadata.decode_slots).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=metadata.decode_mask, enable_gqa=True)
             out[metadata.decode_token_idx] = od.squeeze(2)
         for item in metadata.prefills:
             qp = q[item.token_slice].transpose(0, 1)  # [Hq, n, D]
-            kp = k_flat[item.context_slots].transpose(0, 1)  # [Hkv, L, D]
-            vp = v_flat[item.context_slots].transpose(0, 1)
+            kp = gather(k_flat, item.context_slots).transpose(0, 1)  # [Hkv, L, D]
+            vp = gather(v_flat, item.context_slots).transpose(0, 1)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=item.mask, is_causal=item.mask is None,
                                                 enable_gqa=True)
             out[item.token_slice] = op.transpose(0, 1)

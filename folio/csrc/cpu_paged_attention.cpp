@@ -26,14 +26,21 @@
 // needs head_dim to be a multiple of 16 (16..256 listed in pick_kernel); any other head_dim, or a build
 // without AVX-512, uses the scalar path.
 //
+// 8-bit caches (folio.attention.kv_quant): a row is D codes, int8 (int8 cache) or fp8 e4m3 bits (uint8
+// cache), followed by the 4 bytes of its float32 scale (max |value| / 127 or / 448); the new K/V rows are
+// quantised here exactly as the torch reference does, and read by the scalar path, which takes each key's
+// scale out of its dot product and folds each value's into its probability. (The AVX-512 path reads float32
+// and bf16 caches only.)
+//
 // Layouts: q [T, Hq, D], k/v [T, Hkv, D] (any token/head strides, unit stride along D); caches
-// [num_blocks, block_size, Hkv, D] contiguous; reqs int32 [B, 3] = (first token in the batch, query length,
+// [num_blocks, block_size, Hkv, D] contiguous ([..., D + 4] bytes when 8-bit); reqs int32 [B, 3] = (first token in the batch, query length,
 // context length including this step's tokens); block_tables int32 [B, max_blocks].
 
 // Only the headers needed (not torch/extension.h): that keeps the first-use build near 15 s instead of 40 s.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -65,6 +72,7 @@ struct Params {
   const int32_t* block_tables;
   int64_t max_blocks;
   int block_size, Hkv, G, D;
+  int RS;  // cache elements per (token, kv head) row: D, or D + 4 bytes in an 8-bit cache
   float scale_log2;  // softmax scale times log2(e): scores are kept in base 2
 };
 
@@ -83,6 +91,46 @@ struct Group {  // one (request, kv heads, query tile) whose keys were split int
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
+
+// How a cache of element type C stores a row: Cache<C>::value(row[c]) * Cache<C>::scale(row, D) is its c-th
+// value. float32 and bf16 caches hold values; int8 and uint8 (fp8 e4m3 bits) ones codes and a scale.
+template <typename C>
+struct Cache {
+  static constexpr bool QUANTIZED = false;
+  static float value(C x) { return to_f(x); }
+  static float scale(const C*, int) { return 1.f; }
+};
+template <typename C>
+struct QuantizedCache {
+  static constexpr bool QUANTIZED = true;
+  static constexpr int SCALE_BYTES = 4;
+  static float scale(const C* row, int D) {
+    float s;
+    std::memcpy(&s, row + D, sizeof(float));
+    return s;
+  }
+  static void store_scale(C* row, int D, float s) { std::memcpy(row + D, &s, sizeof(float)); }
+};
+template <>
+struct Cache<int8_t> : QuantizedCache<int8_t> {
+  static constexpr float MAX = 127.f;
+  static float value(int8_t x) { return static_cast<float>(x); }
+  static int8_t encode(float x) { return static_cast<int8_t>(std::min(MAX, std::max(-MAX, std::nearbyint(x)))); }
+};
+template <>
+struct Cache<uint8_t> : QuantizedCache<uint8_t> {
+  static constexpr float MAX = 448.f;
+  static float value(uint8_t x) { return table()[x]; }
+  static uint8_t encode(float x) { return c10::Float8_e4m3fn(x).x; }  // round to nearest even, as torch
+  static const float* table() {
+    static const std::vector<float> t = [] {
+      std::vector<float> v(256);
+      for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+      return v;
+    }();
+    return t.data();
+  }
+};
 
 // Scratch memory of one thread, grown on demand and reused across calls.
 struct Scratch {
@@ -109,7 +157,7 @@ Scratch& thread_scratch() {
 // ------------------------------------------------------------------------------------------------------
 // Scalar path (any head_dim, any ISA). Also the reference for the vector path's structure.
 // ------------------------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, typename C>
 void attend_item_scalar(const Params& P, const Item& it, float* partial) {
   const int D = P.D, G = P.G;
   const int RH = (it.q1 - it.q0) * G, R = RH * (it.h1 - it.h0);
@@ -134,10 +182,10 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial) {
   }
   std::fill(acc, acc + (size_t)R * D, 0.f);
 
-  const T* kc = static_cast<const T*>(P.k_cache);
-  const T* vc = static_cast<const T*>(P.v_cache);
+  const C* kc = static_cast<const C*>(P.k_cache);
+  const C* vc = static_cast<const C*>(P.v_cache);
   const int32_t* bt = P.block_tables + it.b * P.max_blocks;
-  const int64_t row_stride = (int64_t)P.Hkv * D;
+  const int64_t row_stride = (int64_t)P.Hkv * P.RS;
   for (int t0 = it.k0; t0 < kend; t0 += TILE) {
     const int nt = std::min(TILE, kend - t0);
     int64_t tok[TILE];
@@ -148,15 +196,16 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial) {
     }
     for (int r = 0; r < R; ++r) {
       const int hh = r / RH, rr = r % RH;
-      const int64_t hoff = (int64_t)(it.h0 + hh) * D;
+      const int64_t hoff = (int64_t)(it.h0 + hh) * P.RS;
       const int lim = std::min(nt, off + it.q0 + rr / G + 1 - t0);  // keys of this tile the row may see
       if (lim <= 0) continue;
       float* s = S + (size_t)r * TILE;
       float mt = -std::numeric_limits<float>::infinity();
       for (int j = 0; j < lim; ++j) {
-        const T* kr = kc + tok[j] + hoff;
+        const C* kr = kc + tok[j] + hoff;
         float d = 0.f;
-        for (int c = 0; c < D; ++c) d += qf[(size_t)r * D + c] * to_f(kr[c]);
+        for (int c = 0; c < D; ++c) d += qf[(size_t)r * D + c] * Cache<C>::value(kr[c]);
+        if (Cache<C>::QUANTIZED) d *= Cache<C>::scale(kr, D);
         s[j] = d;
         mt = std::max(mt, d);
       }
@@ -169,8 +218,9 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial) {
       float* a = acc + (size_t)r * D;
       for (int c = 0; c < D; ++c) a[c] *= corr;
       for (int j = 0; j < lim; ++j) {
-        const T* vr = vc + tok[j] + hoff;
-        for (int c = 0; c < D; ++c) a[c] += s[j] * to_f(vr[c]);
+        const C* vr = vc + tok[j] + hoff;
+        const float p = Cache<C>::QUANTIZED ? s[j] * Cache<C>::scale(vr, D) : s[j];
+        for (int c = 0; c < D; ++c) a[c] += p * Cache<C>::value(vr[c]);
       }
     }
   }
@@ -573,10 +623,10 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
 template <typename T>
 using ItemFn = void (*)(const Params&, const Item&, float*);
 
-template <typename T>
+template <typename T, typename C>
 ItemFn<T> pick_kernel(int D) {
 #if defined(__AVX512F__)
-  switch (D) {
+  if (std::is_same<T, C>::value) switch (D) {
     case 16: return attend_item_avx512<T, 1>;
     case 32: return attend_item_avx512<T, 2>;
     case 48: return attend_item_avx512<T, 3>;
@@ -591,7 +641,7 @@ ItemFn<T> pick_kernel(int D) {
     default: break;
   }
 #endif
-  return attend_item_scalar<T>;
+  return attend_item_scalar<T, C>;
 }
 
 // Merge the partial results of one group's key partitions and write the normalised output.
@@ -624,14 +674,28 @@ void combine_group(const Params& P, const Group& g, const float* partials) {
   }
 }
 
-template <typename T>
+// One (token, kv head) row into the cache: copied, or quantised with its own scale as kv_quant.py does.
+template <typename T, typename C>
+inline void store_row(C* dst, const T* src, int D) {
+  if constexpr (Cache<C>::QUANTIZED) {
+    float amax = 0.f;
+    for (int c = 0; c < D; ++c) amax = std::max(amax, std::fabs(to_f(src[c])));
+    const float s = amax > 0.f ? amax / Cache<C>::MAX : 1.f;
+    for (int c = 0; c < D; ++c) dst[c] = Cache<C>::encode(to_f(src[c]) / s);
+    Cache<C>::store_scale(dst, D, s);
+  } else {
+    std::memcpy(dst, src, sizeof(T) * D);
+  }
+}
+
+template <typename T, typename C>
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping, int nthreads) {
-  const int64_t T_ = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t T_ = k.size(0), H = k.size(1), D = k.size(2), RS = k_cache.size(3);
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = static_cast<C*>(k_cache.data_ptr());
+  C* vc = static_cast<C*>(v_cache.data_ptr());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t kst = k.stride(0), ksh = k.stride(1), vst = v.stride(0), vsh = v.stride(1);
   const int64_t nslots = k_cache.size(0) * k_cache.size(1);
@@ -639,11 +703,11 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     TORCH_CHECK(slots[t] >= 0 && slots[t] < nslots, "slot_mapping[", t, "] = ", slots[t], " is out of range");
   auto body = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      T* kd = kc + slots[t] * H * D;
-      T* vd = vc + slots[t] * H * D;
+      C* kd = kc + slots[t] * H * RS;
+      C* vd = vc + slots[t] * H * RS;
       for (int64_t h = 0; h < H; ++h) {
-        std::memcpy(kd + h * D, kp + t * kst + h * ksh, sizeof(T) * D);
-        std::memcpy(vd + h * D, vp + t * vst + h * vsh, sizeof(T) * D);
+        store_row<T, C>(kd + h * RS, kp + t * kst + h * ksh, (int)D);
+        store_row<T, C>(vd + h * RS, vp + t * vst + h * vsh, (int)D);
       }
     }
   };
@@ -654,27 +718,28 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
          const at::Tensor& reqs, const at::Tensor& block_tables, double scale, int64_t min_split_keys,
          int64_t min_parallel_work) {
   int nthreads = std::max(1, at::get_num_threads());
-  write_kv<T>(k, v, k_cache, v_cache, slot_mapping, nthreads);
+  write_kv<T, C>(k, v, k_cache, v_cache, slot_mapping, nthreads);
 
   Params P;
   P.q = q.data_ptr<T>();
   P.q_st = q.stride(0);
   P.q_sh = q.stride(1);
   P.out = out.data_ptr<T>();
-  P.k_cache = k_cache.data_ptr<T>();
-  P.v_cache = v_cache.data_ptr<T>();
+  P.k_cache = k_cache.data_ptr();
+  P.v_cache = v_cache.data_ptr();
   P.reqs = reqs.data_ptr<int32_t>();
   P.block_tables = block_tables.data_ptr<int32_t>();
   P.max_blocks = block_tables.size(1);
   P.block_size = (int)k_cache.size(1);
   P.Hkv = (int)k_cache.size(2);
-  P.D = (int)k_cache.size(3);
+  P.D = (int)q.size(2);
+  P.RS = (int)k_cache.size(3);
   P.G = (int)(q.size(1) / P.Hkv);
   P.scale_log2 = (float)scale * LOG2E;
 
@@ -742,7 +807,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   // longest items first, so that dynamic scheduling ends with the short ones
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  ItemFn<T> fn = pick_kernel<T>(P.D);
+  ItemFn<T> fn = pick_kernel<T, C>(P.D);
   const int64_t n = (int64_t)items.size();
   const int nt = (int)std::min<int64_t>(nthreads, n);
   float* pbase = partials.data();
@@ -769,13 +834,16 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, a
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be 3-d");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, Hkv, D]");
-  const auto dt = k_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == dt && k.scalar_type() == dt && v.scalar_type() == dt &&
-                  v_cache.scalar_type() == dt && out.scalar_type() == dt, "q, k, v, out and caches must share a dtype");
+  const auto dt = q.scalar_type(), ct = k_cache.scalar_type();
+  const bool quantized = ct == at::kChar || ct == at::kByte;
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "unsupported dtype ", dt, " (float32 and bfloat16 only)");
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && out.scalar_type() == dt && v_cache.scalar_type() == ct &&
+                  (ct == dt || quantized), "q, k, v, out must share a dtype, the caches it or int8 / uint8 (fp8)");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need unit stride along head_dim");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
-  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) && q.size(2) == k_cache.size(3) &&
-                  k.sizes() == v.sizes() && q.size(0) == k.size(0), "q/k/v shapes do not match the cache");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k_cache.size(3) == k.size(2) + (quantized ? 4 : 0) &&
+                  q.size(2) == k.size(2) && k.sizes() == v.sizes() && q.size(0) == k.size(0),
+              "q/k/v shapes do not match the cache");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == k.size(0), "slot_mapping must be int64 [T]");
@@ -783,15 +851,17 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, a
               "reqs must be int32 [B, 3]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2 && block_tables.size(0) == reqs.size(0), "block_tables must be int32 [B, M]");
-  if (dt == at::kFloat) {
-    run<float>(out, q, k, v, k_cache, v_cache, slot_mapping, reqs, block_tables, scale, min_split_keys,
-                min_parallel_work);
-  } else if (dt == at::kBFloat16) {
-    run<at::BFloat16>(out, q, k, v, k_cache, v_cache, slot_mapping, reqs, block_tables, scale, min_split_keys,
-                min_parallel_work);
-  } else {
-    TORCH_CHECK(false, "unsupported dtype ", dt, " (float32 and bfloat16 only)");
-  }
+  auto go = [&](auto t, auto c) {
+    run<decltype(t), decltype(c)>(out, q, k, v, k_cache, v_cache, slot_mapping, reqs, block_tables, scale,
+                                  min_split_keys, min_parallel_work);
+  };
+  auto with_cache = [&](auto t) {
+    if (ct == at::kChar) go(t, int8_t{});
+    else if (ct == at::kByte) go(t, uint8_t{});
+    else go(t, t);
+  };
+  if (dt == at::kFloat) with_cache(float{});
+  else with_cache(at::BFloat16{});
 }
 
 bool has_avx512() {

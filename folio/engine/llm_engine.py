@@ -43,8 +43,9 @@ class LLMEngine:
         platform.prepare_process(config.parallel.num_threads)
         torch.manual_seed(config.model.seed)
         dtype = config.model.torch_dtype
-        loaded = load_model(config.model.model, dtype, config.model.max_model_len, platform.linear_method,
-                            platform.device)
+        loaded = load_model(config.model.model, dtype, config.model.max_model_len,
+                            lambda model: platform.linear_method(model, config.model.quantization), platform.device,
+                            gguf_native=config.model.quantization == "gguf")
         self.model_config = cfg = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         if config.model.max_model_len is not None and config.model.max_model_len > cfg.max_position_embeddings:
@@ -55,7 +56,7 @@ class LLMEngine:
         spec = config.speculative.speculative_config
         draft = None if spec is None or spec.method != "draft_model" else \
             load_draft_model(spec, cfg, dtype, max_model_len, config.cache.block_size, platform)
-        kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype)
+        kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype, config.cache.kv_cache_dtype)
         num_lookahead_tokens = spec.num_speculative_tokens if draft else 0
         num_blocks, self.max_model_len = self._size_kv_cache(
             [kv_cache_spec] + ([draft.kv_cache_spec] if draft else []), backend, max_model_len, num_lookahead_tokens)
@@ -90,9 +91,11 @@ class LLMEngine:
             logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len to %d",
                            capacity, max_model_len, capacity)
             max_model_len = capacity
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at %d tokens per "
-                    "request: %.1fx", num_blocks, block_size, capacity, num_blocks * bytes_per_block / 2**20,
-                    max_model_len, capacity / max_model_len)
+        target = specs[0]
+        logger.info("KV cache (%s): %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at %d tokens per "
+                    "request: %.1fx", target.dtype if target.cache_dtype == "auto" else target.cache_dtype,
+                    num_blocks, block_size, capacity, num_blocks * bytes_per_block / 2**20, max_model_len,
+                    capacity / max_model_len)
         return num_blocks, max_model_len
 
     @classmethod

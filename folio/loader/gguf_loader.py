@@ -254,6 +254,24 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def _tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Dequantise, rename and un-permute every weight. Tied embeddings stay single: no lm_head.weight."""
+    return dict(_iter_tensors(reader, hf_config, dtype, frozenset()))
+
+
+def tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
+    """Hugging Face name -> GGUF type of every weight of the file."""
+    return {_hf_name(t.name): t.tensor_type for t in open_gguf(path).tensors if t.name != ROPE_FREQS}
+
+
+def iter_gguf_tensors(path: str, dtype: torch.dtype, keep_quantized: frozenset[str]):
+    """(Hugging Face name, tensor) for every weight, dequantised to dtype, except that those named in
+    keep_quantized come as their blocks (folio.loader.gguf_native.GGUFBlocks, rows un-permuted likewise)."""
+    reader = open_gguf(path)
+    return _iter_tensors(reader, _hf_config(reader), dtype, keep_quantized)
+
+
+def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_quantized: frozenset[str]):
+    from folio.loader.gguf_native import GGUFBlocks  # its linear methods import the kernels' build machinery
+
     for t in reader.tensors:  # fail before spending seconds dequantising the rest
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ValueError(
@@ -262,18 +280,21 @@ def _tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype) -> dict[st
             )
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
     permuted = heads if hf_config["model_type"] == "llama" else {}  # llama.cpp permutes llama's Q/K only
-    out = {}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
         name = _hf_name(t.name)
+        layer_tensor = _LAYER_NAME.fullmatch(t.name)
+        n_head = permuted.get(layer_tensor[2]) if layer_tensor else None
+        if name in keep_quantized:
+            blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+            yield name, GGUFBlocks(t.tensor_type, (blocks if n_head is None else _unpermute(blocks, n_head)).numpy())
+            continue
         # F32 tensors come back as read-only views of the file mapping; torch wants writable memory.
         w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements="W"))
-        layer_tensor = _LAYER_NAME.fullmatch(t.name)
-        if layer_tensor and layer_tensor[2] in permuted:
-            w = _unpermute(w, permuted[layer_tensor[2]])
-        out[name] = torch.empty(w.shape, dtype=dtype).copy_(w)  # one copy: contiguous, in dtype
-    return out
+        if n_head is not None:
+            w = _unpermute(w, n_head)
+        yield name, torch.empty(w.shape, dtype=dtype).copy_(w)  # one copy: contiguous, in dtype
 
 
 # ------------------------------------------------------------------------------------------------ cache

@@ -18,9 +18,11 @@ import torch
 from safetensors import safe_open
 
 from folio.loader.default_model import default_model_path
-from folio.loader.gguf_loader import load_gguf_cached
+from folio.loader.gguf_loader import iter_gguf_tensors, load_gguf_cached, read_gguf, tensor_types
+from folio.loader.gguf_native import native_chooser, native_layers
+from folio.models.compressed_tensors import compressed_tensors_chooser
 from folio.loader.weights import load_weights
-from folio.models.linear import LinearMethods, bind_linear_methods, process_weights_after_loading
+from folio.models.linear import LinearMethods, as_chooser, bind_linear_methods, process_weights_after_loading
 from folio.models.model_config import ModelConfig
 from folio.models.registry import build_model, check_supported
 from folio.platforms import current_platform
@@ -98,12 +100,16 @@ def _parse_config(hf_config: dict) -> ModelConfig:
 
 def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int],
                linear_method: Optional[Callable[[torch.nn.Module], LinearMethods]] = None,
-               device: torch.device = torch.device("cpu")) -> LoadedModel:
+               device: torch.device = torch.device("cpu"), gguf_native: bool = False) -> LoadedModel:
     """Load weights, config and tokenizer. `max_positions_cap` bounds the RoPE table (the engine's max_model_len).
 
     linear_method: gives the built (not yet loaded) model its linear method, or a chooser of one per layer
     (see folio.models.linear); a function of the model because a method may size itself by the model, as
     the dense one does. None: the current platform's (folio.platforms). device: where the weights live.
+    gguf_native: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K linear layers keep their blocks and run on the
+    int8 / int4 kernels (folio.loader.gguf_native); its other tensors are dequantised. A Hugging Face folder
+    whose config.json has a quantization_config (compressed-tensors int8, folio.models.compressed_tensors)
+    loads its quantised layers as stored.
     """
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
@@ -116,6 +122,11 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         tokenizer = Tokenizer.from_dir(path)
         tensors: Iterator[tuple[str, torch.Tensor]] = _iter_safetensors(_safetensors_files(path))
         generation_config = _read_json(os.path.join(path, "generation_config.json"))
+    elif gguf_native:
+        checkpoint = read_gguf(path)
+        cfg = _parse_config(checkpoint.hf_config)
+        tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
+        hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
     else:
         checkpoint, state = load_gguf_cached(path, dtype)
         cfg = _parse_config(checkpoint.hf_config)
@@ -124,9 +135,18 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
 
     max_positions = cfg.max_position_embeddings if max_positions_cap is None else max_positions_cap
+    if gguf_native and os.path.isdir(path):
+        raise ValueError(f"quantization 'gguf' needs a .gguf model file, got the folder {path}")
     with _default_dtype(dtype), device:
         net = build_model(cfg, max_positions)
-        bind_linear_methods(net, (linear_method or current_platform().linear_method)(net))
+        methods = (linear_method or current_platform().linear_method)(net)
+        if "quantization_config" in hf_config:  # pre-quantised: its layers load as stored, the rest as asked
+            methods = compressed_tensors_chooser(hf_config["quantization_config"], as_chooser(methods))
+        if gguf_native:
+            layers, quantized_tensors = native_layers(tensor_types(path), net)
+            methods = native_chooser(layers, as_chooser(methods))
+            tensors = iter_gguf_tensors(path, dtype, quantized_tensors)
+        bind_linear_methods(net, methods)
     load_weights(net, tensors)
     process_weights_after_loading(net)
     net.eval()

@@ -108,12 +108,16 @@ def linear_layers(model: nn.Module) -> Iterator[tuple[str, Linear]]:
     return ((name, m) for name, m in model.named_modules() if isinstance(m, Linear))
 
 
+def as_chooser(methods: LinearMethods) -> LinearMethodChooser:
+    return (lambda name, layer: methods) if isinstance(methods, LinearMethod) else methods
+
+
 def bind_linear_methods(model: nn.Module, methods: LinearMethods) -> None:
     """Bind every Linear of the model to its method, which creates the layer's parameters.
 
     methods: one LinearMethod for all layers, or a chooser (layer name, layer) -> LinearMethod.
     """
-    choose = (lambda name, layer: methods) if isinstance(methods, LinearMethod) else methods
+    choose = as_chooser(methods)
     for name, layer in linear_layers(model):
         layer.bind(choose(name, layer))
 

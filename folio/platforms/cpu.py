@@ -5,7 +5,8 @@
 - KV cache: by default the smaller of 4 GiB and 40% of the memory available at start (vLLM's CPU build takes
   4 GiB by default).
 - attention: the C++ paged-attention kernel (folio.attention.cpu_paged) where it builds, else torch SDPA.
-- matmuls: the dense CPU linear method (oneDNN prepacked bf16, the small-batch kernel, MKL in float32).
+- matmuls: the dense CPU linear method (oneDNN prepacked bf16, the small-batch kernel, MKL in float32), or a
+  quantisation scheme's (folio.models.quantization: int8 and int4 kernels) with the dense one for the rest.
 - the process: one torch thread per core it may use, and freed memory kept for reuse (folio.memory).
 - kernels: built with -march=native for this CPU (the build key includes its feature flags).
 """
@@ -75,10 +76,12 @@ class CpuPlatform(Platform):
                            "using torch_sdpa", cpu_paged.extension_error())
         return TorchSDPABackend()
 
-    def linear_method(self, model: nn.Module) -> LinearMethods:
+    def linear_method(self, model: nn.Module, quantization: Optional[str] = None) -> LinearMethods:
         from folio.models.dense_linear import DenseLinearMethod  # its kernels' build machinery imports this module
+        from folio.models.quantization import quantization_chooser
 
-        return DenseLinearMethod.for_model(model)
+        dense = DenseLinearMethod.for_model(model)
+        return dense if quantization is None else quantization_chooser(quantization, dense)
 
     def kernel_build_flags(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return KERNEL_CFLAGS, KERNEL_LDFLAGS

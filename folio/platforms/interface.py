@@ -45,8 +45,9 @@ class Platform(ABC):
         """The named backend (one of attention_backends()), or for None the fastest that works here."""
 
     @abstractmethod
-    def linear_method(self, model: nn.Module) -> LinearMethods:
-        """The linear method (or per-layer chooser) of a built model whose weights are not loaded yet."""
+    def linear_method(self, model: nn.Module, quantization: Optional[str] = None) -> LinearMethods:
+        """The linear method (or per-layer chooser) of a built model whose weights are not loaded yet, for a
+        quantization scheme (the engine option) or none."""
 
     @abstractmethod
     def kernel_build_flags(self) -> tuple[tuple[str, ...], tuple[str, ...]]:

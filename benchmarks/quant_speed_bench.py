@@ -1,0 +1,55 @@
+"""Weight schemes side by side in one process: the same workload on each, output tokens/s and the ratio to
+the first. Engines are built one after the other (one resident at a time), each warmed up first.
+
+    # batch-1 decode of the 0.5B Qwen2 architecture
+    python benchmarks/quant_speed_bench.py --model M --runs bfloat16 float32 float32:int8 float32:int4 \\
+        --max-num-seqs 1 --num-prompts 2 --input-len 32 --output-len 64
+    # W1
+    python benchmarks/quant_speed_bench.py --model M --runs float32 float32:int8 float32:w8a8
+
+A run is DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]], e.g. bfloat16:int4:int8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+from folio.bench.noise import note
+from folio.bench.throughput import measure, prepare, warm_up
+from folio.bench.workload import add_workload_arguments, describe
+from folio.config import EngineConfig
+
+
+def config_of(run: str, args: argparse.Namespace) -> EngineConfig:
+    dtype, quantization, kv = (run.split(":") + [None, None])[:3]
+    options = {"model": args.model, "dtype": dtype, "max_num_seqs": args.max_num_seqs,
+               "kv_cache_memory": args.kv_cache_memory, "quantization": quantization or None}
+    return EngineConfig.from_kwargs(**options, kv_cache_dtype=kv or "auto")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--runs", nargs="+", required=True, help="DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]] ...")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    add_workload_arguments(parser)
+    args = parser.parse_args()
+    results = []
+    for run in args.runs:
+        engine, requests = prepare(args, config_of(run, args))
+        warm_up(engine, requests, 1)
+        result = measure(engine, requests, describe(args), breakdown=False)
+        results.append((run, result))
+        print(f"{run:<24} {result.output_tokens_per_s:8.2f} output tok/s  ({note(result.other_cores)})", flush=True)
+        del engine
+        gc.collect()
+    base = results[0][1].output_tokens_per_s
+    print(f"\n{describe(args)}, max_num_seqs {args.max_num_seqs}")
+    for run, result in results:
+        print(f"  {run:<24} {result.output_tokens_per_s:8.2f} tok/s  x{result.output_tokens_per_s / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()

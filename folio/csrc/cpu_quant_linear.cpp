@@ -1,0 +1,434 @@
+// Linear layers with quantised weights on the CPU: y = x W^T (+ b) where W is stored in 8 or 4 bits.
+//
+// Weight formats (folio.models.int8_linear, folio.models.int4_linear quantise into them):
+//   int8: q int8 [N, K], scales float32 [N, K / G]: W[n, k] = q[n, k] * scales[n, k / G]. G = K is one scale per
+//         output channel; G = 32 is GGUF's Q8_0.
+//   int4: packed uint8 [N, K / 2] and scales, offsets float32 [N, K / G]: W[n, k] = q * scales + offsets with
+//         q in [0, 15]; each 32 values of a row are 16 bytes, byte j holding value j in its low nibble and
+//         value j + 16 in its high one (llama.cpp's Q4_0 order, so a 16-byte load yields 32 values by two
+//         shifts).
+//   K and G are multiples of 32 and G divides K.
+//
+// Two ways to multiply:
+//   weight_only_linear (W8A16, W4A16): x stays in floating point. Each weight vector is widened to float32
+//     once and multiplied with up to MAX_MR rows of x by FMAs; per group the sum is scaled (and for int4
+//     the offset times the group's sum of x is added, sum_k x_k (s q_k + o) = s x.q + o sum x). Decode of
+//     a few sequences is a read of W, so 8 bits read twice and 4 bits four times as fast as bf16.
+//   w8a8_linear: x is quantised per row (token) to int8 with a dynamic symmetric scale, and int8 x int8
+//     products are summed in int32, exactly: y = float(acc) * (sx[m] * sw[n]) + b[n], the same float32
+//     operations as the torch reference, so results are equal bit for bit. Products use the sign trick
+//     (|x| unsigned times w with x's sign): vpmaddubsw + vpmaddwd on AVX2 and AVX512-BW, vpdpbusd with
+//     AVX512-VNNI. Four times the multiply-adds per instruction of float32 FMAs: for prefill and large batches.
+//
+// Instruction sets: each kernel is one template over a vector type (Scalar, Avx2, Avx512); every one this
+// build's -march=native has is compiled, and `isas()` lists them, best last, so tests run each one here.
+// Sums run in different orders per ISA: weight-only results differ in float32 rounding only.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define FOLIO_AVX2 1
+#include <immintrin.h>
+#else
+#define FOLIO_AVX2 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FOLIO_AVX512 1
+#else
+#define FOLIO_AVX512 0
+#endif
+
+namespace {
+
+enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+constexpr int BLOCK = 32;  // values per int4 block; K and G are multiples of it
+constexpr int MAX_MR = 4;  // rows of x per pass over a weight row (accumulators in registers)
+constexpr int64_t MIN_BYTES_PER_TASK = 16384;  // of weights: one sequential stream per thread
+
+// ---------------------------------------------------------------------------------------- vector types
+struct Scalar {
+  using F = float;
+  using I = int32_t;
+  static constexpr int W = 1;   // float lanes
+  static constexpr int IB = 1;  // int8 values per integer step
+  static F zero() { return 0.f; }
+  static F set1(float v) { return v; }
+  static F load(const float* p) { return *p; }
+  static F fma(F a, F b, F c) { return a * b + c; }
+  static float hsum(F a) { return a; }
+  static void i8_block(const int8_t* p, F* out) {
+    for (int j = 0; j < BLOCK; ++j) out[j] = static_cast<float>(p[j]);
+  }
+  static void u4_block(const uint8_t* p, F* out) {
+    for (int j = 0; j < BLOCK / 2; ++j) {
+      out[j] = static_cast<float>(p[j] & 15);
+      out[j + BLOCK / 2] = static_cast<float>(p[j] >> 4);
+    }
+  }
+  static I izero() { return 0; }
+  static I idot(I acc, const int8_t* xa, const int8_t* xq, const int8_t* w) {
+    return acc + (*xq < 0 ? -*w : *w) * *xa;
+  }
+  static int32_t ihsum(I a) { return a; }
+};
+
+#if FOLIO_AVX2
+struct Avx2 {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int W = 8;
+  static constexpr int IB = 32;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static float hsum(F a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static void i8_block(const int8_t* p, F* out) {
+    for (int j = 0; j < 4; ++j)
+      out[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j))));
+  }
+  static void u4_block(const uint8_t* p, F* out) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+  static I izero() { return _mm256_setzero_si256(); }
+  // acc (8 x int32) += |x| * (w with x's sign), 32 products summed by fours; |x|, |w| <= 127 cannot saturate
+  static I idot(I acc, const int8_t* xa, const int8_t* xq, const int8_t* w) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa));
+    const __m256i s = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, s), _mm256_set1_epi16(1)));
+  }
+  static int32_t ihsum(I a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+  }
+};
+#endif
+
+#if FOLIO_AVX512
+struct Avx512 {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int W = 16;
+  static constexpr int IB = 64;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(F a) { return _mm512_reduce_add_ps(a); }
+  static void i8_block(const int8_t* p, F* out) {
+    for (int j = 0; j < 2; ++j)
+      out[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j))));
+  }
+  static void u4_block(const uint8_t* p, F* out) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(15))));
+    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15))));
+  }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I idot(I acc, const int8_t* xa, const int8_t* xq, const int8_t* w) {
+    const __m512i a = _mm512_loadu_si512(xa);
+    const __m512i wv = _mm512_loadu_si512(w);
+    const __m512i s = _mm512_mask_sub_epi8(wv, _mm512_movepi8_mask(_mm512_loadu_si512(xq)), _mm512_setzero_si512(), wv);
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, a, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, s), _mm512_set1_epi16(1)));
+#endif
+  }
+  static int32_t ihsum(I a) { return _mm512_reduce_add_epi32(a); }
+};
+#endif
+
+// ------------------------------------------------------------------------------------- weight formats
+// Fmt::block<V>(row, k, out): W[n, k .. k + 32) as BLOCK / V::W float vectors (before scales), k % 32 == 0.
+struct Int8Fmt {
+  static int64_t row_bytes(int64_t K) { return K; }
+  template <class V>
+  static void block(const uint8_t* row, int64_t k, typename V::F* out) {
+    V::i8_block(reinterpret_cast<const int8_t*>(row) + k, out);
+  }
+};
+struct Int4Fmt {
+  static int64_t row_bytes(int64_t K) { return K / 2; }
+  template <class V>
+  static void block(const uint8_t* row, int64_t k, typename V::F* out) { V::u4_block(row + k / 2, out); }
+};
+
+// --------------------------------------------------------------------------------------- weight-only
+struct WeightOnly {
+  const float* x;        // [M, K] float32
+  const uint8_t* w;      // [N, row_bytes]
+  const float* scales;   // [N, ng]
+  const float* offsets;  // [N, ng] or null (int8)
+  const float* xsum;     // [M, ng]: sums of x per group, when offsets
+  const float* bias;     // [N] or null
+  float* y;              // [M, N]
+  int64_t M, N, K, G, ng, row_bytes;
+};
+
+// Rows m0 .. m0 + MR of y, columns n0 .. n1. CH independent accumulator chains per row hide FMA latency.
+template <class V, class Fmt, int MR>
+void weight_only_tile(const WeightOnly& a, int64_t m0, int64_t n0, int64_t n1) {
+  using F = typename V::F;
+  constexpr int SUB = BLOCK / V::W;  // vectors per block of 32
+  constexpr int CH = std::max(1, std::min(SUB, 4 / MR));
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = a.w + n * a.row_bytes;
+    const float* sc = a.scales + n * a.ng;
+    F tot[MR];
+    for (int i = 0; i < MR; ++i) tot[i] = V::zero();
+    for (int64_t g = 0; g < a.ng; ++g) {
+      F acc[MR][CH];
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < CH; ++c) acc[i][c] = V::zero();
+      for (int64_t kb = g * a.G; kb < (g + 1) * a.G; kb += BLOCK) {
+        F wv[SUB];
+        Fmt::template block<V>(row, kb, wv);
+        for (int j = 0; j < SUB; ++j)
+          for (int i = 0; i < MR; ++i)
+            acc[i][j % CH] = V::fma(V::load(a.x + (m0 + i) * a.K + kb + j * V::W), wv[j], acc[i][j % CH]);
+      }
+      const F s = V::set1(sc[g]);
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < CH; ++c) tot[i] = V::fma(acc[i][c], s, tot[i]);
+    }
+    for (int i = 0; i < MR; ++i) {
+      float v = V::hsum(tot[i]);
+      if (a.offsets) {
+        const float* o = a.offsets + n * a.ng;
+        const float* xs = a.xsum + (m0 + i) * a.ng;
+        for (int64_t g = 0; g < a.ng; ++g) v += o[g] * xs[g];
+      }
+      a.y[(m0 + i) * a.N + n] = a.bias ? v + a.bias[n] : v;
+    }
+  }
+}
+
+// Tasks own contiguous ranges of output columns; inside one, NB columns at a time pass over all rows of x,
+// so that those columns' weights stay in cache while every tile of x uses them.
+template <class Tile>
+void over_tiles(int64_t M, int64_t N, int64_t row_bytes, const Tile& tile) {
+  constexpr int64_t NB = 16;
+  const int64_t grain = std::max<int64_t>(1, MIN_BYTES_PER_TASK / std::max<int64_t>(1, row_bytes));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t nb = n0; nb < n1; nb += NB) {
+      const int64_t ne = std::min(n1, nb + NB);
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_MR) tile(m0, std::min<int64_t>(MAX_MR, M - m0), nb, ne);
+    }
+  });
+}
+
+template <class V, class Fmt>
+void weight_only(const WeightOnly& a) {
+  over_tiles(a.M, a.N, a.row_bytes, [&](int64_t m0, int64_t mr, int64_t n0, int64_t n1) {
+    switch (mr) {
+      case 1: weight_only_tile<V, Fmt, 1>(a, m0, n0, n1); break;
+      case 2: weight_only_tile<V, Fmt, 2>(a, m0, n0, n1); break;
+      case 3: weight_only_tile<V, Fmt, 3>(a, m0, n0, n1); break;
+      default: weight_only_tile<V, Fmt, 4>(a, m0, n0, n1); break;
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------------------------- W8A8
+struct W8A8 {
+  const int8_t* xq;  // [M, K] x quantised per row
+  const int8_t* xa;  // [M, K] |xq|
+  const float* sx;   // [M]
+  const int8_t* w;   // [N, K]
+  const float* sw;   // [N]
+  float* y;
+  int64_t M, N, K;
+};
+
+template <class V, int MR>
+void w8a8_tile(const W8A8& a, int64_t m0, int64_t n0, int64_t n1) {
+  using I = typename V::I;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = a.w + n * a.K;
+    I acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = V::izero();
+    for (int64_t k = 0; k < a.K; k += V::IB)
+      for (int i = 0; i < MR; ++i) acc[i] = V::idot(acc[i], a.xa + (m0 + i) * a.K + k, a.xq + (m0 + i) * a.K + k, row + k);
+    // the reference's float32 operations, in its order: float(acc) * (sx * sw); the bias is added by a
+    // separate op, since the compiler may fuse a multiply and an add here into one FMA (one rounding fewer)
+    for (int i = 0; i < MR; ++i) a.y[(m0 + i) * a.N + n] = static_cast<float>(V::ihsum(acc[i])) * (a.sx[m0 + i] * a.sw[n]);
+  }
+}
+
+template <class V>
+void w8a8(const W8A8& a) {
+  over_tiles(a.M, a.N, a.K, [&](int64_t m0, int64_t mr, int64_t n0, int64_t n1) {
+    switch (mr) {
+      case 1: w8a8_tile<V, 1>(a, m0, n0, n1); break;
+      case 2: w8a8_tile<V, 2>(a, m0, n0, n1); break;
+      case 3: w8a8_tile<V, 3>(a, m0, n0, n1); break;
+      default: w8a8_tile<V, 4>(a, m0, n0, n1); break;
+    }
+  });
+}
+
+// Per-row symmetric int8: s = max|x| / 127 (1 for a zero row), q = round_half_even(x / s), as the reference.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, int8_t* xa, float* sx) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* r = x + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      sx[m] = s;
+      for (int64_t k = 0; k < K; ++k) {
+        const float q = std::min(127.f, std::max(-127.f, std::nearbyint(r[k] / s)));
+        xq[m * K + k] = static_cast<int8_t>(q);
+        xa[m * K + k] = static_cast<int8_t>(std::fabs(q));
+      }
+    }
+  });
+}
+
+// Sums of each row of x over each group of G values (int4's offsets multiply them). Inline for a few rows: no
+// parallel region, which costs milliseconds when another process holds a core.
+void group_sums(const float* x, int64_t M, int64_t K, int64_t G, float* out) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < K / G; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) s += x[m * K + k];
+        out[m * (K / G) + g] = s;
+      }
+  });
+}
+
+// ------------------------------------------------------------------------------------------ bindings
+std::vector<int64_t> isas() {
+  std::vector<int64_t> out{SCALAR};
+#if FOLIO_AVX2
+  out.push_back(AVX2);
+#endif
+#if FOLIO_AVX512
+  out.push_back(AVX512);
+#endif
+  return out;
+}
+
+int64_t best_isa() { return isas().back(); }
+
+// fn(V{}) with V the vector type of the instruction set asked for.
+template <class Fn>
+void by_isa(int64_t isa, const Fn& fn) {
+  switch (isa) {
+    case SCALAR: fn(Scalar{}); return;
+#if FOLIO_AVX2
+    case AVX2: fn(Avx2{}); return;
+#endif
+#if FOLIO_AVX512
+    case AVX512: fn(Avx512{}); return;
+#endif
+    default: TORCH_CHECK(false, "instruction set ", isa, " is not compiled in this build");
+  }
+}
+
+at::Tensor float_rows(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
+  return x.to(at::kFloat).contiguous();
+}
+
+const float* optional_f32(const c10::optional<at::Tensor>& t, int64_t n, const char* what) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n, what, " must be float32 [", n, "]");
+  return t->data_ptr<float>();
+}
+
+// The float32 result, in x's dtype.
+at::Tensor as_input_dtype(at::Tensor y, const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+// x [M, K] float32 or bf16; w int8 [N, K] or uint8 [N, K / 2] (int4 when offsets are given).
+at::Tensor weight_only_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets,
+                              c10::optional<at::Tensor> bias, int64_t isa) {
+  const bool int4 = offsets.has_value();
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == (int4 ? at::kByte : at::kChar),
+              "w must be contiguous ", int4 ? "uint8 [N, K / 2]" : "int8 [N, K]");
+  const int64_t N = w.size(0), K = int4 ? 2 * w.size(1) : w.size(1);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "scales must be float32 [N, K / G]");
+  const int64_t ng = scales.size(1);
+  TORCH_CHECK(ng >= 1 && K % ng == 0 && (K / ng) % BLOCK == 0, "K (", K, ") must be split in groups of a multiple of 32");
+  at::Tensor xf = float_rows(x, K);
+  const int64_t M = xf.size(0), G = K / ng;
+  at::Tensor y = at::empty({M, N}, xf.options());
+  at::Tensor xsum;
+  WeightOnly a{xf.data_ptr<float>(), static_cast<const uint8_t*>(w.data_ptr()), scales.data_ptr<float>(), nullptr,
+               nullptr, optional_f32(bias, N, "bias"), y.data_ptr<float>(), M, N, K, G, ng,
+               int4 ? Int4Fmt::row_bytes(K) : Int8Fmt::row_bytes(K)};
+  if (int4) {
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat && offsets->is_contiguous(),
+                "offsets must be float32 shaped like scales");
+    a.offsets = offsets->data_ptr<float>();
+    xsum = at::empty({M, ng}, xf.options());
+    group_sums(xf.data_ptr<float>(), M, K, G, xsum.data_ptr<float>());
+    a.xsum = xsum.data_ptr<float>();
+  }
+  by_isa(isa, [&](auto v) {
+    using V = decltype(v);
+    int4 ? weight_only<V, Int4Fmt>(a) : weight_only<V, Int8Fmt>(a);
+  });
+  return as_input_dtype(y, x);
+}
+
+at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> bias, int64_t isa) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar, "w must be contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % 32 == 0, "K (", K, ") must be a multiple of 32");
+  if (isa == AVX512 && K % 64 != 0) isa = AVX2;  // AVX-512 steps 64 values at a time; its CPUs have AVX2
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "scales must be float32 [N] (one per output channel)");
+  at::Tensor xf = float_rows(x, K);
+  const int64_t M = xf.size(0);
+  at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kChar));
+  at::Tensor xa = at::empty({M, K}, xf.options().dtype(at::kChar));
+  at::Tensor sx = at::empty({M}, xf.options());
+  quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xa.data_ptr<int8_t>(), sx.data_ptr<float>());
+  at::Tensor y = at::empty({M, N}, xf.options());
+  W8A8 a{xq.data_ptr<int8_t>(), xa.data_ptr<int8_t>(), sx.data_ptr<float>(), w.data_ptr<int8_t>(),
+         scales.data_ptr<float>(), y.data_ptr<float>(), M, N, K};
+  by_isa(isa, [&](auto v) { w8a8<decltype(v)>(a); });
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return as_input_dtype(y, x);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("weight_only_linear", &weight_only_linear, "x W^T (+ b) with int8 or int4 weights, float x",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"), pybind11::arg("offsets"),
+        pybind11::arg("bias"), pybind11::arg("isa") = best_isa(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("w8a8_linear", &w8a8_linear, "x W^T (+ b) with int8 weights and x quantised per row to int8",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"), pybind11::arg("bias"),
+        pybind11::arg("isa") = best_isa(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("isas", &isas, "instruction sets compiled in: 0 scalar, 1 AVX2+FMA, 2 AVX-512 (BW; VNNI when the CPU has it)");
+}

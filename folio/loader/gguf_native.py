@@ -1,0 +1,135 @@
+"""GGUF weights that run as stored (`quantization="gguf"`): Q8_0 linear layers as int8 and Q4_0, Q4_1 and Q4_K
+ones as int4, both in groups of 32 (folio.models.quant_reference's formats), instead of dequantised to floats.
+
+The conversion is exact: Q8_0's block scale is the int8 group scale; Q4_0's value (q - 8) d is q d + (-8 d),
+Q4_1's q d + m, and Q4_K's sub-block q (d sc) - dmin m is q scale + offset with both products exact in
+float32 (a float16 times a 6-bit integer). Q4_0/Q4_1 blocks already keep value j and j + 16 in one byte, as
+the int4 kernel reads them; Q4_K's 256-value super-blocks are unpacked and packed in that order.
+
+A fused layer (q/k/v, gate/up) runs natively only when all its checkpoint tensors convert to the same
+format; any other layer, and any other type (Q5_*, Q6_K, ...), is dequantised and runs on the dense method.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from folio.models.int4_linear import Int4LinearMethod
+from folio.models.int8_linear import Int8LinearMethod
+from folio.models.linear import Linear, LinearMethod, LinearMethodChooser
+from folio.models.quant_reference import BLOCK, pack_int4
+
+Q = GGMLQuantizationType
+FORMAT_OF = {Q.Q8_0: "int8", Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4"}
+
+
+@dataclass
+class GGUFBlocks:
+    """One GGUF tensor's rows as stored: blocks [rows, bytes per row] of a quantised type."""
+
+    qtype: GGMLQuantizationType
+    blocks: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        block_size, type_size = GGML_QUANT_SIZES[self.qtype]
+        return self.blocks.shape[0], self.blocks.shape[1] // type_size * block_size
+
+    def __getitem__(self, rows: slice) -> "GGUFBlocks":
+        return GGUFBlocks(self.qtype, self.blocks[rows])
+
+    def convert(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(packed, scales, offsets or None) in the int8 or int4 format, groups of 32."""
+        n = self.blocks.shape[0]
+        block_size, type_size = GGML_QUANT_SIZES[self.qtype]
+        b = self.blocks.reshape(n, -1, type_size)
+
+        def f16(part: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(part).view(np.float16).astype(np.float32)).reshape(n, -1)
+
+        if self.qtype == Q.Q8_0:
+            codes = np.ascontiguousarray(b[:, :, 2:]).view(np.int8).reshape(n, -1)
+            return torch.from_numpy(codes.copy()), f16(b[:, :, :2]), None
+        if self.qtype in (Q.Q4_0, Q.Q4_1):
+            head = 2 if self.qtype == Q.Q4_0 else 4
+            packed = torch.from_numpy(np.ascontiguousarray(b[:, :, head:]).reshape(n, -1).copy())
+            scales = f16(b[:, :, :2])
+            offsets = -8 * scales if self.qtype == Q.Q4_0 else f16(b[:, :, 2:4])
+            return packed, scales, offsets
+        # Q4_K: d, dmin (float16), 12 bytes of 6-bit sub-block scales and mins, 128 bytes of codes in which
+        # each 32 bytes hold sub-block 2i in their low nibbles and 2i + 1 in their high ones
+        d, dmin, packed_scales, qs = f16(b[:, :, :2]), f16(b[:, :, 2:4]), b[:, :, 4:16], b[:, :, 16:]
+        sc, mins = _q4k_scales(packed_scales)
+        codes = qs.reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        codes = torch.from_numpy((codes & 15).reshape(n, -1).copy())
+        scales = d.repeat_interleave(8, dim=1) * sc
+        offsets = -(dmin.repeat_interleave(8, dim=1) * mins)
+        return pack_int4(codes), scales, offsets
+
+
+def _q4k_scales(packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes per super-block -> 8 sub-block scales and 8 mins, as float32 [n, super-blocks * 8]."""
+    n = packed.shape[0]
+    s = packed.reshape(n, -1, 3, 4)
+    d, m, md = s[:, :, 0], s[:, :, 1], s[:, :, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return (torch.from_numpy(sc.reshape(n, -1).astype(np.float32)),
+            torch.from_numpy(mins.reshape(n, -1).astype(np.float32)))
+
+
+class GGUFInt8LinearMethod(Int8LinearMethod):
+    """int8 groups of 32 from Q8_0 blocks: weight-only (the W8A8 kernel takes one scale per row)."""
+
+    def packed_shape(self, rows: int, input_size: int) -> tuple[tuple[int, ...], torch.dtype, int]:
+        return (rows, input_size), torch.int8, input_size // BLOCK
+
+    def quantize(self, w: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        return w.convert()
+
+
+class GGUFInt4LinearMethod(Int4LinearMethod):
+    """int4 groups of 32 from Q4_0, Q4_1 or Q4_K blocks."""
+
+    def packed_shape(self, rows: int, input_size: int) -> tuple[tuple[int, ...], torch.dtype, int]:
+        return (rows, input_size // 2), torch.uint8, input_size // BLOCK
+
+    def quantize(self, w: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        return w.convert()
+
+
+def native_layers(tensor_types: dict[str, GGMLQuantizationType],
+                  model: torch.nn.Module) -> tuple[dict[str, str], frozenset[str]]:
+    """({Linear layer name: "int8" | "int4"}, the Hugging Face names of their tensors) for the layers whose
+    every checkpoint tensor (shards of a fused layer included) converts to that one format.
+    tensor_types: Hugging Face name -> GGUF type."""
+    formats: dict[str, set] = defaultdict(set)
+    names: dict[str, list[str]] = defaultdict(list)
+    linears = {name for name, m in model.named_modules() if isinstance(m, Linear)}
+    for hf_name, qtype in tensor_types.items():
+        target = model.map_checkpoint_name(hf_name)
+        if target is None or not target[0].endswith(".weight"):
+            continue
+        layer = target[0].removesuffix(".weight")
+        if layer in linears:
+            formats[layer].add(FORMAT_OF.get(qtype))
+            names[layer].append(hf_name)
+    layers = {layer: next(iter(f)) for layer, f in formats.items() if len(f) == 1 and None not in f}
+    return layers, frozenset(n for layer in layers for n in names[layer])
+
+
+def native_chooser(layers: dict[str, str], otherwise: LinearMethodChooser) -> LinearMethodChooser:
+    int8, int4 = GGUFInt8LinearMethod(), GGUFInt4LinearMethod()
+
+    def choose(name: str, layer: Linear) -> LinearMethod:
+        kind = layers.get(name)
+        return otherwise(name, layer) if kind is None else (int8 if kind == "int8" else int4)
+
+    return choose
+

@@ -1,0 +1,50 @@
+"""The quantised matmul kernels (folio/csrc/cpu_quant_linear.cpp), or their torch references where the kernel
+cannot be built: the same arithmetic, only slower (weight-only dequantises the weight on every call).
+
+`isa`: which compiled instruction set runs (0 scalar, 1 AVX2+FMA, 2 AVX-512); by default the best one. Tests
+run every compiled one against the references.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from folio.csrc_build import CSRC, CppKernel
+from folio.models import quant_reference
+
+KERNEL = CppKernel("folio_cpu_quant_linear", CSRC / "cpu_quant_linear.cpp",
+                   what="CPU quantised linear kernel", fallback="quantised layers run their torch reference")
+
+
+def available() -> bool:
+    return KERNEL.load() is not None
+
+
+def isas() -> list[int]:
+    """The instruction sets compiled into the kernel here, best last; [] without the kernel."""
+    ext = KERNEL.load()
+    return list(ext.isas()) if ext is not None else []
+
+
+def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor],
+                       bias: Optional[torch.Tensor], isa: Optional[int] = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) in x's dtype, W int8 (offsets None) or packed int4 (folio.models.quant_reference)."""
+    ext = KERNEL.load()
+    if ext is None:
+        return quant_reference.weight_only_linear(x, w, scales, offsets, bias)
+    if isa is None:
+        return ext.weight_only_linear(x, w, scales, offsets, bias)
+    return ext.weight_only_linear(x, w, scales, offsets, bias, isa)
+
+
+def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
+                isa: Optional[int] = None) -> torch.Tensor:
+    """x [M, K] quantised per row to int8, times int8 W [N, K] with one scale per row, (+ bias), in x's dtype."""
+    ext = KERNEL.load()
+    if ext is None:
+        return quant_reference.w8a8_linear(x, w, scales, bias)
+    if isa is None:
+        return ext.w8a8_linear(x, w, scales, bias)
+    return ext.w8a8_linear(x, w, scales, bias, isa)

@@ -1,0 +1,94 @@
+"""The quantised weight formats, their quantisers, and the torch reference of every quantised matmul.
+
+Formats (the C++ kernels, folio/csrc/cpu_quant_linear.cpp, read the same tensors):
+- int8: q int8 [N, K] and scales float32 [N, K / G]: W = q * scale of its group. Symmetric: q in [-127, 127],
+  scale = max |W| / 127 over the group. G = K (one scale per output channel) for on-the-fly quantisation; 32
+  for GGUF's Q8_0.
+- int4: packed uint8 [N, K / 2], scales and offsets float32 [N, K / G]: W = q * scale + offset, q in
+  [0, 15], asymmetric (scale = (max - min) / 15, offset = min over the group). In each 32 values of a row,
+  byte j holds value j (low nibble) and value j + 16 (high nibble), as llama.cpp's Q4_0 blocks.
+- W8A8 activations: each row of x quantised symmetrically to int8 at run time (a scale per token).
+
+The references are the definitions the kernels are tested against, and run in their place when the kernel
+cannot be built.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+BLOCK = 32  # the kernels' unit along K
+
+
+def quantize_int8(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q int8 [N, K], scales float32 [N, K / group_size]), symmetric per group."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    amax = groups.abs().amax(dim=2)
+    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(groups / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (packed uint8 [N, K / 2], scales, offsets float32 [N, K / group_size]), asymmetric
+    per group (min to max in 16 steps)."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scales = (high - low) / 15
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return pack_int4(q.reshape(n, k)), scales, low
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] of values 0..15 -> [N, K / 2]: per 32 values, byte j = q[j] | q[j + 16] << 4."""
+    n, k = q.shape
+    blocks = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    blocks = packed.reshape(n, half * 2 // BLOCK, 1, BLOCK // 2)
+    return torch.cat((blocks & 15, blocks >> 4), dim=2).reshape(n, half * 2)
+
+
+def dequantize(w: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    """The float32 weight [N, K] of an int8 (offsets None) or int4 layer."""
+    q = (w if offsets is None else unpack_int4(w)).float()
+    group_size = q.shape[1] // scales.shape[1]
+    deq = q.reshape(q.shape[0], scales.shape[1], group_size) * scales[..., None]
+    if offsets is not None:
+        deq = deq + offsets[..., None]
+    return deq.reshape(q.shape)
+
+
+def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor],
+                       bias: Optional[torch.Tensor], compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x @ dequantize(W)^T (+ bias), summed in compute_dtype (float64 in tests), returned in x's dtype."""
+    y = x.to(compute_dtype) @ dequantize(w, scales, offsets).to(compute_dtype).T
+    if bias is not None:
+        y = y + bias.to(compute_dtype)
+    return y.to(x.dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], float32 scales [M]): symmetric per row, rounding half to even."""
+    x = x.float()
+    amax = x.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Dynamic per-token W8A8: exact integer sums, then float32(sum) * (x scale * w scale) (+ bias)."""
+    xq, sx = quantize_rows(x)
+    acc = (xq.long() @ w.long().T).float()
+    y = acc * (sx[:, None] * scales.reshape(1, -1))
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype)

@@ -1,0 +1,36 @@
+"""The `quantization` engine option: which weight scheme each linear layer of a model gets.
+
+A scheme is a chooser (folio.models.linear): given a layer's name and declared shapes, its linear method.
+- int8: every layer in int8 with per-channel scales and float activations, the lm_head too (at batch 1 it
+  is a quarter of the 0.5B Qwen2's weight reads); w8a8: the same weights with dynamic per-token int8
+  activations (folio.models.int8_linear).
+- int4, int4-g128: every layer in int4 (groups of 32 / 128, folio.models.int4_linear), but the lm_head in
+  int8: logits lose more to 4 bits than any other layer, and llama.cpp's 4-bit types keep it wider too.
+- gguf: the dense method here; the GGUF loader binds the layers it keeps quantised (folio.loader.gguf_native).
+Layers whose input size is not a multiple of 32 (the kernels' block) stay on the dense method.
+"""
+
+from __future__ import annotations
+
+from folio.models.int4_linear import Int4LinearMethod
+from folio.models.int8_linear import Int8LinearMethod
+from folio.models.linear import Linear, LinearMethod, LinearMethodChooser
+from folio.models.quant_reference import BLOCK
+
+LM_HEAD = "lm_head"
+
+
+def quantization_chooser(scheme: str, dense: LinearMethod) -> LinearMethodChooser:
+    """The chooser of a scheme (one of config.QUANTIZATION_SCHEMES, validated there); `dense` serves the
+    layers the kernels cannot take."""
+    if scheme == "gguf":
+        return lambda name, layer: dense
+    int8 = Int8LinearMethod(int8_activations=scheme == "w8a8")
+    body = int8 if scheme in ("int8", "w8a8") else Int4LinearMethod(128 if scheme == "int4-g128" else BLOCK)
+
+    def choose(name: str, layer: Linear) -> LinearMethod:
+        if layer.input_size % BLOCK:
+            return dense
+        return int8 if name == LM_HEAD else body
+
+    return choose

@@ -1,0 +1,61 @@
+"""quantization="gguf": Q8_0, Q4_0, Q4_1 and Q4_K linear layers converted exactly into the int8 / int4 formats
+and run on their kernels; the same model dequantised gives the same logprobs up to float32 summation order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from folio import LLM, SamplingParams
+from folio.loader.gguf_native import FORMAT_OF, GGUFBlocks
+from folio.models import quant_kernels
+from folio.models import quant_reference as ref
+from test_gguf_loader import ARCHS, _quantize, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
+
+PROMPT = [5, 6, 7, 8] + list(range(40, 70))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("qtype", list(FORMAT_OF), ids=lambda q: q.name)
+def test_blocks_convert_to_exactly_the_dequantised_weight(qtype):
+    blocks = _quantize(np.random.default_rng(int(qtype)), 12, 512, qtype)
+    packed, scales, offsets = GGUFBlocks(qtype, blocks).convert()
+    assert (offsets is None) == (FORMAT_OF[qtype] == "int8") and scales.shape == (12, 512 // 32)
+    want = torch.from_numpy(dequantize(blocks, qtype))
+    assert torch.equal(ref.dequantize(packed, scales, offsets), want)
+    assert GGUFBlocks(qtype, blocks).shape == (12, 512) and GGUFBlocks(qtype, blocks)[2:5].shape == (3, 512)
+
+
+def _prompt_logprobs(llm: LLM) -> torch.Tensor:
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return torch.tensor([e[PROMPT[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
+
+
+@pytest.mark.parametrize("qtype", [*FORMAT_OF, None], ids=lambda q: q.name if q else "mixed")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_native_layers_give_the_dequantised_models_logprobs(tmp_path, arch, qtype):
+    path = write_tiny_gguf(str(tmp_path / f"{arch}.gguf"), arch, tensor_type=qtype)  # None: types cycle
+    native = LLM(path, dtype="float32", quantization="gguf", kv_cache_memory=1 << 22)
+    methods = {type(layer.method).__name__ for layer in native.llm_engine.runner.model.modules()
+               if hasattr(layer, "method")}
+    assert ("GGUFInt8LinearMethod" in methods) == (qtype in (Q.Q8_0, None))
+    assert ("GGUFInt4LinearMethod" in methods) == (qtype != Q.Q8_0)
+    assert ("DenseLinearMethod" in methods) == (qtype is None or ARCHS[arch][2])  # mixed types or a tied lm_head
+    got = _prompt_logprobs(native)
+    want = _prompt_logprobs(LLM(path, dtype="float32", kv_cache_memory=1 << 22))
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_model_factory):
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model file"):
+        LLM(tiny_model_factory("llama"), quantization="gguf")

@@ -1,0 +1,112 @@
+"""The quantised matmul kernels against their torch references (folio.models.quant_reference), on every
+instruction set compiled here and on the shapes of the supported models (SmolLM2-135M, Qwen2-0.5B) plus odd
+ones.
+
+Tolerances: W8A8 sums integers and then does the reference's float32 operations in its order, so it is equal
+bit for bit. Weight-only kernels sum float32 products in another order than the float64 reference: the
+error is bounded by K float32 roundings of the sum of |products|, in practice far less, and each result
+must lie within WEIGHT_ONLY_RTOL of (|x| @ |W|^T).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from folio.models import quant_kernels
+from folio.models import quant_reference as ref
+
+pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
+
+ISAS = quant_kernels.isas()
+WEIGHT_ONLY_RTOL = 2e-6
+# (N, K) of every linear layer but the lm_heads: SmolLM2-135M (qkv, o, gate_up, down), Qwen2-0.5B (same),
+# then odd ones: one row, rows that fill no tile, K of one block and of an odd number of blocks
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (1152, 896), (896, 896), (9728, 896), (896, 4864),
+          (1, 32), (7, 96), (33, 160), (101, 224)]
+ROWS = [1, 2, 3, 4, 5, 17]
+
+
+def _data(m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
+
+
+def _check_weight_only(x, w, scales, offsets, bias) -> None:
+    """Every compiled instruction set, every number of rows (the reference is computed once: rows are
+    independent), with a bias on odd row counts."""
+    for with_bias in (False, True):
+        b = bias if with_bias else None
+        want = ref.weight_only_linear(x, w, scales, offsets, b, compute_dtype=torch.float64)
+        bound = WEIGHT_ONLY_RTOL * (x.double().abs() @ ref.dequantize(w, scales, offsets).double().abs().T) + 1e-6
+        for isa in ISAS:
+            for m in ROWS:
+                if m % 2 == with_bias:
+                    got = quant_kernels.weight_only_linear(x[:m], w, scales, offsets, b, isa)
+                    assert got.dtype == x.dtype and got.shape == (m, w.shape[0])
+                    assert bool(((got.double() - want[:m]).abs() <= bound[:m]).all()), (isa, m)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_weight_only_int8_per_channel_and_groups_of_32(n, k):
+    x, w, bias = _data(max(ROWS), n, k, seed=n + k)
+    for group in (k, 32):
+        _check_weight_only(x, *ref.quantize_int8(w, group), None, bias)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_weight_only_int4_groups_of_128_and_32(n, k):
+    x, w, bias = _data(max(ROWS), n, k, seed=n * k)
+    for group in {32, 128 if k % 128 == 0 else 32}:
+        _check_weight_only(x, *ref.quantize_int4(w, group), bias)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_w8a8_equals_the_reference_bit_for_bit(n, k):
+    x, w, bias = _data(max(ROWS), n, k, seed=3 * n + k)
+    x[1] = 0  # a zero row: scale 1, all products 0
+    q, scales = ref.quantize_int8(w, k)
+    for b in (None, bias):
+        want = ref.w8a8_linear(x, q, scales.view(-1), b)
+        for isa in ISAS:
+            for m in ROWS:
+                assert torch.equal(quant_kernels.w8a8_linear(x[:m], q, scales.view(-1), b, isa), want[:m]), (isa, m)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_activations_round_the_float32_result_once(isa):
+    x, w, bias = _data(5, 48, 128, seed=7)
+    xb = x.to(torch.bfloat16)
+    q, scales = ref.quantize_int8(w, 128)
+    packed, s4, o4 = ref.quantize_int4(w, 32)
+    pairs = [(lambda a: quant_kernels.weight_only_linear(a, q, scales, None, bias, isa)),
+             (lambda a: quant_kernels.weight_only_linear(a, packed, s4, o4, None, isa)),
+             (lambda a: quant_kernels.w8a8_linear(a, q, scales.view(-1), bias, isa))]
+    for run in pairs:
+        got = run(xb)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, run(xb.float()).to(torch.bfloat16))
+
+
+def test_quantisers_round_to_the_nearest_grid_point():
+    w = torch.randn(6, 256) * 3
+    q, scales = ref.quantize_int8(w, 64)
+    err = (ref.dequantize(q, scales, None) - w).abs().reshape(6, 4, 64)
+    assert bool((err <= scales[..., None] / 2 * (1 + 1e-6)).all()) and int(q.abs().max()) == 127
+    packed, s4, o4 = ref.quantize_int4(w, 32)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 128)
+    err = (ref.dequantize(packed, s4, o4) - w).abs().reshape(6, 8, 32)
+    assert bool((err <= s4[..., None] / 2 * (1 + 1e-5)).all())
+    codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    assert torch.equal(ref.unpack_int4(ref.pack_int4(codes)), codes)
+    assert ref.pack_int4(codes)[0, 0] == codes[0, 0] | (codes[0, 16] << 4)  # llama.cpp's Q4_0 nibble order
+
+
+def test_bad_shapes_are_refused():
+    q = torch.zeros(4, 40, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant_kernels.weight_only_linear(torch.randn(1, 40), q, torch.ones(4, 1), None, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant_kernels.w8a8_linear(torch.randn(1, 40), q, torch.ones(4), None)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 64\]"):
+        quant_kernels.weight_only_linear(torch.randn(1, 32), torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1),
+                                         None, None)

@@ -1,0 +1,128 @@
+"""The int8 and int4 linear methods and the `quantization` engine option: shard-by-shard quantisation while
+loading, the tied lm_head, which layers each scheme quantises, and whole models against float Transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from folio.config import EngineConfig
+from folio.models import quant_kernels
+from folio.models import quant_reference as ref
+from folio.models.dense_linear import DenseLinearMethod
+from folio.models.int4_linear import Int4LinearMethod
+from folio.models.int8_linear import Int8LinearMethod
+from folio.models.linear import Linear
+from folio.models.quantization import quantization_chooser
+from folio.models.quantized_linear import DEQUANTIZE_MIN_ROWS
+from tests.conftest import hf_logprobs
+
+pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
+
+PROMPT = [1] + list(range(5, 60))
+# Mean |logprob - Transformers' float32 logprob| over the prompt's tokens (whose mean |logprob| is 7.4): measured
+# 0.03-0.04 (int8), 0.06 (w8a8) and 0.53 (int4, groups of 32) on these 2-layer random models of width 64, where
+# rounding noise weighs far more than in real models (folio bench perplexity measures those); a wrong kernel
+# is off by whole units.
+MEAN_LOGPROB_ERROR = {"int8": 0.08, "w8a8": 0.12, "int4": 0.9}
+
+
+def _fused_layer(method, bias: bool = False) -> tuple[Linear, dict]:
+    layer = Linear(64, {"q": 64, "k": 32, "v": 32}, bias=bias, params_dtype=torch.float32)
+    layer.bind(method)
+    shards = {s: torch.randn(rows, 64) for s, (_, rows) in layer.shards.items()}
+    for shard_id, tensor in shards.items():
+        layer.weight.weight_loader(layer.weight, tensor, shard_id)
+    if bias:
+        for shard_id, (_, rows) in layer.shards.items():
+            layer.bias.weight_loader(layer.bias, torch.randn(rows), shard_id)
+    method.process_weights_after_loading(layer)
+    return layer, shards
+
+
+@pytest.mark.parametrize("method", [Int8LinearMethod(), Int8LinearMethod(int8_activations=True), Int4LinearMethod()],
+                         ids=["int8", "w8a8", "int4"])
+def test_shards_quantise_as_they_load_into_their_rows(method):
+    layer, shards = _fused_layer(method, bias=True)
+    whole = torch.cat(list(shards.values()))
+    packed, scales, offsets = method.quantize(whole)  # scales are per row: shards quantise independently
+    assert torch.equal(layer.weight, packed) and torch.equal(layer.weight_scale, scales)
+    assert (layer.weight_offset is None) == (offsets is None)
+    assert layer.bias.dtype == torch.float32
+    x = torch.randn(3, 64)
+    if getattr(method, "int8_activations", False):
+        assert torch.equal(layer(x), ref.w8a8_linear(x, packed, scales.view(-1), layer.bias))
+    else:
+        weight_only = ref.weight_only_linear(x, packed, scales, offsets, layer.bias, compute_dtype=torch.float64)
+        assert torch.allclose(layer(x), weight_only.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [Int8LinearMethod(), Int4LinearMethod()], ids=["int8", "int4"])
+def test_prefill_sized_batches_run_the_dense_gemm_on_the_dequantised_weight(method):
+    layer, _ = _fused_layer(method, bias=True)
+    x = torch.randn(DEQUANTIZE_MIN_ROWS, 64)
+    weight = ref.dequantize(layer.weight, layer.weight_scale, layer.weight_offset)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
+
+
+def test_a_wrong_shard_or_shape_is_a_value_error():
+    layer = Linear(64, {"q": 64, "k": 32}, params_dtype=torch.float32)
+    layer.bind(Int8LinearMethod())
+    with pytest.raises(ValueError, match=r"has shape \(32, 32\), expected \(32, 64\)"):
+        layer.weight.weight_loader(layer.weight, torch.randn(32, 32), "k")
+    with pytest.raises(ValueError, match="shard 'v'"):
+        layer.weight.weight_loader(layer.weight, torch.randn(32, 64), "v")
+
+
+def test_a_tied_lm_head_gets_its_own_int8_copy_and_the_embedding_stays_float():
+    embedding = torch.nn.Parameter(torch.randn(100, 64), requires_grad=False)
+    head = Linear(64, 100, tied_to=embedding)
+    method = Int8LinearMethod()
+    head.bind(method)
+    method.process_weights_after_loading(head)
+    assert head.weight.dtype == torch.int8 and embedding.dtype == torch.float32
+    assert torch.equal(head.weight, ref.quantize_int8(embedding, 64)[0])
+
+
+def test_schemes_quantise_every_layer_they_can():
+    dense = DenseLinearMethod(keep_copies=False)
+    layer, odd = Linear(896, 128), Linear(40, 8)
+    int4 = quantization_chooser("int4", dense)
+    assert isinstance(int4("layers.0.mlp.down_proj", layer), Int4LinearMethod)
+    assert int4("layers.0.mlp.down_proj", layer).group_size(896) == 32
+    assert quantization_chooser("int4-g128", dense)("layers.0.mlp.down_proj", layer).group_size(896) == 128
+    assert quantization_chooser("int4-g128", dense)("layers.0.mlp.down_proj", layer).group_size(576) == 32
+    assert isinstance(int4("lm_head", layer), Int8LinearMethod)  # logits keep 8 bits
+    assert int4("layers.0.self_attn.o_proj", odd) is dense  # K not a multiple of 32
+    int8, w8a8 = quantization_chooser("int8", dense)("lm_head", layer), quantization_chooser("w8a8", dense)("x", layer)
+    assert not int8.int8_activations and w8a8.int8_activations
+    assert quantization_chooser("gguf", dense)("x", layer) is dense  # the GGUF loader binds its own layers
+    with pytest.raises(ValueError, match="quantization must be one of int8, w8a8, int4, int4-g128, gguf"):
+        EngineConfig.from_kwargs(quantization="int3")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4"])
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)])
+def test_quantised_models_stay_close_to_float_transformers(tiny_model_factory, scheme, arch, tie):
+    folder = tiny_model_factory(arch, tie)
+    llm = LLM(folder, dtype="float32", quantization=scheme, kv_cache_memory=1 << 22)
+    assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight_scale.dtype == torch.float32
+    model = llm.llm_engine.runner.model
+    assert model.layers[0].mlp.down_proj.weight.dtype == (torch.uint8 if scheme == "int4" else torch.int8)
+    assert model.lm_head.weight.dtype == torch.int8
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    got = torch.tensor([e[PROMPT[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
+    want = hf_logprobs(folder, PROMPT)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
+    assert float((got - want).abs().mean()) < MEAN_LOGPROB_ERROR[scheme]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4"])
+def test_a_bf16_model_keeps_float32_scales_and_biases(tiny_model_factory, scheme):
+    folder = tiny_model_factory("qwen2", False)
+    llm = LLM(folder, dtype="bfloat16", quantization=scheme, kv_cache_memory=1 << 22)
+    qkv = llm.llm_engine.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_scale.dtype == qkv.bias.dtype == torch.float32
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
