@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import prior_step_costs
 from folio import LLM, SamplingParams
 from server_fixture import MODEL_NAME, running_server
 from test_server_concurrency import metrics
@@ -14,7 +15,8 @@ PROMPT = [5, 6, 7, 8, 9] * 6
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    with running_server(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as s:
+    with prior_step_costs(), running_server(llama_dir, speculative_config={"method": "ngram",
+                                                                           "num_speculative_tokens": 4}) as s:
         yield s
 
 

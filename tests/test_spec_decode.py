@@ -18,7 +18,7 @@ from folio.sample.rejection_sampler import RejectionSampler
 from folio.spec_decode.config import SpeculativeConfig
 from folio.spec_decode.ngram import NgramProposer
 from folio.spec_decode.proposer import continuations
-from folio.spec_decode.speculator import PROBE_EVERY, Speculator
+from folio.spec_decode.speculator import EXPLORE_EVERY, PROBE_EVERY, Speculator
 from folio.spec_decode.suffix import SuffixProposer
 from folio.worker.request_state import RequestState
 from test_sampler import chi2_sf_even_df
@@ -50,7 +50,7 @@ def _tokens(outputs) -> list[list[list[int]]]:
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_equals_no_speculation(tiny_model_factory, llama_dir, method, dtype):
+def test_greedy_equals_no_speculation(tiny_model_factory, llama_dir, method, dtype, steps_cost_the_prior):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected, _ = _generate(llama_dir, PROMPTS, params, dtype=dtype)
     draft = tiny_model_factory("qwen2")  # another model with the same vocabulary: it guesses wrong often
@@ -63,7 +63,7 @@ def test_greedy_equals_no_speculation(tiny_model_factory, llama_dir, method, dty
     assert accepted > 0, "speculation should have run"
 
 
-def test_stop_tokens_max_tokens_logprobs_n_and_preemption(llama_dir):
+def test_stop_tokens_max_tokens_logprobs_n_and_preemption(llama_dir, steps_cost_the_prior):
     """Stops inside an accepted run, max_tokens cut, logprobs of accepted tokens, n > 1 and preemption with a
     tight KV cache: the same outputs as without speculation."""
     per_block = 2 * 2 * 2 * 16 * 4 * 4
@@ -91,7 +91,7 @@ def test_stop_tokens_max_tokens_logprobs_n_and_preemption(llama_dir):
         assert [v for _, v in other] == pytest.approx([v for _, v in logprobs[0]], abs=1e-4)
 
 
-def test_a_draft_model_identical_to_the_target_is_always_right(llama_dir):
+def test_a_draft_model_identical_to_the_target_is_always_right(llama_dir, steps_cost_the_prior):
     """The target as its own draft model: every guess is accepted, through preemptions too, which shows the
     draft's KV cache stays consistent (after rejections, catch-ups and freed blocks)."""
     per_block = 2 * (2 * 2 * 2 * 16 * 4 * 4)  # the target's KV and the draft's
@@ -115,7 +115,7 @@ def test_a_draft_model_must_share_the_vocabulary(llama_dir, tmp_path):
         LLM(llama_dir, speculative_config=_spec("draft_model", other))
 
 
-def test_streaming_gets_several_tokens_per_chunk(llama_dir):
+def test_streaming_gets_several_tokens_per_chunk(llama_dir, steps_cost_the_prior):
     from folio.engine.output_processor import OutputKind
 
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory=1 << 22, speculative_config=_spec("ngram"))
@@ -333,7 +333,24 @@ def test_policy_backs_off_where_every_token_costs_its_share():
     assert speculator.propose([near_end], [np.zeros(4, dtype=np.int32)]) == {}  # one token left: no room
 
 
-def test_structured_outputs_with_speculation(llama_dir):
+def test_policy_explores_when_its_estimates_rule_speculation_out():
+    """A step cost measured in a slow moment must not switch speculation off for good: after EXPLORE_EVERY
+    steps without drafts one request gets its full room; a failed exploration doubles the wait, one that pays
+    resets it."""
+    speculator = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=5), _Everything(), max_model_len=1000)
+    speculator.observe_step(1, 0.01)
+    for n in range(2, 8):
+        speculator.observe_step(n, 10.0)  # one slow moment: longer steps look ruinous
+    request, tokens = _request("r"), [np.zeros(4, dtype=np.int32)]
+    for wait, accepted in ((EXPLORE_EVERY, 0), (2 * EXPLORE_EVERY, 0), (4 * EXPLORE_EVERY, 3)):
+        assert speculator._explore_every == wait
+        proposals = [len(speculator.propose([request], tokens).get("r", [])) for _ in range(wait)]
+        assert proposals == [0] * (wait - 1) + [5], "explored once the wait is over, with the full room"
+        speculator.verified(request, 5, accepted)
+    assert speculator._explore_every == EXPLORE_EVERY
+
+
+def test_structured_outputs_with_speculation(llama_dir, steps_cost_the_prior):
     """The grammar's mask at every verified position: drafts it forbids are rejected, so constrained outputs
     equal those without speculation (and the grammar still ends requests)."""
     from folio import StructuredOutputsParams

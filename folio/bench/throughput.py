@@ -56,11 +56,12 @@ class ThroughputResult:
 
 @dataclass
 class SpeculationComparison:
-    """The same workload with speculative decoding and without it, one after the other in one process."""
+    """The same workload with speculative decoding and without it, two engines in one process, measured in the
+    order A B B A (A: without) so that a machine getting slower or faster over the run weighs on both alike."""
 
-    speculative: ThroughputResult
-    no_speculation: ThroughputResult
-    speedup: float  # output tokens/s with speculation / without
+    speculative: list[ThroughputResult]
+    no_speculation: list[ThroughputResult]
+    speedup: float  # output tokens/s with speculation / without, over both runs of each
 
 
 @dataclass
@@ -91,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     parser.add_argument("--versus-no-speculation", action="store_true",
                         help="with --speculative-config: also run the workload without speculation, in the same "
-                             "process, and report the speed-up")
+                             "process, passes interleaved (A B B A), and report the speed-up")
     sampling = parser.add_argument_group("sampling (default: greedy)")
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--top-p", type=float, default=1.0)
@@ -278,17 +279,39 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
         print_comparison(result)
     else:
         workload = f"{describe(args)}, {describe_sampling(sampling)}"
-        result = _run(args, config, sampling, workload)
-        print_result(result)
         if args.versus_no_speculation:
-            plain = _run(args, dataclasses.replace(config, speculative=SpeculativeOptions()), sampling, workload)
-            print_result(plain)
-            comparison = SpeculationComparison(result, plain, result.output_tokens_per_s / plain.output_tokens_per_s)
-            print(f"speculative decoding: {comparison.speedup:.2f}x the output tokens/s without it")
-            result = comparison
+            result = compare_speculation(args, config, sampling, workload)
+            for plain, speculative in zip(result.no_speculation, result.speculative):
+                print_result(plain)
+                print_result(speculative)
+            print(f"speculative decoding: {result.speedup:.2f}x the output tokens/s without it (A B B A, both "
+                  "engines in this process)")
+        else:
+            result = _run(args, config, sampling, workload)
+            print_result(result)
     if args.json:
         write_json(args.json, result)
     return 0
+
+
+def compare_speculation(args: argparse.Namespace, config: EngineConfig, sampling: SamplingParams,
+                        workload: str) -> SpeculationComparison:
+    """The workload without speculation (A) and with it (B), A B B A. Each engine is warmed up first; the
+    speculative one keeps what it learned (step costs) from run to run, as a serving engine would."""
+    engines = {False: prepare(args, dataclasses.replace(config, speculative=SpeculativeOptions())),
+               True: prepare(args, config)}
+    for engine, requests in engines.values():
+        warm_up(engine, requests, args.warmup_prompts, sampling)
+    runs: dict[bool, list[ThroughputResult]] = {False: [], True: []}
+    for speculative in (False, True, True, False):
+        engine, requests = engines[speculative]
+        engine.reset_prefix_cache()  # the second run of the same prompts must not find them cached
+        runs[speculative].append(measure(engine, requests, workload, args.breakdown, sampling))
+
+    def rate(results: list[ThroughputResult]) -> float:
+        return sum(r.output_tokens for r in results) / sum(r.elapsed_s for r in results)
+
+    return SpeculationComparison(runs[True], runs[False], rate(runs[True]) / rate(runs[False]))
 
 
 def _run(args: argparse.Namespace, config: EngineConfig, sampling: SamplingParams, workload: str) -> ThroughputResult:

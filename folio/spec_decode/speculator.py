@@ -17,6 +17,12 @@ per second of the next step.
     whose guesses keep failing gets none; after PROBE_EVERY steps without drafts its rates are taken as at least
     the prior's for one step, so that it is tried again when its text starts repeating (each probe that fails
     doubles the wait, so a request that never repeats costs next to nothing).
+  * exploration: the cost model knows only the step sizes it has seen lately, and one slow moment (a kernel
+    built on first use, a burst of load) could otherwise rule speculation out for good. So when the policy
+    has allowed no draft for EXPLORE_EVERY steps, the request that has waited longest gets its full room of drafts
+    whatever the estimates say: its acceptance and the cost of a longer step are measured afresh. Each
+    exploration whose drafts are all rejected doubles the wait for the next (one that pays resets it), which
+    bounds its cost to a few tokens in hundreds of steps where nothing repeats.
   * limits: never more drafts than num_speculative_tokens, or than the request's max_tokens or the context
     length leave room for.
 """
@@ -24,6 +30,7 @@ per second of the next step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -35,6 +42,7 @@ from folio.worker.request_state import RequestState
 PRIOR_RATE = 0.5  # a draft position's acceptance rate before any verification
 PROBE_EVERY = 8  # steps without drafts before a request's guesses are tried again (doubling while they fail)
 DECAY = 0.9  # weight of the past in the acceptance counts: the last ten or so verifications count
+EXPLORE_EVERY = 32  # steps without any draft before one request's drafts are tried regardless of the estimates
 
 
 @dataclass
@@ -77,6 +85,9 @@ class Speculator:
         self.max_model_len = max_model_len
         self.step_cost = StepCostModel()
         self._acceptance: dict[str, _Acceptance] = {}
+        self._steps_without_drafts = 0  # steps in which the policy allowed no draft
+        self._explore_every = EXPLORE_EVERY  # doubles with each exploration that finds nothing accepted
+        self._exploring: Optional[str] = None  # the request explored last, until its drafts are verified
 
     def propose(self, requests: list[RequestState], tokens: list[np.ndarray]) -> dict[str, list[int]]:
         """Drafts for the requests that just sampled (tokens[i]: requests[i]'s tokens so far)."""
@@ -97,6 +108,9 @@ class Speculator:
             stats.probe_every = PROBE_EVERY
         elif stats.probing:
             stats.probe_every *= 2
+        if request.request_id == self._exploring:
+            self._explore_every = EXPLORE_EVERY if num_accepted else 2 * self._explore_every
+            self._exploring = None
 
     def finished(self, request: RequestState) -> None:
         self._acceptance.pop(request.request_id, None)
@@ -124,6 +138,12 @@ class Speculator:
         counts = [0] * len(requests)
         for _, i in candidates[:best]:
             counts[i] += 1
+        self._steps_without_drafts = 0 if best else self._steps_without_drafts + 1
+        if self._steps_without_drafts >= self._explore_every:
+            i = max(range(len(requests)), key=lambda i: self._acceptance[requests[i].request_id].steps_without_drafts)
+            counts[i] = self._room(requests[i])
+            if counts[i]:
+                self._exploring, self._steps_without_drafts = requests[i].request_id, 0
         for request, count in zip(requests, counts):
             stats = self._acceptance[request.request_id]
             stats.steps_without_drafts = 0 if count else stats.steps_without_drafts + 1
