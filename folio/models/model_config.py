@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from folio.models.rope_scaling import SUPPORTED as SUPPORTED_ROPE_TYPES, rope_type
+
 
 @dataclass
 class ModelConfig:
@@ -28,6 +30,21 @@ class ModelConfig:
     attention_bias: bool = False
     rope_scaling: Optional[dict[str, Any]] = None
     bos_token_id: Optional[int] = None
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the model handles: max_position_embeddings, times the factor of the scaling
+        types that stretch it at run time (linear and dynamic; the others' checkpoints state the stretched
+        length), as vLLM derives it."""
+        if rope_type(self.rope_scaling) in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading channels of each head that RoPE rotates (Transformers: int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @staticmethod
     def architecture_of(cfg: dict[str, Any]) -> str:
@@ -42,7 +59,14 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
             rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            kind = rope_type(rope)
+            if kind not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"{arch}: unsupported rope_scaling type {kind!r} "
+                                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            if kind in ("llama3", "yarn", "longrope"):  # Transformers' standardize_rope_params
+                original = (cfg.get("original_max_position_embeddings")  # Phi-3 keeps it beside rope_scaling
+                            or rope.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
+                rope["original_max_position_embeddings"] = int(original)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -58,8 +82,9 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases; Llama and Mistral have them only when attention_bias says so.
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-                rope_scaling=rope if rope_type != "default" else None,
+                rope_scaling=rope if kind != "default" else None,
                 bos_token_id=cfg.get("bos_token_id"),
+                partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
             )
         except KeyError as e:
             raise ValueError(f"model config is missing the field {e.args[0]!r}") from e
