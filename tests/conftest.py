@@ -51,6 +51,7 @@ ARCH_CONFIGS = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
 }
 
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from folio.models.llama import LlamaForCausalLM
 from folio.models.model_config import ModelConfig
+from folio.models.phi3 import Phi3ForCausalLM
 from folio.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -13,6 +14,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

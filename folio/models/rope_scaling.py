@@ -14,7 +14,8 @@ pass from its largest position: a decode step at position p uses length p + 1, k
 rotation they got. folio applies that rule per position (row p of the table is for length p + 1), which gives
 Transformers' numbers whenever the prompt fits the original context, whatever the chunking, batching or
 preemption, and keeps a position's keys independent of the request (prefix caching needs that). A prompt
-longer than the original context differs: Transformers rotates the whole prompt for its full length.
+longer than the original context differs: Transformers rotates the whole prompt for its full length. So does
+Phi-3's generate past the original context: it drops its cache there and recomputes it with the long factors.
 """
 
 from __future__ import annotations
