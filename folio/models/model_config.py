@@ -14,6 +14,35 @@ from folio.models.rope_scaling import SUPPORTED as SUPPORTED_ROPE_TYPES, rope_ty
 
 
 @dataclass
+class MoEConfig:
+    """The mixture-of-experts facts of Mixtral, Qwen2-MoE and Qwen3-MoE configs (folio.models.moe)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, 0: none
+    decoder_sparse_step: int = 1  # every n-th layer is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... but these stay dense
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> Optional["MoEConfig"]:
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        if not num_experts:
+            return None
+        mixtral = "num_local_experts" in cfg and "moe_intermediate_size" not in cfg
+        return cls(num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]),
+                   intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+                   norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
+                   shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                   decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+
+
+@dataclass
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -31,6 +60,7 @@ class ModelConfig:
     rope_scaling: Optional[dict[str, Any]] = None
     bos_token_id: Optional[int] = None
     partial_rotary_factor: float = 1.0
+    moe: Optional[MoEConfig] = None
 
     @property
     def max_context(self) -> int:
@@ -80,10 +110,13 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; Llama and Mistral have them only when attention_bias says so.
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+                # Qwen2 always has q/k/v biases, Qwen2-MoE unless qkv_bias says not; Llama and Mistral only when
+                # attention_bias says so.
+                attention_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+                                or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
                 rope_scaling=rope if kind != "default" else None,
                 bos_token_id=cfg.get("bos_token_id"),
+                moe=MoEConfig.from_hf_dict(cfg),
                 partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
             )
         except KeyError as e:
