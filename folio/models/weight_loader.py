@@ -69,4 +69,4 @@ def shard_slices(param: nn.Parameter, tensor: torch.Tensor) -> list[tuple[ShardI
     total = sum(count for _, count in extents.values())
     if tensor.shape[0] != total:
         raise ValueError(f"has {tensor.shape[0]} rows, expected {total} (the fused shards {list(extents)})")
-    return [(shard_id, tensor.narrow(0, first, count)) for shard_id, (first, count) in extents.items()]
+    return [(shard_id, tensor[first:first + count]) for shard_id, (first, count) in extents.items()]
