@@ -47,3 +47,15 @@ def test_moe_quantised_stays_close(tiny_model_factory):
     got = torch.tensor([e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
     want = hf_logprobs(folder, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert float((got - want).abs().mean()) < 0.05
+
+
+def test_step_profile_shows_each_expert_read_once_per_step(tiny_model_factory):
+    from folio.bench.step_profile import profile_steps
+
+    llm = LLM(tiny_model_factory("qwen3_moe"), dtype="float32", kv_cache_memory=1 << 22)
+    with profile_steps(llm.llm_engine) as profile:
+        llm.generate([{"prompt_token_ids": [i, i + 1, i + 2]} for i in range(3, 67)],
+                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    decode = profile.breakdown().decode
+    assert decode.num_steps and decode.max_runs_per_expert == 1
+    assert decode.mean_expert_runs <= 2 * 8  # two layers of eight experts

@@ -49,12 +49,12 @@ class TopKRouter(Gate):
 
 
 class Experts(nn.ModuleList):
-    """The routed experts of one layer, each a LlamaMLP; `calls` counts expert forwards (tests and the benchmark
-    read it)."""
+    """The routed experts of one layer, each a LlamaMLP. runs[e] counts expert e's forwards, each one read of its
+    weights: the step profile (folio.bench.step_profile) reports them per step."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
         super().__init__(LlamaMLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
-        self.calls = 0
+        self.runs = [0] * moe.num_experts
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         top_k = experts.shape[1]
@@ -68,7 +68,7 @@ class Experts(nn.ModuleList):
                 rows = tokens[start:start + count]
                 y = self[expert](x.index_select(0, rows)) * slot_weights[start:start + count]
                 out.index_add_(0, rows, y.to(out.dtype))
-                self.calls += 1
+                self.runs[expert] += 1
             start += count
         return out
 
