@@ -86,3 +86,19 @@ def test_greedy_past_the_original_context_matches_transformers(tmp_path, kind):
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_partial_rotary_rotates_the_leading_channels_only():
+    """Phi-4-mini's shape: 96 of 128 channels rotate, through the fused bf16 kernel on views of one qkv tensor."""
+    from folio.models import fused_ops
+
+    rot = RotaryEmbedding(128, 256, 10000.0, None, rotary_dim=96)
+    qkv = torch.randn(7, (8 + 2 + 2) * 128).to(torch.bfloat16)
+    q, k, _ = qkv.split([8 * 128, 2 * 128, 2 * 128], dim=-1)
+    q, k = q.view(7, 8, 128), k.view(7, 2, 128)
+    positions = torch.tensor([0, 3, 9, 100, 5, 6, 255])
+    want_q, want_k = fused_ops.ref_rotary(positions, q[..., :96].clone(), k[..., :96].clone(), rot.cos, rot.sin)
+    q0, k0 = q.clone(), k.clone()
+    rot(positions, q, k)
+    assert torch.equal(q[..., :96], want_q) and torch.equal(k[..., :96], want_k)
+    assert torch.equal(q[..., 96:], q0[..., 96:]) and torch.equal(k[..., 96:], k0[..., 96:])
