@@ -57,6 +57,7 @@ ARCH_CONFIGS = {
                                      "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
                                      "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
 }
 
 

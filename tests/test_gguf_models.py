@@ -123,6 +123,7 @@ MODELS = {
     "mixtral": ("mixtral", "llama", {}),
     "qwen2_moe": ("qwen2_moe", "qwen2moe", {"mlp_only_layers": []}),  # llama.cpp's qwen2moe: every layer sparse
     "qwen3_moe": ("qwen3_moe", "qwen3moe", {}),
+    "olmoe": ("olmoe", "olmoe", {}),
 }
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 41)), [100, 3, 250, 77, 1, 90]]
 

@@ -11,7 +11,7 @@ from folio import LLM, SamplingParams
 from greedy_match import assert_greedy_matches
 
 KV_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # K and V, layers, kv heads, head_dim, fp32 bytes, block_size
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -59,3 +59,13 @@ def test_step_profile_shows_each_expert_read_once_per_step(tiny_model_factory):
     decode = profile.breakdown().decode
     assert decode.num_steps and decode.max_runs_per_expert == 1
     assert decode.mean_expert_runs <= 2 * 8  # two layers of eight experts
+
+
+def test_moe_config_without_experts_is_named():
+    from folio.models.model_config import ModelConfig
+    from folio.models.registry import build_model
+
+    cfg = ModelConfig.from_hf_dict({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+                                    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1})
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM is a mixture of experts, but its config has no"):
+        build_model(cfg, 16)

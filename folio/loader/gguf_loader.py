@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
 }
 # llama.cpp writes Mixtral as "llama" with experts (llama.expert_count).
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -218,7 +219,9 @@ def _moe_config(reader: GGUFReader, arch: str, model_type: str) -> dict:
         return {**config, "num_local_experts": int(experts)}
     shared = get_field(reader, f"{arch}.expert_shared_feed_forward_length")
     return {**config, "num_experts": int(experts),
-            "moe_intermediate_size": int(need_field(reader, f"{arch}.expert_feed_forward_length")),
+            # OLMoE's files give the experts' size as feed_forward_length only
+            "moe_intermediate_size": int(get_field(reader, f"{arch}.expert_feed_forward_length")
+                                         or need_field(reader, f"{arch}.feed_forward_length")),
             "shared_expert_intermediate_size": int(shared or 0),
             # llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's unless the file says so
             "norm_topk_prob": bool(get_field(reader, f"{arch}.expert_weights_norm", model_type == "qwen3_moe"))}

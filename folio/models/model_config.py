@@ -15,7 +15,7 @@ from folio.models.rope_scaling import SUPPORTED as SUPPORTED_ROPE_TYPES, rope_ty
 
 @dataclass
 class MoEConfig:
-    """The mixture-of-experts facts of Mixtral, Qwen2-MoE and Qwen3-MoE configs (folio.models.moe)."""
+    """The mixture-of-experts facts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE configs (folio.models.moe)."""
 
     num_experts: int
     top_k: int
@@ -33,9 +33,12 @@ class MoEConfig:
         num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         if not num_experts:
             return None
-        mixtral = "num_local_experts" in cfg and "moe_intermediate_size" not in cfg
+        if cfg.get("clip_qkv") is not None:
+            raise ValueError(f"clip_qkv={cfg['clip_qkv']} (OLMoE's q/k/v clamping) is not supported")
+        mixtral = cfg.get("model_type") == "mixtral" or "MixtralForCausalLM" in (cfg.get("architectures") or ())
         return cls(num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]),
-                   intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+                   # OLMoE's and Mixtral's experts have intermediate_size; Qwen's have their own
+                   intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                    norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
                    shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
                    decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),

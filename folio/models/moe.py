@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k experts.
+"""Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks each token's top-k
+experts.
 
 Each expert is a gated MLP of ordinary Linear layers, so every linear method (dense oneDNN-packed bf16, int8,
 int4, GGUF blocks) serves experts unchanged, and `bind_linear_methods` binds them like any layer. A step groups
@@ -7,10 +8,10 @@ its tokens (index_select in, weighted index_add out): an expert's weights are re
 whatever the batch, and an expert no token chose is not read at all.
 
 Routing follows Transformers exactly: softmax in float32 over the router logits, top-k, renormalised to sum 1
-where the model does (Mixtral always, Qwen by norm_topk_prob); Qwen casts the weights back to the activations'
+where the model does (Mixtral always, Qwen and OLMoE by norm_topk_prob); Qwen and OLMoE cast the weights back to the activations'
 dtype, Mixtral keeps them in float32. Qwen2-MoE adds a shared expert that every token goes through, scaled by a
-sigmoid gate. The router and that gate are plain parameters, not Linear layers: a quantisation scheme keeps them
-in full precision, as routing decisions are the most sensitive numbers of the block.
+sigmoid gate. The router and that gate are small `Gate` projections, not Linear layers: a quantisation scheme keeps
+them in full precision, as routing decisions are the most sensitive numbers of the block.
 """
 
 from __future__ import annotations
@@ -99,4 +100,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     float_weights = False
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        if cfg.moe is None:
+            raise ValueError(f"{cfg.architecture} is a mixture of experts, but its config has no num_experts "
+                             "(or num_local_experts)")
         return SparseMoeBlock(cfg, self.float_weights) if cfg.moe.is_sparse(layer_idx) else LlamaMLP(cfg)

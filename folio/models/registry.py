@@ -7,6 +7,7 @@ from torch import nn
 from folio.models.llama import LlamaForCausalLM
 from folio.models.mixtral import MixtralForCausalLM
 from folio.models.model_config import ModelConfig
+from folio.models.olmoe import OlmoeForCausalLM
 from folio.models.phi3 import Phi3ForCausalLM
 from folio.models.qwen2_moe import Qwen2MoeForCausalLM
 from folio.models.qwen3 import Qwen3ForCausalLM
@@ -21,6 +22,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 
