@@ -9,9 +9,9 @@ whatever the batch, and an expert no token chose is not read at all.
 
 Routing follows Transformers exactly: softmax in float32 over the router logits, top-k, renormalised to sum 1
 where the model does (Mixtral always, Qwen and OLMoE by norm_topk_prob); Qwen and OLMoE cast the weights back to
-the activations' dtype, Mixtral keeps them in float32. Qwen2-MoE adds a shared expert that every token goes through, scaled by a
-sigmoid gate. The router and that gate are small `Gate` projections, not Linear layers: a quantisation scheme keeps
-them in full precision, as routing decisions are the most sensitive numbers of the block.
+the activations' dtype, Mixtral keeps them in float32. Qwen2-MoE adds a shared expert that every token goes
+through, scaled by a sigmoid gate. The router and that gate are small `Gate` projections, not Linear layers: a
+quantisation scheme keeps them in full precision, as routing decisions are the most sensitive numbers of the block.
 """
 
 from __future__ import annotations
