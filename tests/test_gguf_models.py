@@ -37,8 +37,16 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32) -> str:
-    """Write a tiny Hugging Face model as llama.cpp would (float32 tensors; experts as expert_type)."""
+def _add(w: gguf.GGUFWriter, name: str, t: np.ndarray, qtype: Q) -> None:
+    if qtype == Q.F32:
+        w.add_tensor(name, np.ascontiguousarray(t))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+
+
+def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_type: Q = Q.F32) -> str:
+    """Write a tiny Hugging Face model as llama.cpp would: float32 tensors, but the stacked experts as expert_type
+    and the layers' other matrices as layer_type."""
     cfg = json.load(open(os.path.join(folder, "config.json")))
     tensors = {k: v.numpy() for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
     heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
@@ -90,13 +98,9 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32) -> str
                 t = _permute(t, heads if part == "self_attn.q_proj" else kv_heads)
             if part == "mlp.shared_expert_gate":
                 t = t.reshape(-1)
-        w.add_tensor(gguf_name, np.ascontiguousarray(t))
+        _add(w, gguf_name, t, layer_type if gguf_name.startswith("blk.") and t.ndim == 2 else Q.F32)
     for gguf_name, per_expert in stacked.items():
-        t = np.stack([per_expert[e] for e in range(experts)])
-        if expert_type == Q.F32:
-            w.add_tensor(gguf_name, t)
-        else:
-            w.add_tensor(gguf_name, gguf.quants.quantize(t, expert_type), raw_dtype=expert_type)
+        _add(w, gguf_name, np.stack([per_expert[e] for e in range(experts)]), expert_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -140,6 +144,23 @@ def test_gguf_generates_like_transformers(tmp_path, model):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, p, 16) for p in PROMPTS]
 
 
+def _greedy(llm: LLM, max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_phi3_fused_q8_0_layers_run_natively(tmp_path):
+    """attn_qkv and the fused ffn_up load into the int8 layers shard by shard, as their blocks."""
+    folder = build_tiny_model(str(tmp_path / "phi3"), "phi3")
+    path = hf_to_gguf(folder, str(tmp_path / "phi3.gguf"), "phi3", layer_type=Q.Q8_0)
+    native = LLM(path, dtype="float32", quantization="gguf", kv_cache_memory=1 << 22)
+    layer = native.llm_engine.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == layer.mlp.gate_up_proj.weight.dtype == torch.int8
+    dequantised = LLM(path, dtype="float32", kv_cache_memory=1 << 22)
+    assert sum(g == w for g, w in zip(_greedy(native, 8), _greedy(dequantised, 8))) >= 2
+
+
 def test_q8_0_experts_run_natively(tmp_path):
     folder = build_tiny_model(str(tmp_path / "q3"), "qwen3_moe", hidden_size=64, moe_intermediate_size=64)
     path = hf_to_gguf(folder, str(tmp_path / "q3.gguf"), "qwen3moe", expert_type=Q.Q8_0)
@@ -147,9 +168,4 @@ def test_q8_0_experts_run_natively(tmp_path):
     expert = native.llm_engine.runner.model.layers[1].mlp.experts[7]
     assert expert.gate_up_proj.weight.dtype == expert.down_proj.weight.dtype == torch.int8
     dequantised = LLM(path, dtype="float32", kv_cache_memory=1 << 22)
-    params = SamplingParams(temperature=0, max_tokens=8)
-    got = [o.outputs[0].token_ids for o in native.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                                                           use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in dequantised.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                                                                 use_tqdm=False)]
-    assert sum(g == w for g, w in zip(got, want)) >= 2
+    assert sum(g == w for g, w in zip(_greedy(native, 8), _greedy(dequantised, 8))) >= 2
