@@ -52,6 +52,13 @@ ARCH_CONFIGS = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
+    "mixtral": ("MixtralConfig", {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
 }
 
 

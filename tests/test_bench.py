@@ -229,6 +229,20 @@ def test_make_model_writes_a_loadable_folder(tmp_path, capsys):
     assert "qwen2-0.5b" in capsys.readouterr().out
 
 
+def test_moe_benchmark_models_load_with_the_same_active_size(tmp_path):
+    small = {"num_hidden_layers": 1, "vocab_size": 600, "hidden_size": 64, "head_dim": 16, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "moe_intermediate_size": 32, "intermediate_size": 64}
+    for arch in ("qwen3-moe-small", "qwen3-moe-small-dense"):
+        out = str(tmp_path / arch)
+        assert main(["bench", "make-model", "--arch", arch, "--out", out,
+                     *[a for k, v in small.items() for a in ("--set", f"{k}={v}")]]) == 0
+        llm = LLM(out, dtype="float32", kv_cache_memory=1 << 20, num_threads=1)
+        assert len(llm.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids) == 2
+    moe, dense = ARCHITECTURES["qwen3-moe-small"], ARCHITECTURES["qwen3-moe-small-dense"]
+    assert moe["num_experts_per_tok"] * moe["moe_intermediate_size"] == dense["intermediate_size"]
+
+
 def test_qwen2_architecture_has_the_issue_s_shapes():
     shapes = weight_shapes(ARCHITECTURES["qwen2-0.5b"])
     params = sum(math.prod(s) for s in shapes.values())

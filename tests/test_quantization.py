@@ -103,7 +103,7 @@ def test_schemes_quantise_every_layer_they_can():
 
 
 @pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4"])
-@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False), ("phi3", False)])
 def test_quantised_models_stay_close_to_float_transformers(tiny_model_factory, scheme, arch, tie):
     folder = tiny_model_factory(arch, tie)
     llm = LLM(folder, dtype="float32", quantization=scheme, kv_cache_memory=1 << 22)

@@ -40,6 +40,18 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                      "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
                      "hidden_act": "silu"},
 }
+# A small Qwen3-MoE (16 experts of 768, 2 per token) and the dense Qwen3 of its active size (one MLP of 2 x 768):
+# an MoE decode step against the dense one's.
+_SMALL_QWEN3 = {"hidden_size": 768, "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4,
+                "head_dim": 64, "vocab_size": 16384, "max_position_embeddings": 4096, "rope_theta": 1000000.0,
+                "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu"}
+ARCHITECTURES.update({
+    "qwen3-moe-small": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **_SMALL_QWEN3,
+                        "intermediate_size": 1536, "num_experts": 16, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 768, "norm_topk_prob": True},
+    "qwen3-moe-small-dense": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_SMALL_QWEN3,
+                              "intermediate_size": 1536},
+})
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TRAINED_VOCAB = 8192  # BPE merges learnt from the corpus; the rest of the vocabulary is filler
 INIT_STD = 0.02
@@ -69,7 +81,8 @@ def _parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a Llama-family checkpoint (Qwen2 adds q/k/v biases; tied models have no lm_head)."""
+    """Tensor names and shapes of a Llama-family checkpoint (Qwen2 adds q/k/v biases, Qwen3 q/k norms, Qwen3-MoE
+    experts and a router in place of the MLP; tied models have no lm_head)."""
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
@@ -84,6 +97,17 @@ def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         if cfg["model_type"] == "qwen2":
             shapes.update({p + "self_attn.q_proj.bias": (heads * d,), p + "self_attn.k_proj.bias": (kv_heads * d,),
                            p + "self_attn.v_proj.bias": (kv_heads * d,)})
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if cfg["model_type"] == "qwen3_moe":
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del shapes[p + f"mlp.{name}.weight"]
+            e_inter = cfg["moe_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
+            for e in range(cfg["num_experts"]):
+                shapes.update({p + f"mlp.experts.{e}.gate_proj.weight": (e_inter, h),
+                               p + f"mlp.experts.{e}.up_proj.weight": (e_inter, h),
+                               p + f"mlp.experts.{e}.down_proj.weight": (h, e_inter)})
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
     return shapes

@@ -5,7 +5,9 @@ back after: the step itself, the scheduler's schedule/update_from_output/finish_
 backend's build_metadata and forward, the model's forward and compute_logits, the sampler and the output
 processor. The engine's code is not edited, so the profile follows whatever the engine does today, and a phase
 the engine stops calling shows up as zero (its time lands in "other"). CPU ops run synchronously, so wall time
-around a call is its cost; a wrapper costs about a microsecond, per layer for attention.
+around a call is its cost; a wrapper costs about a microsecond, per layer for attention. A mixture-of-experts
+model's steps also count their expert runs (folio.models.moe.Experts.runs): how many of the model's experts a
+step ran, and the most runs of any one expert in a step, which is 1 when each expert's weights are read once.
 
 The phases are exclusive and add up to the step: "model forward" excludes the attention inside it, "sampling"
 the grammar mask applied inside it (structured outputs; "grammar bitmask" is the engine core filling that mask
@@ -22,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from folio.core.request import Request
 from folio.engine.llm_engine import LLMEngine
+from folio.models.moe import Experts
 from folio.structured_output.token_mask import GrammarTokenMask
 
 # Printed in this order; each is a share of the step.
@@ -45,6 +48,8 @@ class StepKind:
     mean_requests: Optional[float]  # requests in the batch
     mean_tokens: Optional[float]  # tokens computed per step
     phase_ms: dict[str, float]  # per step of this kind, each of PHASES (empty when there is none)
+    mean_expert_runs: Optional[float] = None  # MoE models: expert MLPs run per step, over all layers
+    max_runs_per_expert: Optional[int] = None  # MoE models: the most times one expert ran in one step
 
 
 @dataclass
@@ -65,12 +70,14 @@ class _Step:
     tokens: int
     decode_only: bool
     phase_ns: dict[str, int]  # what the wrappers saw during this step
+    expert_runs: list[int]  # per expert of the model (all MoE layers), its runs in this step
 
 
 class StepProfile:
     """Accumulates phase times while installed; `breakdown()` reads them out."""
 
-    def __init__(self) -> None:
+    def __init__(self, experts: list[Experts]) -> None:
+        self._experts = experts  # the model's MoE layers' experts, if any
         self._ns: dict[str, int] = defaultdict(int)  # the step being run
         self._steps: list[_Step] = []
         self._shape = (0, 0, False)  # (requests, tokens, decode_only) of the step being run
@@ -97,13 +104,18 @@ class StepProfile:
             return out
         return schedule
 
+    def _expert_runs(self) -> list[int]:
+        return [n for experts in self._experts for n in experts.runs]
+
     def _step(self, fn: Callable) -> Callable:
         def step(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter_ns()
+            start, runs = time.perf_counter_ns(), self._expert_runs()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._steps.append(_Step(time.perf_counter_ns() - start, *self._shape, phase_ns=dict(self._ns)))
+                ran = [after - before for after, before in zip(self._expert_runs(), runs)]
+                self._steps.append(_Step(time.perf_counter_ns() - start, *self._shape, phase_ns=dict(self._ns),
+                                         expert_runs=ran))
                 self._ns.clear()
         return step
 
@@ -136,15 +148,18 @@ def _kind(steps: list[_Step]) -> StepKind:
         return StepKind(0, None, None, None, {})
     n = len(steps)
     ns = _exclusive(steps)
+    moe = bool(steps[0].expert_runs)
     return StepKind(n, sum(s.ns for s in steps) / 1e6 / n, sum(s.requests for s in steps) / n,
-                    sum(s.tokens for s in steps) / n, {name: ns[name] / 1e6 / n for name in PHASES})
+                    sum(s.tokens for s in steps) / n, {name: ns[name] / 1e6 / n for name in PHASES},
+                    sum(sum(s.expert_runs) for s in steps) / n if moe else None,
+                    max(max(s.expert_runs) for s in steps) if moe else None)
 
 
 @contextlib.contextmanager
 def profile_steps(engine: LLMEngine) -> Iterator[StepProfile]:
     """Time the phases of every engine.step() run inside the block."""
-    profile = StepProfile()
     runner = engine.runner
+    profile = StepProfile([m for m in runner.model.modules() if isinstance(m, Experts)])
     wrappers = [
         (engine, "step", profile._step),
         (engine.scheduler, "schedule", lambda fn: profile._schedule(fn, engine.scheduler.requests)),

@@ -211,6 +211,9 @@ def print_result(result: ThroughputResult) -> None:
     for label, kind in kinds:
         print(f"    steps {label}: {kind.num_steps}, mean {kind.mean_ms:.2f} ms, {kind.mean_requests:.1f} requests, "
               f"{kind.mean_tokens:.1f} tokens")
+        if kind.mean_expert_runs is not None:
+            print(f"      experts run per step: {kind.mean_expert_runs:.1f} (over all layers), "
+                  f"each at most {kind.max_runs_per_expert}x")
 
 
 def compare_structured(engine: LLMEngine, requests: list[BenchRequest], args: argparse.Namespace,

@@ -48,11 +48,11 @@ class LLMEngine:
                             gguf_native=config.model.quantization == "gguf")
         self.model_config = cfg = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
-        if config.model.max_model_len is not None and config.model.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {cfg.max_position_embeddings}")
+        if config.model.max_model_len is not None and config.model.max_model_len > cfg.max_context:
+            raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's context of "
+                             f"{cfg.max_context} positions")
         backend = platform.attention_backend(config.model.attention_backend)
-        max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        max_model_len = config.model.max_model_len or cfg.max_context
         spec = config.speculative.speculative_config
         draft = None if spec is None or spec.method != "draft_model" else \
             load_draft_model(spec, cfg, dtype, max_model_len, config.cache.block_size, platform)

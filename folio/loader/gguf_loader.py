@@ -43,7 +43,15 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
 }
+# llama.cpp writes Mixtral as "llama" with experts (llama.expert_count).
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# The model types whose Q and K rows llama.cpp's converter permutes.
+PERMUTED_QK = frozenset({"llama", "mixtral"})
 
 Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -68,13 +76,26 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v, as in its Hugging Face checkpoints
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Per-architecture exceptions: Phi-3's ffn_up holds gate and up, fused as in its Hugging Face checkpoints.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Stacked expert tensors [experts, rows, cols]: one Hugging Face tensor per expert, mlp.experts.E.<name>.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ rope scaling factors: folded into hf_config's rope_scaling, not a model weight.
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE factors: folded into rope_scaling likewise.
+ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+_NOT_WEIGHTS = frozenset({ROPE_FREQS, *ROPE_FACTORS.values()})
 
 # Bumped whenever the conversion changes, so stale caches are not reused.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 @dataclass
@@ -138,17 +159,21 @@ def _hf_config(reader: GGUFReader) -> dict:
     arch = _architecture(reader)
     hf_arch, model_type = ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
-    for name in ("token_embd.weight", "blk.0.attn_q.weight"):
+    for name in ("token_embd.weight", "blk.0.attn_q.weight" if arch != "phi3" else "blk.0.attn_qkv.weight"):
         if name not in tensors:
             raise ValueError(f"the GGUF file has no tensor {name!r}")
     heads = int(need_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(need_field(reader, f"{arch}.embedding_length"))
     # key_length is only written when it differs from hidden/heads (Qwen3); q's rows always tell.
-    head_dim = int(get_field(reader, f"{arch}.attention.key_length", int(tensors["blk.0.attn_q.weight"].shape[1]) // heads))
+    q_rows = int(tensors["blk.0.attn_q.weight"].shape[1]) if "blk.0.attn_q.weight" in tensors else hidden
+    head_dim = int(get_field(reader, f"{arch}.attention.key_length", q_rows // heads))
+    if arch == "llama" and get_field(reader, "llama.expert_count"):
+        hf_arch, model_type = MIXTRAL
     config = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # ggml order: (hidden, vocab)
-        "hidden_size": int(need_field(reader, f"{arch}.embedding_length")),
+        "hidden_size": hidden,
         "intermediate_size": int(need_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(need_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
@@ -162,17 +187,44 @@ def _hf_config(reader: GGUFReader) -> dict:
         "bos_token_id": get_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": get_field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    config.update(_moe_config(reader, arch, model_type))
+    rope_dim = int(get_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        config["partial_rotary_factor"] = rope_dim / head_dim
     rope_type = get_field(reader, f"{arch}.rope.scaling.type", "none")
     if rope_type != "none":
         config["rope_scaling"] = {"rope_type": rope_type, "factor": _f32(need_field(reader, f"{arch}.rope.scaling.factor"))}
         original = get_field(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = int(original)
+    if ROPE_FACTORS["long_factor"] in tensors:
+        original = need_field(reader, f"{arch}.rope.scaling.original_context_length")
+        config["original_max_position_embeddings"] = int(original)
+        config["rope_scaling"] = {"rope_type": "longrope", **{
+            key: [_f32(v) for v in dequantize(tensors[name].data, tensors[name].tensor_type).reshape(-1)]
+            for key, name in ROPE_FACTORS.items()}}
     if ROPE_FREQS in tensors:
-        rope_dim = int(get_field(reader, f"{arch}.rope.dimension_count", head_dim))
         factors = dequantize(tensors[ROPE_FREQS].data, tensors[ROPE_FREQS].tensor_type)
         config["rope_scaling"] = _llama3_rope_scaling(factors, config["rope_theta"], rope_dim)
     return config
+
+
+def _moe_config(reader: GGUFReader, arch: str, model_type: str) -> dict:
+    """The config.json fields of a mixture of experts (none for a dense model)."""
+    experts = get_field(reader, f"{arch}.expert_count")
+    if not experts:
+        return {}
+    config = {"num_experts_per_tok": int(need_field(reader, f"{arch}.expert_used_count"))}
+    if model_type == "mixtral":
+        return {**config, "num_local_experts": int(experts)}
+    shared = get_field(reader, f"{arch}.expert_shared_feed_forward_length")
+    return {**config, "num_experts": int(experts),
+            # OLMoE's files give the experts' size as feed_forward_length only
+            "moe_intermediate_size": int(get_field(reader, f"{arch}.expert_feed_forward_length")
+                                         or need_field(reader, f"{arch}.feed_forward_length")),
+            "shared_expert_intermediate_size": int(shared or 0),
+            # llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's unless the file says so
+            "norm_topk_prob": bool(get_field(reader, f"{arch}.expert_weights_norm", model_type == "qwen3_moe"))}
 
 
 def _llama3_rope_scaling(factors: np.ndarray, theta: float, dim: int) -> dict:
@@ -237,14 +289,23 @@ def _checkpoint(reader: GGUFReader) -> GGUFCheckpoint:
 # ---------------------------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_names(gguf_name: str, arch: str, experts: int) -> list[str]:
+    """The Hugging Face names of a GGUF tensor: one, or one per expert of a stacked expert tensor."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+        return [f"{_GLOBAL_TENSORS[base]}.{suffix}"]
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match[2] in _LAYER_TENSORS:
-        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+    if match and match[2] in _EXPERT_TENSORS:
+        part = _EXPERT_TENSORS[match[2]]
+        return [f"model.layers.{match[1]}.mlp.experts.{e}.{part}.{match[3]}" for e in range(experts)]
+    hf = _ARCH_LAYER_TENSORS.get(arch, {}).get(match[2], _LAYER_TENSORS.get(match[2])) if match else None
+    if hf:
+        return [f"model.layers.{match[1]}.{hf}.{match[3]}"]
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that folio knows")
+
+
+def _num_experts(hf_config: dict) -> int:
+    return int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -259,7 +320,10 @@ def _tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype) -> dict[st
 
 def tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
     """Hugging Face name -> GGUF type of every weight of the file."""
-    return {_hf_name(t.name): t.tensor_type for t in open_gguf(path).tensors if t.name != ROPE_FREQS}
+    reader = open_gguf(path)
+    arch, experts = _architecture(reader), _num_experts(_hf_config(reader))
+    return {name: t.tensor_type for t in reader.tensors if t.name not in _NOT_WEIGHTS
+            for name in _hf_names(t.name, arch, experts)}
 
 
 def iter_gguf_tensors(path: str, dtype: torch.dtype, keep_quantized: frozenset[str]):
@@ -279,22 +343,28 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
                 f"supported: {', '.join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))}"
             )
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
-    permuted = heads if hf_config["model_type"] == "llama" else {}  # llama.cpp permutes llama's Q/K only
+    permuted = heads if hf_config["model_type"] in PERMUTED_QK else {}  # llama.cpp permutes llama's Q/K only
+    arch, experts = _architecture(reader), _num_experts(hf_config)
     for t in reader.tensors:
-        if t.name == ROPE_FREQS:
+        if t.name in _NOT_WEIGHTS:
             continue
-        name = _hf_name(t.name)
+        names = _hf_names(t.name, arch, experts)
         layer_tensor = _LAYER_NAME.fullmatch(t.name)
         n_head = permuted.get(layer_tensor[2]) if layer_tensor else None
-        if name in keep_quantized:
+        if names[0] in keep_quantized:
             blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))
-            yield name, GGUFBlocks(t.tensor_type, (blocks if n_head is None else _unpermute(blocks, n_head)).numpy())
+            blocks = (blocks if n_head is None else _unpermute(blocks, n_head)).numpy()
+            for name, part in zip(names, blocks.reshape(len(names), -1, blocks.shape[-1])):
+                yield name, GGUFBlocks(t.tensor_type, part)
             continue
         # F32 tensors come back as read-only views of the file mapping; torch wants writable memory.
         w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements="W"))
         if n_head is not None:
             w = _unpermute(w, n_head)
-        yield name, torch.empty(w.shape, dtype=dtype).copy_(w)  # one copy: contiguous, in dtype
+        if t.name.endswith("ffn_gate_inp_shexp.weight") and w.dim() == 1:  # llama.cpp drops its unit dim
+            w = w.unsqueeze(0)
+        for name, part in zip(names, w.reshape(len(names), -1, *w.shape[-1:]) if len(names) > 1 else [w]):
+            yield name, torch.empty(part.shape, dtype=dtype).copy_(part)  # one copy: contiguous, in dtype
 
 
 # ------------------------------------------------------------------------------------------------ cache

@@ -134,7 +134,7 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         tensors = iter(state.items())
         hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
 
-    max_positions = cfg.max_position_embeddings if max_positions_cap is None else max_positions_cap
+    max_positions = cfg.max_context if max_positions_cap is None else max_positions_cap
     if gguf_native and os.path.isdir(path):
         raise ValueError(f"quantization 'gguf' needs a .gguf model file, got the folder {path}")
     with _default_dtype(dtype), device:

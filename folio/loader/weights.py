@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from folio.models.weight_loader import ShardId, shard_ids_of, weight_loader_of
+from folio.models.weight_loader import ALL_SHARDS, ShardId, shard_ids_of, shard_slices, weight_loader_of
 
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -29,10 +29,12 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
         try:
-            weight_loader_of(param)(param, tensor, shard_id)
+            pieces = shard_slices(param, tensor) if shard_id == ALL_SHARDS else [(shard_id, tensor)]
+            for piece_id, piece in pieces:
+                weight_loader_of(param)(param, piece, piece_id)
+                loaded.add((param_name, piece_id))
         except ValueError as e:  # the loader's message completes this sentence (see weight_loader)
             raise ValueError(f"checkpoint tensor {name!r} {e}") from None
-        loaded.add((param_name, shard_id))
     missing = [name if shard_id is None else f"{name} (shard {shard_id!r})"
                for name, param in params.items() for shard_id in shard_ids_of(param)
                if (name, shard_id) not in loaded]

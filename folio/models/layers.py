@@ -8,13 +8,13 @@ bit-identical to the torch reference code they fall back to.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from folio.models import fused_ops
+from folio.models.rope_scaling import cos_sin_tables
 from folio.models.weight_loader import uninitialized
 
 
@@ -40,27 +40,6 @@ class RMSNorm(nn.Module):
         return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
-
-
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed float32 cos/sin table indexed by position.
 
@@ -68,15 +47,20 @@ class RotaryEmbedding(nn.Module):
     model's dtype (a dtype cast of the model leaves them alone: see _apply), and are cast per use exactly as
     Transformers casts its cos/sin. Not persistent: they are computed, never loaded from a checkpoint.
     One instance is shared by every layer of a model.
+
+    scaling: the checkpoint's rope_scaling (folio.models.rope_scaling); max_len: its max_position_embeddings,
+    which some scaling types read. rotary_dim: how many leading channels of each head rotate (partial rotary,
+    Phi-4-mini), all by default.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict[str, Any]]) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict[str, Any]],
+                 rotary_dim: Optional[int] = None, max_len: Optional[int] = None) -> None:
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.rotary_dim = rotary_dim or head_dim
+        self.partial = self.rotary_dim != head_dim
+        cos, sin = cos_sin_tables(self.rotary_dim, max_positions, theta, scaling, max_len or max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def _apply(self, fn, recurse=True):
         """Apply a .to()/.cuda()/.half()-style conversion to the tables' device only: fn says where the
@@ -89,6 +73,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D], rotated in place (they are views of the step's qkv output)."""
+        if self.partial:
+            rot = self.rotary_dim
+            fused_ops.rotary_embedding_(positions, q[..., :rot], k[..., :rot], self.cos, self.sin)
+            return q, k
         return fused_ops.rotary_embedding_(positions, q, k, self.cos, self.sin)
 
 

@@ -57,10 +57,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size})
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: size, 1: size})
+        self.down_proj = Linear(size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -72,9 +73,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(cfg, layer_idx, rotary)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.make_mlp(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        """Hook for architectures whose feed-forward differs (mixture-of-experts layers: folio.models.moe)."""
+        return LlamaMLP(cfg)
 
     def forward(self, positions, x, residual, ctx: StepContext):
         if residual is None:
@@ -96,7 +101,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim,
+                                 cfg.max_position_embeddings)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -10,6 +10,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from folio.models.rope_scaling import SUPPORTED as SUPPORTED_ROPE_TYPES, rope_type
+
+
+@dataclass
+class MoEConfig:
+    """The mixture-of-experts facts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE configs (folio.models.moe)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, 0: none
+    decoder_sparse_step: int = 1  # every n-th layer is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... but these stay dense
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> Optional["MoEConfig"]:
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        if not num_experts:
+            return None
+        if cfg.get("clip_qkv") is not None:
+            raise ValueError(f"clip_qkv={cfg['clip_qkv']} (OLMoE's q/k/v clamping) is not supported")
+        mixtral = cfg.get("model_type") == "mixtral" or "MixtralForCausalLM" in (cfg.get("architectures") or ())
+        return cls(num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]),
+                   # OLMoE's and Mixtral's experts have intermediate_size; Qwen's have their own
+                   intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                   norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
+                   shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                   decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+
 
 @dataclass
 class ModelConfig:
@@ -28,6 +62,22 @@ class ModelConfig:
     attention_bias: bool = False
     rope_scaling: Optional[dict[str, Any]] = None
     bos_token_id: Optional[int] = None
+    partial_rotary_factor: float = 1.0
+    moe: Optional[MoEConfig] = None
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the model handles: max_position_embeddings, times the factor of the scaling
+        types that stretch it at run time (linear and dynamic; the others' checkpoints state the stretched
+        length), as vLLM derives it."""
+        if rope_type(self.rope_scaling) in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading channels of each head that RoPE rotates (Transformers: int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @staticmethod
     def architecture_of(cfg: dict[str, Any]) -> str:
@@ -42,7 +92,14 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
             rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            kind = rope_type(rope)
+            if kind not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"{arch}: unsupported rope_scaling type {kind!r} "
+                                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            if kind in ("llama3", "yarn", "longrope"):  # Transformers' standardize_rope_params
+                original = (cfg.get("original_max_position_embeddings")  # Phi-3 keeps it beside rope_scaling
+                            or rope.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
+                rope["original_max_position_embeddings"] = int(original)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -56,10 +113,14 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; Llama and Mistral have them only when attention_bias says so.
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-                rope_scaling=rope if rope_type != "default" else None,
+                # Qwen2 always has q/k/v biases, Qwen2-MoE unless qkv_bias says not; Llama and Mistral only when
+                # attention_bias says so.
+                attention_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+                                or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
+                rope_scaling=rope if kind != "default" else None,
                 bos_token_id=cfg.get("bos_token_id"),
+                moe=MoEConfig.from_hf_dict(cfg),
+                partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
             )
         except KeyError as e:
             raise ValueError(f"model config is missing the field {e.args[0]!r}") from e

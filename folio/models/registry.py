@@ -5,14 +5,24 @@ from __future__ import annotations
 from torch import nn
 
 from folio.models.llama import LlamaForCausalLM
+from folio.models.mixtral import MixtralForCausalLM
 from folio.models.model_config import ModelConfig
+from folio.models.olmoe import OlmoeForCausalLM
+from folio.models.phi3 import Phi3ForCausalLM
+from folio.models.qwen2_moe import Qwen2MoeForCausalLM
 from folio.models.qwen3 import Qwen3ForCausalLM
+from folio.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

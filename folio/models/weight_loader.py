@@ -15,13 +15,17 @@ e.g. "has shape (3, 4), expected (2, 4)": only the loop knows the tensor's name,
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
 ShardId = Union[str, int, None]
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+# The shard id of a checkpoint tensor that holds all of a fused parameter's shards, stacked along its first dim
+# in declaration order (Phi-3's qkv_proj and gate_up_proj). The loading loop splits it (`shard_slices`) and
+# hands each piece to the weight loader as that shard, so every loader handles shards only.
+ALL_SHARDS = "<all shards>"
 
 
 def uninitialized(*shape: int, dtype: Optional[torch.dtype] = None) -> nn.Parameter:
@@ -41,8 +45,12 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: S
 
 
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader, shard_ids: Iterable[ShardId]) -> None:
+    """shard_ids: the shards the parameter needs; a mapping {shard id: (first, count)} also says where each
+    lies along the first dim, so that a tensor of them all can be split (`ALL_SHARDS`)."""
     param.weight_loader = loader
     param.shard_ids = tuple(shard_ids)
+    if isinstance(shard_ids, Mapping):
+        param.shard_extents = dict(shard_ids)
 
 
 def weight_loader_of(param: nn.Parameter) -> WeightLoader:
@@ -51,3 +59,14 @@ def weight_loader_of(param: nn.Parameter) -> WeightLoader:
 
 def shard_ids_of(param: nn.Parameter) -> tuple[ShardId, ...]:
     return getattr(param, "shard_ids", (None,))
+
+
+def shard_slices(param: nn.Parameter, tensor: torch.Tensor) -> list[tuple[ShardId, torch.Tensor]]:
+    """A tensor of all the parameter's shards cut into (shard id, its rows)."""
+    extents = getattr(param, "shard_extents", None)
+    if not extents:
+        raise ValueError("holds fused shards, but its parameter has none")
+    total = sum(count for _, count in extents.values())
+    if tensor.shape[0] != total:
+        raise ValueError(f"has {tensor.shape[0]} rows, expected {total} (the fused shards {list(extents)})")
+    return [(shard_id, tensor[first:first + count]) for shard_id, (first, count) in extents.items()]

@@ -1,0 +1,28 @@
+"""Check a tiny model's greedy outputs against Transformers' with chunked prefill and with preemption forced."""
+
+from __future__ import annotations
+
+from conftest import hf_greedy
+from folio import LLM, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 41)), [100, 3, 250, 77, 1, 90, 91, 92, 93, 17],
+           [300] * 9]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_greedy_matches(folder: str, kv_block_bytes: int, max_tokens: int = 24, max_model_len: int = 48,
+                          prompts: list[list[int]] = PROMPTS) -> None:
+    """kv_block_bytes: one 4-token block's K and V over all layers in float32, to size a cache of 12 blocks:
+    too few for every request at once, so the scheduler must preempt."""
+    expected = [hf_greedy(folder, p, max_tokens) for p in prompts]
+    chunked = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=7)
+    assert _tokens(chunked, prompts, max_tokens) == expected
+    preempted = LLM(folder, dtype="float32", block_size=4, kv_cache_memory=12 * kv_block_bytes,
+                    max_model_len=max_model_len)
+    assert _tokens(preempted, prompts, max_tokens) == [e[:max_model_len - len(p)] for p, e in zip(prompts, expected)]
+    assert preempted.llm_engine.scheduler.num_preemptions > 0

@@ -1,0 +1,47 @@
+"""Phi-3 / Phi-3.5 / Phi-4-mini: greedy outputs equal Transformers' (fused qkv and gate_up checkpoints, partial
+rotary, LongRoPE past the original context), with chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import build_tiny_model
+from folio import LLM
+from greedy_match import assert_greedy_matches
+
+KV_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # K and V, layers, kv heads, head_dim, fp32 bytes, block_size
+HALF = 8
+VARIANTS = {
+    "phi3": {},
+    # Phi-4-mini: three quarters of each head rotates; tied embeddings
+    "phi4-mini": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+                  "tie_word_embeddings": True},
+    # Phi-3.5: LongRoPE (short factors and the attention factor) within the original context. Past it, Transformers'
+    # Phi-3 generate recomputes the whole cache with the long factors, which folio does not (folio.models.rope_scaling)
+    "phi3.5-longrope": {"max_position_embeddings": 192, "original_max_position_embeddings": 48,
+                        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                            "short_factor": [1.0 + 0.1 * i for i in range(HALF)],
+                                            "long_factor": [1.5 + 2.0 * i for i in range(HALF)]}},
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def phi3_dir(request, tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp(request.param)), "phi3", **VARIANTS[request.param])
+
+
+def test_greedy_matches_transformers(phi3_dir):
+    assert_greedy_matches(phi3_dir, KV_BLOCK)
+
+
+def test_fused_tensor_of_the_wrong_size_is_named(tmp_path):
+    folder = build_tiny_model(str(tmp_path / "bad"), "phi3")
+    path = f"{folder}/model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-16].contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name}' has 112 rows, expected 128"):
+        LLM(folder, dtype="float32", kv_cache_memory=1 << 20)
