@@ -10,7 +10,7 @@ import torch
 from folio.attention import cpu_paged, gemm_prefill
 from test_cpu_paged_attention import check_against_reference, make_step, paged  # noqa: F401 (fixture)
 
-LONG = gemm_prefill.MIN_QUERY_LEN
+LONG = 256  # query tokens: with its own keys, above both thresholds
 
 
 @pytest.fixture
@@ -31,14 +31,16 @@ def test_long_queries_match_reference(gemm_backend, specs, group, block_size):
 
 
 def test_query_tiles_smaller_than_the_query(gemm_backend, monkeypatch):
-    monkeypatch.setattr(gemm_prefill, "SCORE_TILE_BYTES", 4 * 2 * 3 * 300 * 5)  # 5 query tokens a tile
-    step = make_step([(LONG + 3, 300), (1, 7)], 16, 2, 3, 64, torch.float32, seed=3)
+    monkeypatch.setattr(gemm_prefill, "SCORE_TILE_BYTES", 4 * 2 * 3 * 400 * 5)  # 5 query tokens a tile
+    step = make_step([(LONG + 3, 400), (1, 7)], 16, 2, 3, 64, torch.float32, seed=3)
     check_against_reference(gemm_backend, step, torch.float32)
 
 
 def test_bf16_and_short_queries_stay_on_the_kernel(gemm_backend):
-    step = make_step([(LONG - 1, LONG + 20), (1, 30)], 16, 2, 3, 64, torch.bfloat16, seed=4)
+    few_pairs = int(gemm_prefill.MIN_QUERY_KEY_PAIRS ** 0.5) - 1
+    step = make_step([(gemm_prefill.MIN_QUERY_LEN - 1, 2000), (few_pairs, few_pairs), (1, 30)], 16, 2, 3, 64,
+                     torch.float32, seed=4)
     assert not gemm_backend.build_metadata(step[-1]).gemm_items
-    check_against_reference(gemm_backend, step, torch.bfloat16)
+    check_against_reference(gemm_backend, step, torch.float32)
     step = make_step([(LONG, LONG)], 16, 2, 3, 64, torch.bfloat16, seed=5)  # long, but a bf16 cache
     check_against_reference(gemm_backend, step, torch.bfloat16)

@@ -99,7 +99,8 @@ class CPUPagedAttentionBackend(AttentionBackend):
         tables = layout.block_tables.to(torch.int32).contiguous()
         slot_mapping = layout.slot_mapping.to(torch.int64).contiguous()
         metadata = CPUPagedMetadata(layout, slot_mapping, torch.from_numpy(reqs), tables)
-        long_queries = qlens >= gemm_prefill.MIN_QUERY_LEN if self.gemm_prefill else np.zeros(b, dtype=bool)
+        long_queries = (qlens >= gemm_prefill.MIN_QUERY_LEN) & (qlens * slens >= gemm_prefill.MIN_QUERY_KEY_PAIRS)
+        long_queries &= self.gemm_prefill
         if long_queries.any():
             metadata.gemm_items = [(i, *map(int, reqs[i])) for i in np.flatnonzero(long_queries)]
             short = np.flatnonzero(~long_queries)
