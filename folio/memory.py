@@ -9,13 +9,24 @@ prefill step on two cores. `keep_freed_memory()` raises the threshold to 1 GiB a
 so freed blocks stay in the heap for the next layer and step (12 faults per step); the process keeps its
 high-water mark instead of returning it, which a serving engine reuses anyway. This is what the usual
 advice to run CPU inference under tcmalloc or jemalloc achieves, without a preloaded library.
+
+The KV cache is the other way round: its budget (4 GiB by default) is mostly never written by a small
+workload, so `zeros_on_demand` gives it a private anonymous mapping of its own. The kernel hands out a zeroed
+page at the first write to it (reads of untouched pages see the shared zero page), so resident memory grows
+with the blocks actually written, and never-written slots still read as zeros. A heap allocation would not
+do: with the threshold above, a cache-sized `torch.empty` comes from the heap and may hold freed garbage
+(NaN), and `torch.zeros` writes, so makes resident, every page of the budget at start.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import os
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -47,3 +58,13 @@ def keep_freed_memory() -> bool:
     ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     logger.debug("malloc: mmap threshold %d, no trimming: %s", MMAP_THRESHOLD_BYTES, ok)
     return ok
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages become resident only when first written (see above); the mapping is
+    unmapped when the tensor and its views are gone."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)

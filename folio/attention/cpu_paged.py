@@ -32,7 +32,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from folio.attention import kv_quant
+from folio.attention import gemm_prefill, kv_quant
 from folio.attention.backend import AttentionBackend, BatchLayout
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
@@ -63,18 +63,27 @@ class CPUPagedMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     reqs: torch.Tensor  # [B, 3] int32: first token in the batch, query length, context length
     block_tables: torch.Tensor  # [B, max blocks] int32
+    # requests attended in GEMMs (folio.attention.gemm_prefill) where the cache is float32: (row of reqs, first
+    # token, query length, context length), and reqs / block_tables of the others, for the kernel
+    gemm_items: list[tuple[int, int, int, int]] = field(default_factory=list)
+    kernel_reqs: Optional[torch.Tensor] = None
+    kernel_block_tables: Optional[torch.Tensor] = None
     _reference: Any = field(default=None, repr=False)  # TorchSDPAMetadata, built only if a call needs it
 
 
 class CPUPagedAttentionBackend(AttentionBackend):
     """Paged attention on the CPU through the C++ kernel; raises RuntimeError if the kernel cannot be built."""
 
-    def __init__(self, min_split_keys: int = MIN_SPLIT_KEYS, min_parallel_work: int = MIN_PARALLEL_WORK) -> None:
+    def __init__(self, min_split_keys: int = MIN_SPLIT_KEYS, min_parallel_work: int = MIN_PARALLEL_WORK,
+                 gemm_prefill: Optional[bool] = None) -> None:
+        """gemm_prefill: attend long float32 queries in GEMMs (gemm_prefill.py); by default where the kernel
+        has no vector code (no AVX-512), which is where that was measured faster."""
         self.ext = load_extension()
         if self.ext is None:
             raise RuntimeError(f"CPU paged attention kernel unavailable: {KERNEL.error}")
         self.min_split_keys = min_split_keys
         self.min_parallel_work = min_parallel_work
+        self.gemm_prefill = not self.ext.has_avx512() if gemm_prefill is None else gemm_prefill
         self.reference = TorchSDPABackend()
 
     def build_metadata(self, layout: BatchLayout) -> CPUPagedMetadata:
@@ -89,7 +98,15 @@ class CPUPagedAttentionBackend(AttentionBackend):
             raise ValueError(f"block tables have {layout.block_tables.shape[1]} columns, a context needs {needed}")
         tables = layout.block_tables.to(torch.int32).contiguous()
         slot_mapping = layout.slot_mapping.to(torch.int64).contiguous()
-        return CPUPagedMetadata(layout, slot_mapping, torch.from_numpy(reqs), tables)
+        metadata = CPUPagedMetadata(layout, slot_mapping, torch.from_numpy(reqs), tables)
+        long_queries = (qlens >= gemm_prefill.MIN_QUERY_LEN) & (qlens * slens >= gemm_prefill.MIN_QUERY_KEY_PAIRS)
+        long_queries &= self.gemm_prefill
+        if long_queries.any():
+            metadata.gemm_items = [(i, *map(int, reqs[i])) for i in np.flatnonzero(long_queries)]
+            short = np.flatnonzero(~long_queries)
+            metadata.kernel_reqs = torch.from_numpy(np.ascontiguousarray(reqs[short]))
+            metadata.kernel_block_tables = tables[torch.from_numpy(short)].contiguous()
+        return metadata
 
     def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
@@ -104,9 +121,15 @@ class CPUPagedAttentionBackend(AttentionBackend):
         if v.stride(-1) != 1:
             v = v.contiguous()
         out = torch.empty(q.shape, dtype=dtype)
-        self.ext.paged_attention(out, q, k, v, k_cache, v_cache, metadata.slot_mapping, metadata.reqs,
-                                 metadata.block_tables, q.shape[-1] ** -0.5, self.min_split_keys,
-                                 self.min_parallel_work)
+        gemm_items = metadata.gemm_items if k_cache.dtype == torch.float32 else []
+        reqs, tables = (metadata.kernel_reqs, metadata.kernel_block_tables) if gemm_items else \
+            (metadata.reqs, metadata.block_tables)
+        # the kernel writes every new K/V row, and attends the requests left to it
+        self.ext.paged_attention(out, q, k, v, k_cache, v_cache, metadata.slot_mapping, reqs, tables,
+                                 q.shape[-1] ** -0.5, self.min_split_keys, self.min_parallel_work)
+        for row, first_token, query_len, context_len in gemm_items:
+            gemm_prefill.attend(out, q, k_cache, v_cache, metadata.block_tables[row], first_token, query_len,
+                                context_len)
         return out
 
     def _reference_forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata) -> torch.Tensor:

@@ -32,6 +32,7 @@ from folio.structured_output.manager import StructuredOutputManager
 from folio.tokenizer import Tokenizer
 from folio.worker.kv_cache import KVCacheSpec
 from folio.worker.model_runner import ModelRunner
+from folio.worker.warm_up import warm_up
 
 logger = logging.getLogger("folio")
 
@@ -67,14 +68,17 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
         self.runner = ModelRunner(loaded.model, kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
                                   self.max_model_len, backend, platform.device, spec, draft)
+        warm_start = time.perf_counter()
+        warm_up(self.runner, config.cache.block_size, self.max_model_len)  # the first request runs warm
+        warm_s = time.perf_counter() - warm_start
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
                                               loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(config.structured_outputs, self.tokenizer, cfg.vocab_size,
                                                          loaded.eos_token_ids)
         self._ids = itertools.count()
-        logger.info("engine ready: %s (%s, %s, %s attention) in %.1f s", loaded.path, cfg.architecture, dtype,
-                    type(backend).__name__, time.perf_counter() - start)
+        logger.info("engine ready: %s (%s, %s, %s attention) in %.1f s (warm-up %.2f s)", loaded.path,
+                    cfg.architecture, dtype, type(backend).__name__, time.perf_counter() - start, warm_s)
 
     def _size_kv_cache(self, specs: list[KVCacheSpec], backend: AttentionBackend, max_model_len: int,
                        num_lookahead_tokens: int) -> tuple[int, int]:

@@ -5,7 +5,8 @@ The engine divides the platform's KV budget by `bytes_per_block` to get the numb
 runner then allocates, per layer, a K and a V tensor of the shape the backend declares. An 8-bit cache
 (`cache_dtype` int8 or fp8, folio.attention.kv_quant) stores each head's row as bytes with its scale, so a
 block takes about half (of bf16) or a quarter (of float32) the bytes, and the same budget holds that many
-more tokens.
+more tokens. The cache is the budget's address space; memory becomes resident as blocks are written, and the
+block pool hands out low block ids first, so a small workload touches few pages of it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from folio.attention.backend import AttentionBackend
 from folio.attention.kv_quant import KV_QUANTIZATIONS
+from folio.memory import zeros_on_demand
 from folio.models.model_config import ModelConfig
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (K cache, V cache)
@@ -60,7 +62,12 @@ class KVCacheSpec:
         return 2 * self.num_layers * math.prod(self.layer_shape(backend, 1)) * self.storage_dtype.itemsize
 
     def allocate(self, backend: AttentionBackend, num_blocks: int, device: torch.device) -> KVCaches:
+        """Zeroed K and V tensors per layer: padded reads of never-written slots must be finite (masked, but
+        NaN * 0 is NaN). On the CPU the zeros cost no resident memory until a block is written
+        (folio.memory.zeros_on_demand), so the budget is address space and a small workload pays for few
+        blocks; elsewhere they are plain zeros in device memory."""
         shape, dtype = self.layer_shape(backend, num_blocks), self.storage_dtype
-        # zeros, not empty: padded reads of never-written slots must be finite (masked, but NaN * 0 is NaN)
+        if device.type == "cpu":
+            return [(zeros_on_demand(shape, dtype), zeros_on_demand(shape, dtype)) for _ in range(self.num_layers)]
         return [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
                 for _ in range(self.num_layers)]
