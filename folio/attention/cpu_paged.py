@@ -6,6 +6,8 @@ C++ call per layer (folio/csrc/cpu_paged_attention.cpp) that writes the new K/V 
 walks each request's blocks directly: online softmax over tiles of 16 keys (FlashAttention style), float32
 accumulation (with a bf16 cache on AVX512-BF16, q.k and P.V are bf16 dot products, P rounded to bf16 as in
 torch's CPU flash attention), grouped-query attention without repeating K/V, causal masking offset by the cached context,
+a sliding window (each query row starts its keys at its window, and a layer never reads a block before the
+window of its request's first query), tanh soft-capping of the scores,
 OpenMP over (request, kv heads, query tile) and, when a batch is too small to fill the threads, over
 partitions of the context whose partial results are merged afterwards (flash-decoding). Decodes and
 prefill chunks go through the same kernel: it also beat SDPA on prefill, even SDPA on pre-gathered K/V
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from folio.attention import kv_quant
-from folio.attention.backend import AttentionBackend, BatchLayout
+from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
 from folio.utils.math_utils import cdiv
@@ -91,12 +93,13 @@ class CPUPagedAttentionBackend(AttentionBackend):
         slot_mapping = layout.slot_mapping.to(torch.int64).contiguous()
         return CPUPagedMetadata(layout, slot_mapping, torch.from_numpy(reqs), tables)
 
-    def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata,
+                params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         dtype = q.dtype
         cache_ok = k_cache.dtype == dtype or kv_quant.of_cache(k_cache) is not None
         if dtype not in SUPPORTED_DTYPES or not k_cache.is_cpu or not (q.dtype == k.dtype == v.dtype and cache_ok):
-            return self._reference_forward(q, k, v, kv_cache, metadata)
+            return self._reference_forward(q, k, v, kv_cache, metadata, params)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if k.stride(-1) != 1:
@@ -105,11 +108,12 @@ class CPUPagedAttentionBackend(AttentionBackend):
             v = v.contiguous()
         out = torch.empty(q.shape, dtype=dtype)
         self.ext.paged_attention(out, q, k, v, k_cache, v_cache, metadata.slot_mapping, metadata.reqs,
-                                 metadata.block_tables, q.shape[-1] ** -0.5, self.min_split_keys,
-                                 self.min_parallel_work)
+                                 metadata.block_tables, params.scale_for(q.shape[-1]), params.sliding_window or 0,
+                                 params.logit_softcap or 0.0, self.min_split_keys, self.min_parallel_work)
         return out
 
-    def _reference_forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata) -> torch.Tensor:
+    def _reference_forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata,
+                           params: AttentionParams) -> torch.Tensor:
         if metadata._reference is None:
             metadata._reference = self.reference.build_metadata(metadata.layout)
-        return self.reference.forward(q, k, v, kv_cache, metadata._reference)
+        return self.reference.forward(q, k, v, kv_cache, metadata._reference, params)
