@@ -171,3 +171,19 @@ def test_bad_params():
         AttentionParams(sliding_window=0)
     with pytest.raises(ValueError, match="logit_softcap"):
         AttentionParams(logit_softcap=0.0)
+
+
+@pytest.mark.parametrize("name", ["cpu_paged", "torch_sdpa"])
+def test_mistral_window_matches_transformers(tmp_path, monkeypatch, name):
+    # Mistral's sliding_window applies to every layer (Transformers applies it; folio used to ignore it)
+    from conftest import build_tiny_model, hf_greedy
+    from folio import LLM, SamplingParams
+
+    monkeypatch.setenv("FOLIO_ATTENTION_BACKEND", name)
+    folder = build_tiny_model(str(tmp_path / "mistral-w8"), "mistral", sliding_window=8)
+    prompts = [list(range(20, 61)), [5, 6, 7, 8, 9]]
+    llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=7)
+    assert llm.llm_engine.model_config.sliding_windows == (8, 8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, p, 20) for p in prompts]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from folio.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from folio.models.llama import LlamaForCausalLM
 from folio.models.model_config import ModelConfig
 from folio.models.qwen3 import Qwen3ForCausalLM
@@ -13,6 +14,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model: text in, text out
 }
 
 
