@@ -8,6 +8,12 @@ What the translation has to undo:
 * values: quantised blocks are dequantised (with the `gguf` package, the same code transformers uses);
 * layout: llama.cpp's converter permutes the rows of Q and K of llama-architecture models so its
   rotary embedding can rotate adjacent pairs; Hugging Face rotates the two halves of each head;
+* Gemma's norms: llama.cpp stores 1 + weight (its RMSNorm multiplies by the weight as stored), Hugging Face
+  the weight; the one is taken off again (in float32, as Transformers does, and kept in float32: the model
+  adds it back in float32). What llama.cpp hard-codes rather than stores comes back from its own rules:
+  Gemma 2's default window and soft-caps, Gemma 3's local RoPE base, the layer patterns (Gemma 2: even
+  layers slide; Gemma 3: five of six, and none without a sliding_window), and the attention scale
+  (1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 27B models);
 * the tokenizer: a GGUF stores vocabulary, merges and token types as metadata, not a tokenizer.json,
   so one is rebuilt with the `tokenizers` library, splitting text the way llama.cpp does.
 
@@ -43,7 +49,10 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+GEMMA = frozenset({"gemma2", "gemma3"})
 
 Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -69,12 +78,16 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward one there
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                        "post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ rope scaling factors: folded into hf_config's rope_scaling, not a model weight.
 ROPE_FREQS = "rope_freqs.weight"
 
 # Bumped whenever the conversion changes, so stale caches are not reused.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 @dataclass
@@ -172,7 +185,40 @@ def _hf_config(reader: GGUFReader) -> dict:
         rope_dim = int(get_field(reader, f"{arch}.rope.dimension_count", head_dim))
         factors = dequantize(tensors[ROPE_FREQS].data, tensors[ROPE_FREQS].tensor_type)
         config["rope_scaling"] = _llama3_rope_scaling(factors, config["rope_theta"], rope_dim)
+    if arch in GEMMA:
+        config.update(_gemma_config(reader, arch, config))
     return config
+
+
+# llama.cpp's block counts of the 27B models, whose attention scale is 1 / sqrt(hidden / heads)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_config(reader: GGUFReader, arch: str, config: dict) -> dict:
+    """Gemma's fields of config.json, from the metadata llama.cpp writes and the defaults it applies."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    big = layers == _GEMMA_27B_LAYERS[arch]
+    extra = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // heads if big else config["head_dim"],
+    }
+    final_cap = get_field(reader, f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None)
+    extra["final_logit_softcapping"] = _f32(final_cap) if final_cap else None
+    window = get_field(reader, f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+    extra["sliding_window"] = int(window) if window else None
+    pattern = get_field(reader, f"{arch}.attention.sliding_window_pattern")
+    if arch == "gemma2":
+        extra["attn_logit_softcapping"] = _f32(get_field(reader, f"{arch}.attn_logit_softcapping", 50.0)) or None
+        if extra["sliding_window"] is None:  # llama.cpp's Gemma 2 always slides
+            extra["sliding_window"] = 4096
+    else:
+        extra["rope_local_base_freq"] = _f32(get_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+    if isinstance(pattern, list):  # per layer: whether it slides
+        extra["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:  # every pattern-th layer is global
+        extra["layer_types"] = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                                for i in range(layers)]
+    return extra
 
 
 def _llama3_rope_scaling(factors: np.ndarray, theta: float, dim: int) -> dict:
@@ -237,13 +283,14 @@ def _checkpoint(reader: GGUFReader) -> GGUFCheckpoint:
 # ---------------------------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match[2] in _LAYER_TENSORS:
-        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+    layer_tensors = _GEMMA_LAYER_TENSORS if arch in GEMMA else _LAYER_TENSORS
+    if match and match[2] in layer_tensors:
+        return f"model.layers.{match[1]}.{layer_tensors[match[2]]}.{match[3]}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that folio knows")
 
 
@@ -259,7 +306,9 @@ def _tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype) -> dict[st
 
 def tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
     """Hugging Face name -> GGUF type of every weight of the file."""
-    return {_hf_name(t.name): t.tensor_type for t in open_gguf(path).tensors if t.name != ROPE_FREQS}
+    reader = open_gguf(path)
+    arch = _architecture(reader)
+    return {_hf_name(t.name, arch): t.tensor_type for t in reader.tensors if t.name != ROPE_FREQS}
 
 
 def iter_gguf_tensors(path: str, dtype: torch.dtype, keep_quantized: frozenset[str]):
@@ -280,10 +329,11 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
             )
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
     permuted = heads if hf_config["model_type"] == "llama" else {}  # llama.cpp permutes llama's Q/K only
+    arch = _architecture(reader)
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         layer_tensor = _LAYER_NAME.fullmatch(t.name)
         n_head = permuted.get(layer_tensor[2]) if layer_tensor else None
         if name in keep_quantized:
@@ -294,6 +344,9 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
         w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements="W"))
         if n_head is not None:
             w = _unpermute(w, n_head)
+        if arch in GEMMA and t.name.endswith("norm.weight"):  # stored as 1 + weight
+            yield name, w.float() - 1.0
+            continue
         yield name, torch.empty(w.shape, dtype=dtype).copy_(w)  # one copy: contiguous, in dtype
 
 
