@@ -19,6 +19,7 @@ import torch
 from conftest import EOS_ID, VOCAB, hf_greedy, write_tokenizer
 from folio import LLM, SamplingParams
 from folio.models.model_config import ModelConfig
+from folio.worker.kv_cache import group_layers
 
 WINDOW = 8
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 61)), [100, 3, 250, 77, 1, 90, 91, 92, 93, 94, 95, 17, 300, 301],
@@ -95,12 +96,18 @@ def test_chunked_prefill_matches(gemma_dirs, expected, name, attention_backend):
     assert tokens == expected[name]
 
 
+def tight_cache_memory(cfg: ModelConfig, max_model_len: int, block_size: int, chunk: int, spare: int = 6) -> int:
+    """KV memory for one request of max_model_len and a few blocks more (sliding groups hold their windows)."""
+    groups, layers_per_block = group_layers(cfg.sliding_windows, cfg.num_hidden_layers)
+    per_block = 2 * layers_per_block * cfg.num_key_value_heads * cfg.head_dim * 4 * block_size  # K and V, fp32
+    return (sum(g.max_blocks(max_model_len, block_size, chunk) for g in groups) + spare) * per_block
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_preemption_matches(gemma_dirs, expected, name, attention_backend):
     folder = gemma_dirs[name]
-    layers = json.load(open(os.path.join(folder, "config.json")))["num_hidden_layers"]
-    per_block = 2 * layers * 2 * 16 * 4 * 4  # K and V, layers, kv heads, head_dim, fp32 bytes, block_size
-    tokens, llm = _generate(folder, block_size=4, kv_cache_memory=24 * per_block, max_model_len=64,
+    cfg = ModelConfig.from_hf_dict(json.load(open(os.path.join(folder, "config.json"))))
+    tokens, llm = _generate(folder, block_size=4, kv_cache_memory=tight_cache_memory(cfg, 64, 4, 16), max_model_len=64,
                             max_num_batched_tokens=16)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert tokens == [e[:64 - len(p)] for e, p in zip(expected[name], PROMPTS)]

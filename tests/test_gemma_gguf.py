@@ -9,6 +9,7 @@ sides compute with identical weights.
 
 from __future__ import annotations
 
+import json
 import os
 
 import gguf
@@ -20,7 +21,7 @@ from conftest import VOCAB, hf_greedy, write_tokenizer
 from folio import LLM, SamplingParams
 from folio.loader.gguf_loader import read_gguf
 from folio.models.model_config import ModelConfig
-from test_gemma import COMMON, CONFIGS, PROMPTS, WINDOW
+from test_gemma import COMMON, CONFIGS, PROMPTS, tight_cache_memory
 
 Q = gguf.GGMLQuantizationType
 MAX_TOKENS = 20
@@ -32,6 +33,11 @@ _LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "sel
                 "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
                 "self_attn.k_norm": "attn_k_norm"}
+
+
+def _hf_config(folder: str) -> ModelConfig:
+    with open(os.path.join(folder, "config.json")) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +57,8 @@ def _gguf_name(hf_name: str) -> str:
 
 def _sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
     """Gemma-like: <pad> <eos> <bos> <unk>, byte fallback, scored pieces, padded to the model's vocabulary."""
-    pieces = ["▁", "t", "h", "e", "a", "i", "n", "r", "o", "s", "▁t", "he", "▁the", "in", "▁a", "er", "on", "▁in",
-              "re", "▁th", "or", "st", "▁s", "▁o", "en"]
+    pieces = ["▁", "t", "h", "e", "a", "i", "n", "r", "o", "s", "▁t", "he", "▁the", "in", "▁a", "er", "on",
+              "▁in", "re", "▁th", "or", "st", "▁s", "▁o", "en"]
     tokens = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.UNKNOWN] + [gguf.TokenType.BYTE] * 256
     types += [gguf.TokenType.NORMAL] * len(pieces)
@@ -164,15 +170,12 @@ def test_gguf_generates_like_transformers(gemma_ggufs, expected, name, attention
     folder, path = gemma_ggufs[name]
     expected = expected[name]
     llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=7, block_size=4)
-    assert llm.llm_engine.model_config.architecture == ModelConfig.from_hf_dict(
-        __import__("json").load(open(os.path.join(folder, "config.json")))).architecture
+    assert llm.llm_engine.model_config.architecture == _hf_config(folder).architecture
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     # preemption: a cache far too small for every request at once
-    layers = llm.llm_engine.model_config.num_hidden_layers
-    per_block = 2 * layers * 2 * 16 * 4 * 4
-    llm = LLM(path, dtype="float32", kv_cache_memory=24 * per_block, block_size=4, max_model_len=64,
-              max_num_batched_tokens=16)
+    memory = tight_cache_memory(llm.llm_engine.model_config, 64, 4, 16)
+    llm = LLM(path, dtype="float32", kv_cache_memory=memory, block_size=4, max_model_len=64, max_num_batched_tokens=16)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [e[:64 - len(p)] for e, p in zip(expected, PROMPTS)]
@@ -181,7 +184,7 @@ def test_gguf_generates_like_transformers(gemma_ggufs, expected, name, attention
 def test_gguf_config_matches_the_hugging_face_one(gemma_ggufs):
     for name, (folder, path) in gemma_ggufs.items():
         ours = ModelConfig.from_hf_dict(read_gguf(path).hf_config)
-        theirs = ModelConfig.from_hf_dict(__import__("json").load(open(os.path.join(folder, "config.json"))))
+        theirs = _hf_config(folder)
         for key in ("architecture", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "sliding_windows",
                     "tie_word_embeddings", "vocab_size"):

@@ -12,6 +12,11 @@ How a layer attends beyond plain causal softmax(q.k / sqrt(head_dim)) is its `At
 scale, a sliding window (Mistral, Gemma 2 and 3), tanh soft-capping of the scores (Gemma 2). A layer with a
 sliding window never reads keys outside it: the block table entries of blocks that lie wholly before the
 window of the step's first query are unspecified (the KV cache manager frees those blocks).
+
+KV cache groups (models with sliding-window layers, folio.worker.kv_cache): the layers are grouped by their
+window, each group has block tables of its own, and layers of different groups share cache tensors (a block
+id holds different tokens in each group). A layer's cache is then a `LayerKVCache` naming its group, and the
+step's metadata a `GroupedMetadata` with each group's; a backend's forward takes its group's part first.
 """
 
 from __future__ import annotations
@@ -70,6 +75,28 @@ class AttentionParams:
 
 
 FULL_ATTENTION = AttentionParams()
+
+
+class LayerKVCache(tuple):
+    """One layer's (K cache, V cache), unpacking as that pair, and the KV cache group whose block tables
+    address it."""
+
+    group: int
+
+    def __new__(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, group: int = 0) -> "LayerKVCache":
+        self = super().__new__(cls, (k_cache, v_cache))
+        self.group = group
+        return self
+
+
+@dataclass
+class GroupedMetadata:
+    """A step's metadata when the KV cache has several groups: each group's, built from its own layout."""
+
+    groups: list[Any]
+
+    def of(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        return self.groups[getattr(kv_cache, "group", 0)]
 
 
 class AttentionBackend(ABC):

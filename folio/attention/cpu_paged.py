@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from folio.attention import kv_quant
-from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout
+from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout, GroupedMetadata
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
 from folio.utils.math_utils import cdiv
@@ -95,6 +95,8 @@ class CPUPagedAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata,
                 params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
+        if isinstance(metadata, GroupedMetadata):
+            metadata = metadata.of(kv_cache)
         k_cache, v_cache = kv_cache
         dtype = q.dtype
         cache_ok = k_cache.dtype == dtype or kv_quant.of_cache(k_cache) is not None
