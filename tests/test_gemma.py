@@ -169,3 +169,27 @@ def test_multimodal_checkpoint_serves_its_language_model(tmp_path):
     tokens, llm = _generate(folder, max_num_batched_tokens=7)
     assert llm.llm_engine.model_config.architecture == "Gemma3ForConditionalGeneration"
     assert tokens == [hf_greedy(folder, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_bf16_runs_and_mostly_agrees(gemma_dirs, expected):
+    # bf16 rounding may flip a near-tie late in a sequence; the first tokens must agree. The norms keep
+    # 1 + weight in float32 whatever the dtype, as Transformers computes them.
+    for name in ("gemma2", "gemma3"):
+        llm = LLM(gemma_dirs[name], dtype="bfloat16", kv_cache_memory=1 << 22)
+        out = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids[:3] == expected[name][0][:3]
+        model = llm.llm_engine.runner.model
+        assert model.norm.weight.dtype == torch.float32 and model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_other_gemma_generations_are_refused_by_name(gemma_dirs, tmp_path):
+    import shutil
+
+    for arch in ("GemmaForCausalLM", "Gemma3nForConditionalGeneration"):
+        folder = tmp_path / arch
+        shutil.copytree(gemma_dirs["gemma2"], folder)
+        cfg = json.load(open(folder / "config.json"))
+        cfg["architectures"] = [arch]
+        json.dump(cfg, open(folder / "config.json", "w"))
+        with pytest.raises(ValueError, match=f"unsupported model architecture '{arch}'"):
+            LLM(str(folder), dtype="float32", kv_cache_memory=1 << 22)

@@ -198,3 +198,23 @@ def test_prefix_cache_with_sliding_windows(tmp_path):
         if enable:
             assert all(o.num_cached_tokens >= 56 for o in rest)
     assert results[0] == results[1] == [hf_greedy(folder, p["prompt_token_ids"], 12) for p in prompts]
+
+
+def test_speculative_decoding_with_sliding_windows(tmp_path):
+    # ngram drafts: rejected ones roll the computed count back, never before a freed window; a draft model
+    # reads the target's tables as full attention, so its engine keeps one group
+    from test_gemma import build_gemma
+
+    folder = build_gemma(str(tmp_path / "g3"), "gemma3")
+    prompts = [[5, 6, 7, 8, 9] * 6, list(range(20, 61))]
+    expected = [hf_greedy(folder, p, 24) for p in prompts]
+    for spec, windows in (({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                            "prompt_lookup_max": 3}, [None] + [8] * 5),
+                          ({"method": "draft_model", "model": folder, "num_speculative_tokens": 3}, [None])):
+        llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, block_size=4, max_num_batched_tokens=16,
+                  speculative_config=spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.llm_engine.kv_cache_manager.windows == windows
+        assert llm.llm_engine.scheduler.spec_decoding_stats.snapshot().num_accepted_tokens > 0
