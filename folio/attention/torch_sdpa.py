@@ -110,9 +110,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
 
 class TorchSDPABackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> TorchSDPAMetadata:
-        meta = TorchSDPAMetadata(layout, layout.slot_mapping)
-        meta.views[None] = build_view(layout, None)
-        return meta
+        return TorchSDPAMetadata(layout, layout.slot_mapping)  # views are built by the first layer using each
 
     def forward(self, q, k, v, kv_cache, metadata: TorchSDPAMetadata,
                 params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
