@@ -39,7 +39,7 @@ class FakeRequest:
     def schedule(self, num_tokens: int) -> ScheduledRequestData:
         """This step's message, with the blocks the runner has not heard of yet."""
         item = ScheduledRequestData(self.request_id, self.num_computed_tokens, num_tokens,
-                                    self.blocks[self.num_sent_blocks:])
+                                    (self.blocks[self.num_sent_blocks:],))
         self.num_sent_blocks = len(self.blocks)
         return item
 

@@ -112,7 +112,7 @@ def test_lru_eviction_order():
         return Request(rid, tokens, SamplingParams(max_tokens=1))
 
     a, b = request("a", [1, 2, 3, 4, 5]), request("b", [7, 8, 9, 10, 11])
-    a_ids, b_ids = kv.allocate_slots(a, 5), kv.allocate_slots(b, 5)  # the ids of the blocks each gained
+    (a_ids,), (b_ids,) = kv.allocate_slots(a, 5), kv.allocate_slots(b, 5)  # the ids of the blocks each gained
     assert a_ids == kv.block_ids("a") and b_ids == kv.block_ids("b") and len(a_ids) == 3
     kv.free(a)
     kv.free(b)
@@ -121,11 +121,11 @@ def test_lru_eviction_order():
     assert kv.pool.free_queue.block_ids() == [b_ids[2], a_ids[2], a_ids[1], a_ids[0], b_ids[1], b_ids[0]]
     c = request("c", [1, 2, 3, 4, 99])  # hits a's two full blocks and revives them from the free list
     hits = kv.find_cached(c)
-    assert [blk.block_id for blk in hits] == a_ids[:2]
-    assert kv.allocate_slots(c, 1, hits) == kv.block_ids("c")  # the hits, then one new block
-    assert kv.block_ids("c")[:2] == a_ids[:2] and kv.allocate_slots(c, 0) == []
+    assert hits.num_blocks == 2 and [blk.block_id for blk in hits.blocks[0]] == a_ids[:2]
+    assert kv.allocate_slots(c, 1, hits) == (kv.block_ids("c"),)  # the hits, then one new block
+    assert kv.block_ids("c")[:2] == a_ids[:2] and kv.allocate_slots(c, 0) == ([],)
     d = request("d", [50, 51, 52, 53, 54, 55])  # 3 blocks: the remaining partial first, then b's, evicting them
-    assert kv.allocate_slots(d, 6) == kv.block_ids("d") == [a_ids[2], b_ids[1], b_ids[0]]
+    assert kv.allocate_slots(d, 6) == (kv.block_ids("d"),) == ([a_ids[2], b_ids[1], b_ids[0]],)
     assert kv.pool.lookup(b.block_hashes[1]) is None and kv.pool.lookup(b.block_hashes[0]) is None
     assert kv.pool.lookup(a.block_hashes[0]) is not None
 
@@ -159,7 +159,7 @@ def test_prefix_cache_invariants_under_random_workloads(reqs, num_blocks, block_
         sched.update_from_output(out, fake_runner_output(sched, out, lambda: rng.choice([0, 3, 4]) if rng.random() < 0.1 else 5))
         # every block's reference count is the number of live requests holding it
         holders: dict[int, int] = {}
-        for blocks in kv.req_to_blocks.values():
+        for blocks in kv.req_to_blocks[0].values():
             for blk in blocks:
                 holders[blk.block_id] = holders.get(blk.block_id, 0) + 1
         assert all(pool.blocks[b].ref_cnt == n for b, n in holders.items())

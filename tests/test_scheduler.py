@@ -130,7 +130,7 @@ def test_block_accounting_under_random_workloads(reqs, num_blocks, block_size, b
                 finished.add(o.request_id)
         # invariants after every step
         owners: dict[int, str] = {}
-        for rid, blocks in sched.kv_cache_manager.req_to_blocks.items():
+        for rid, blocks in sched.kv_cache_manager.req_to_blocks[0].items():
             for b in blocks:
                 assert b.ref_cnt == 1, "no block is shared unless deliberately"
                 assert b.block_id not in owners, f"block {b.block_id} held by {owners.get(b.block_id)} and {rid}"
@@ -145,4 +145,4 @@ def test_block_accounting_under_random_workloads(reqs, num_blocks, block_size, b
     assert sched.num_unfinished == 0, "every request finished: none starved"
     assert pool.num_free_blocks == num_blocks
     assert sorted(pool.free_queue.block_ids()) == list(range(num_blocks))
-    assert not sched.kv_cache_manager.req_to_blocks
+    assert not any(sched.kv_cache_manager.req_to_blocks)

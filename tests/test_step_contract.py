@@ -116,7 +116,7 @@ def test_messages_hold_plain_data_only(llama_dir):
 def test_messages_survive_a_pickle_round_trip():
     params = SamplingParams(temperature=0.5, seed=9, logit_bias={3: 1.5}, stop=["x"])
     out = SchedulerOutput(new_requests=[NewRequestData("a", [1, 2, 3], params, frozenset({2}))],
-                          scheduled=[ScheduledRequestData("a", 0, 3, [4, 5])], preempted_ids=["b"],
+                          scheduled=[ScheduledRequestData("a", 0, 3, ([4, 5],))], preempted_ids=["b"],
                           finished_ids=["c"])
     answer = ModelRunnerOutput(sampled={"a": SampledTokens([7], [SampledLogprobs([7, 1], [-0.1, -2.5], [1, 2])])},
                                prompt_logprobs={"a": [SampledLogprobs([2], [-1.0], [1])]}, pooled={"d": [0.6, 0.8]})

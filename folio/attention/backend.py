@@ -7,13 +7,23 @@ new K/V into the paged cache. A new backend is a subclass, offered by a platform
 
 The CPU backends' cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim];
 token t of a request lives at slot block_table[t // block_size] * block_size + t % block_size.
+
+How a layer attends beyond plain causal softmax(q.k / sqrt(head_dim)) is its `AttentionParams`: the softmax
+scale, a sliding window (Mistral, Gemma 2 and 3), tanh soft-capping of the scores (Gemma 2). A layer with a
+sliding window never reads keys outside it: the block table entries of blocks that lie wholly before the
+window of the step's first query are unspecified (the KV cache manager frees those blocks).
+
+KV cache groups (models with sliding-window layers, folio.worker.kv_cache): the layers are grouped by their
+window, each group has block tables of its own, and layers of different groups share cache tensors (a block
+id holds different tokens in each group). A layer's cache is then a `LayerKVCache` naming its group, and the
+step's metadata a `GroupedMetadata` with each group's; a backend's forward takes its group's part first.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -45,6 +55,50 @@ class BatchLayout:
                    torch.tensor(slots, dtype=torch.int64), block_size)
 
 
+@dataclass(frozen=True)
+class AttentionParams:
+    """How one layer attends. A query at position p sees the keys at positions t <= p, and with a sliding
+    window W only those with p - W < t <= p (W keys, itself included: Transformers' sliding_window)."""
+
+    scale: Optional[float] = None  # softmax scale; None: head_dim ** -0.5
+    sliding_window: Optional[int] = None  # W, or None: every earlier key
+    logit_softcap: Optional[float] = None  # scores s -> cap * tanh(s / cap) (after the scale, before softmax)
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive, got {self.logit_softcap}")
+
+    def scale_for(self, head_dim: int) -> float:
+        return head_dim ** -0.5 if self.scale is None else self.scale
+
+
+FULL_ATTENTION = AttentionParams()
+
+
+class LayerKVCache(tuple):
+    """One layer's (K cache, V cache), unpacking as that pair, and the KV cache group whose block tables
+    address it."""
+
+    group: int
+
+    def __new__(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, group: int = 0) -> "LayerKVCache":
+        self = super().__new__(cls, (k_cache, v_cache))
+        self.group = group
+        return self
+
+
+@dataclass
+class GroupedMetadata:
+    """A step's metadata when the KV cache has several groups: each group's, built from its own layout."""
+
+    groups: list[Any]
+
+    def of(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        return self.groups[getattr(kv_cache, "group", 0)]
+
+
 class AttentionBackend(ABC):
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's K cache (and of its V cache) that this backend reads and writes; the default is
@@ -57,5 +111,6 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any,
+                params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> attention output [T, Hq, D]; stores k and v in kv_cache."""

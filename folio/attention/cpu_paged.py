@@ -6,6 +6,8 @@ C++ call per layer (folio/csrc/cpu_paged_attention.cpp) that writes the new K/V 
 walks each request's blocks directly: online softmax over tiles of 16 keys (FlashAttention style), float32
 accumulation (with a bf16 cache on AVX512-BF16, q.k and P.V are bf16 dot products, P rounded to bf16 as in
 torch's CPU flash attention), grouped-query attention without repeating K/V, causal masking offset by the cached context,
+a sliding window (each query row starts its keys at its window, and a layer never reads a block before the
+window of its request's first query), tanh soft-capping of the scores,
 OpenMP over (request, kv heads, query tile) and, when a batch is too small to fill the threads, over
 partitions of the context whose partial results are merged afterwards (flash-decoding). Decodes and
 prefill chunks go through the same kernel: it also beat SDPA on prefill, even SDPA on pre-gathered K/V
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from folio.attention import gemm_prefill, kv_quant
-from folio.attention.backend import AttentionBackend, BatchLayout
+from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout, GroupedMetadata
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
 from folio.utils.math_utils import cdiv
@@ -108,12 +110,15 @@ class CPUPagedAttentionBackend(AttentionBackend):
             metadata.kernel_block_tables = tables[torch.from_numpy(short)].contiguous()
         return metadata
 
-    def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata,
+                params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
+        if isinstance(metadata, GroupedMetadata):
+            metadata = metadata.of(kv_cache)
         k_cache, v_cache = kv_cache
         dtype = q.dtype
         cache_ok = k_cache.dtype == dtype or kv_quant.of_cache(k_cache) is not None
         if dtype not in SUPPORTED_DTYPES or not k_cache.is_cpu or not (q.dtype == k.dtype == v.dtype and cache_ok):
-            return self._reference_forward(q, k, v, kv_cache, metadata)
+            return self._reference_forward(q, k, v, kv_cache, metadata, params)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if k.stride(-1) != 1:
@@ -121,18 +126,23 @@ class CPUPagedAttentionBackend(AttentionBackend):
         if v.stride(-1) != 1:
             v = v.contiguous()
         out = torch.empty(q.shape, dtype=dtype)
-        gemm_items = metadata.gemm_items if k_cache.dtype == torch.float32 else []
+        # the GEMM path computes plain causal attention; windows and soft-capping stay on the kernel
+        plain = params.sliding_window is None and params.logit_softcap is None
+        gemm_items = metadata.gemm_items if plain and k_cache.dtype == torch.float32 else []
         reqs, tables = (metadata.kernel_reqs, metadata.kernel_block_tables) if gemm_items else \
             (metadata.reqs, metadata.block_tables)
+        scale = params.scale_for(q.shape[-1])
         # the kernel writes every new K/V row, and attends the requests left to it
-        self.ext.paged_attention(out, q, k, v, k_cache, v_cache, metadata.slot_mapping, reqs, tables,
-                                 q.shape[-1] ** -0.5, self.min_split_keys, self.min_parallel_work)
+        self.ext.paged_attention(out, q, k, v, k_cache, v_cache, metadata.slot_mapping, reqs, tables, scale,
+                                 params.sliding_window or 0, params.logit_softcap or 0.0, self.min_split_keys,
+                                 self.min_parallel_work)
         for row, first_token, query_len, context_len in gemm_items:
             gemm_prefill.attend(out, q, k_cache, v_cache, metadata.block_tables[row], first_token, query_len,
-                                context_len)
+                                context_len, scale)
         return out
 
-    def _reference_forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata) -> torch.Tensor:
+    def _reference_forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata,
+                           params: AttentionParams) -> torch.Tensor:
         if metadata._reference is None:
             metadata._reference = self.reference.build_metadata(metadata.layout)
-        return self.reference.forward(q, k, v, kv_cache, metadata._reference)
+        return self.reference.forward(q, k, v, kv_cache, metadata._reference, params)

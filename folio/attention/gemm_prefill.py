@@ -29,9 +29,10 @@ MAX_TILE_TOKENS = 256
 
 
 def attend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-           first_token: int, query_len: int, context_len: int) -> None:
+           first_token: int, query_len: int, context_len: int, scale: float) -> None:
     """Write the attention of one request's query_len query rows q[first_token:] (the last query_len
-    positions of its context_len tokens, causal) into out; k_cache/v_cache are [blocks, block_size, Hkv, D]."""
+    positions of its context_len tokens, causal, scores times scale) into out; k_cache/v_cache are
+    [blocks, block_size, Hkv, D]."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     ids = table[:cdiv(context_len, block_size)].long()
@@ -39,7 +40,6 @@ def attend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     values = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:context_len].transpose(0, 1)
     queries = q[first_token:first_token + query_len].reshape(query_len, num_kv_heads, group, head_dim)
     queries = queries.permute(1, 0, 2, 3)  # [Hkv, query_len, G, D]
-    scale = head_dim ** -0.5
     first_pos = context_len - query_len
     tile = max(1, min(MAX_TILE_TOKENS, SCORE_TILE_BYTES // (4 * num_kv_heads * group * context_len)))
     for start in range(0, query_len, tile):

@@ -188,7 +188,7 @@ class Scheduler:
                 compiling.append(self.waiting.pop())
                 continue
             cached = self.kv_cache_manager.find_cached(request)
-            num_cached = len(cached) * self.kv_cache_manager.block_size
+            num_cached = cached.num_blocks * self.kv_cache_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, cached, self.num_lookahead_tokens)
             if new_blocks is None:

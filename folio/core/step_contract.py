@@ -53,9 +53,10 @@ class ScheduledRequestData:
     request_id: str
     num_computed_tokens: int  # tokens whose KV is in the cache before this step (cache hits, earlier chunks)
     num_tokens: int  # tokens to compute this step, from num_computed_tokens on (draft tokens included)
-    # Blocks allocated since the runner last heard of this request, in table order. When the runner holds no
-    # block table for it (first scheduled, or resumed after a preemption) this is its whole table.
-    new_block_ids: list[int] = field(default_factory=list)
+    # Per KV cache group (one, unless the model has sliding-window layers): blocks allocated since the runner
+    # last heard of this request, in table order. When the runner holds no block table for it (first
+    # scheduled, or resumed after a preemption) these are its whole tables.
+    new_block_ids: tuple[list[int], ...] = field(default_factory=lambda: ([],))
     # Speculative decoding: guessed tokens after the known ones, computed this step and verified by sampling.
     draft_token_ids: list[int] = field(default_factory=list)
 

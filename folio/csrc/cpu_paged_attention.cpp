@@ -32,6 +32,11 @@
 // scale out of its dot product and folds each value's into its probability. (The AVX-512 path reads float32
 // and bf16 caches only.)
 //
+// Sliding window W (0: none): query row at position p sees keys p - W < t <= p. An item's keys start at the
+// window of its first query token, each row masks the keys before its own window, and a block wholly before
+// the window of a request's first query is never read (its block table entry may be anything). Soft-capping
+// (Gemma 2, cap > 0): scores s -> cap * tanh(s / cap) after the scale, before the mask and the softmax.
+//
 // Layouts: q [T, Hq, D], k/v [T, Hkv, D] (any token/head strides, unit stride along D); caches
 // [num_blocks, block_size, Hkv, D] contiguous ([..., D + 4] bytes when 8-bit); reqs int32 [B, 3] = (first token in the batch, query length,
 // context length including this step's tokens); block_tables int32 [B, max_blocks].
@@ -74,7 +79,13 @@ struct Params {
   int block_size, Hkv, G, D;
   int RS;  // cache elements per (token, kv head) row: D, or D + 4 bytes in an 8-bit cache
   float scale_log2;  // softmax scale times log2(e): scores are kept in base 2
+  int window;  // sliding window in keys, 0 for none
+  float softcap2, inv_softcap2;  // soft-capping of the base-2 scores: cap * log2(e) and its inverse; 0: none
 };
+
+// First key of the tile starting at t0 that a query at position pos may see (0 when its window starts
+// before the tile), for a window W (0: none).
+inline int window_first(int window, int pos, int t0) { return window ? std::max(0, pos - window + 1 - t0) : 0; }
 
 struct Item {
   int b, h0, h1, q0, q1, k0, k1;  // request, kv heads [h0, h1), query tokens [q0, q1), keys [k0, k1)
@@ -197,27 +208,30 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial) {
     for (int r = 0; r < R; ++r) {
       const int hh = r / RH, rr = r % RH;
       const int64_t hoff = (int64_t)(it.h0 + hh) * P.RS;
-      const int lim = std::min(nt, off + it.q0 + rr / G + 1 - t0);  // keys of this tile the row may see
-      if (lim <= 0) continue;
+      const int pos = off + it.q0 + rr / G;
+      const int lim = std::min(nt, pos + 1 - t0);  // keys [first, lim) of this tile are the row's to see
+      const int first = window_first(P.window, pos, t0);
+      if (lim <= first) continue;
       float* s = S + (size_t)r * TILE;
       float mt = -std::numeric_limits<float>::infinity();
-      for (int j = 0; j < lim; ++j) {
+      for (int j = first; j < lim; ++j) {
         const C* kr = kc + tok[j] + hoff;
         float d = 0.f;
         for (int c = 0; c < D; ++c) d += qf[(size_t)r * D + c] * Cache<C>::value(kr[c]);
         if (Cache<C>::QUANTIZED) d *= Cache<C>::scale(kr, D);
+        if (P.softcap2 > 0.f) d = P.softcap2 * std::tanh(d * P.inv_softcap2);
         s[j] = d;
         mt = std::max(mt, d);
       }
       const float mn = std::max(m[r], mt);
       const float corr = std::exp2(m[r] - mn);
       float sum = 0.f;
-      for (int j = 0; j < lim; ++j) { s[j] = std::exp2(s[j] - mn); sum += s[j]; }
+      for (int j = first; j < lim; ++j) { s[j] = std::exp2(s[j] - mn); sum += s[j]; }
       l[r] = l[r] * corr + sum;
       m[r] = mn;
       float* a = acc + (size_t)r * D;
       for (int c = 0; c < D; ++c) a[c] *= corr;
-      for (int j = 0; j < lim; ++j) {
+      for (int j = first; j < lim; ++j) {
         const C* vr = vc + tok[j] + hoff;
         const float p = Cache<C>::QUANTIZED ? s[j] * Cache<C>::scale(vr, D) : s[j];
         for (int c = 0; c < D; ++c) a[c] += p * Cache<C>::value(vr[c]);
@@ -272,6 +286,28 @@ inline __m512 exp2_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
   return _mm512_scalef_ps(p, n);
+}
+
+// tanh to a few float32 ulps: Eigen's rational approximation (generic_fast_tanh_float), odd numerator of
+// degree 13 over an even denominator of degree 6 on x clamped to [-7.9988, 7.9988]; x itself when |x| < 4e-4.
+inline __m512 tanh_ps(__m512 a) {
+  const __m512 x = _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(7.99881172180175781f)),
+                                 _mm512_set1_ps(-7.99881172180175781f));
+  const __m512 x2 = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(-2.76076847742355e-16f);
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(2.00018790482477e-13f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-8.60467152213735e-11f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(5.12229709037114e-08f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(1.48572235717979e-05f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(6.37261928875436e-04f));
+  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(4.89352455891786e-03f));
+  p = _mm512_mul_ps(p, x);
+  __m512 q = _mm512_set1_ps(1.19825839466702e-06f);
+  q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(1.18534705686654e-04f));
+  q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(2.26843463243900e-03f));
+  q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(4.89352518554385e-03f));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(0.0004f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(tiny, _mm512_div_ps(p, q), a);
 }
 
 // Issues the prefetches of a tile's K and V rows, a few keys at a time.
@@ -477,9 +513,11 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
       // scores (base 2) and the online-softmax update, row by row
       for (int r = rbeg; r < rend; ++r) {
         pf.step();
-        const int lim = std::min(nt, off + it.q0 + (r - rbeg) / G + 1 - t0);  // keys of the tile row r sees
+        const int pos = off + it.q0 + (r - rbeg) / G;
+        const int lim = std::min(nt, pos + 1 - t0);  // keys [first, lim) of the tile are row r's to see
+        const int first = window_first(P.window, pos, t0);
         __m512 s;
-        if (lim <= 0) {
+        if (lim <= first) {
           s = ninf;
         } else {
           __m512 a[16];
@@ -525,7 +563,9 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
             }
             s = hsum16(a);
           }
-          s = _mm512_mask_blend_ps((__mmask16)((1u << lim) - 1u), ninf, s);
+          if (P.softcap2 > 0.f)
+            s = _mm512_mul_ps(tanh_ps(_mm512_mul_ps(s, _mm512_set1_ps(P.inv_softcap2))), _mm512_set1_ps(P.softcap2));
+          s = _mm512_mask_blend_ps((__mmask16)(((1u << lim) - 1u) & ~((1u << first) - 1u)), ninf, s);
         }
         const float mo = m[r];
         const float mn = std::max(mo, _mm512_reduce_max_ps(s));
@@ -721,8 +761,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 template <typename T, typename C>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-         const at::Tensor& reqs, const at::Tensor& block_tables, double scale, int64_t min_split_keys,
-         int64_t min_parallel_work) {
+         const at::Tensor& reqs, const at::Tensor& block_tables, double scale, int64_t window, double softcap,
+         int64_t min_split_keys, int64_t min_parallel_work) {
   int nthreads = std::max(1, at::get_num_threads());
   write_kv<T, C>(k, v, k_cache, v_cache, slot_mapping, nthreads);
 
@@ -742,6 +782,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   P.RS = (int)k_cache.size(3);
   P.G = (int)(q.size(1) / P.Hkv);
   P.scale_log2 = (float)scale * LOG2E;
+  P.window = (int)std::max<int64_t>(0, window);
+  P.softcap2 = softcap > 0 ? (float)softcap * LOG2E : 0.f;
+  P.inv_softcap2 = softcap > 0 ? 1.f / P.softcap2 : 0.f;
 
   const int B = (int)reqs.size(0);
   const int G = P.G, Hkv = P.Hkv;
@@ -756,7 +799,10 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   // Too little work to be worth waking other threads (a parallel region costs microseconds when the cores
   // are free, and milliseconds when another process holds one and OpenMP threads spin-wait): stay on one.
   int64_t work = 0;  // (query row, key) pairs, upper bound
-  for (int b = 0; b < B; ++b) work += (int64_t)P.reqs[3 * b + 1] * P.reqs[3 * b + 2] * G * Hkv;
+  for (int b = 0; b < B; ++b) {
+    const int64_t qlen = P.reqs[3 * b + 1], L = P.reqs[3 * b + 2];
+    work += qlen * (P.window ? std::min<int64_t>(L, P.window + qlen - 1) : L) * G * Hkv;
+  }
   if (work < min_parallel_work) nthreads = 1;
 
   // Items: a decode covers all kv heads of its request (it then reads whole rows [Hkv, D] of the cache,
@@ -780,7 +826,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
     for (int h0 = 0; h0 < Hkv; h0 += nh) {
       for (int q0 = 0; q0 < qlen; q0 += qt) {
         const int q1 = std::min(qlen, q0 + qt);
-        const int keys = off + q1;
+        // the keys the item's rows see: from the window of its first query token to its last token
+        const int kbeg = P.window ? std::max(0, off + q0 - P.window + 1) : 0, kend = off + q1;
+        const int keys = kend - kbeg;
         const int R = (q1 - q0) * G * nh;
         int nparts = 1, per = keys;
         if (split) {
@@ -790,11 +838,11 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
           nparts = (keys + per - 1) / per;
         }
         if (nparts <= 1) {
-          items.push_back({b, h0, h0 + nh, q0, q1, 0, keys, -1, (int64_t)R * keys});
+          items.push_back({b, h0, h0 + nh, q0, q1, kbeg, kend, -1, (int64_t)R * keys});
         } else {
           groups.push_back({b, h0, h0 + nh, q0, q1, (int)partial_rows, nparts});
           for (int p = 0; p < nparts; ++p) {
-            const int k0 = p * per, k1 = std::min(keys, k0 + per);
+            const int k0 = kbeg + p * per, k1 = std::min(kend, k0 + per);
             items.push_back({b, h0, h0 + nh, q0, q1, k0, k1, (int)(partial_rows + (int64_t)p * R),
                              (int64_t)R * (k1 - k0)});
           }
@@ -830,7 +878,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
 // out [T, Hq, D] (written), q [T, Hq, D], k/v [T, Hkv, D]; see the top of the file.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
                      at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor reqs,
-                     at::Tensor block_tables, double scale, int64_t min_split_keys, int64_t min_parallel_work) {
+                     at::Tensor block_tables, double scale, int64_t window, double softcap, int64_t min_split_keys,
+                     int64_t min_parallel_work) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be 3-d");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, Hkv, D]");
@@ -852,8 +901,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, a
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2 && block_tables.size(0) == reqs.size(0), "block_tables must be int32 [B, M]");
   auto go = [&](auto t, auto c) {
-    run<decltype(t), decltype(c)>(out, q, k, v, k_cache, v_cache, slot_mapping, reqs, block_tables, scale,
-                                  min_split_keys, min_parallel_work);
+    run<decltype(t), decltype(c)>(out, q, k, v, k_cache, v_cache, slot_mapping, reqs, block_tables, scale, window,
+                                  softcap, min_split_keys, min_parallel_work);
   };
   auto with_cache = [&](auto t) {
     if (ct == at::kChar) go(t, int8_t{});

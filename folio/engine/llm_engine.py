@@ -57,13 +57,18 @@ class LLMEngine:
         spec = config.speculative.speculative_config
         draft = None if spec is None or spec.method != "draft_model" else \
             load_draft_model(spec, cfg, dtype, max_model_len, config.cache.block_size, platform)
-        kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype, config.cache.kv_cache_dtype)
+        # sliding-window layers get KV cache groups of their own, whose old blocks are freed; not beside a draft
+        # model, which reads the target's block tables as one full-attention table
+        windows = () if draft else getattr(loaded.model, "sliding_windows", ())
+        kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype, config.cache.kv_cache_dtype,
+                                              windows)
         num_lookahead_tokens = spec.num_speculative_tokens if draft else 0
         num_blocks, self.max_model_len = self._size_kv_cache(
             [kv_cache_spec] + ([draft.kv_cache_spec] if draft else []), backend, max_model_len, num_lookahead_tokens)
 
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching)
+                                               config.cache.enable_prefix_caching,
+                                               [group.window for group in kv_cache_spec.groups])
         # a draft model writes the KV of its guesses past each step's tokens: slots are reserved for them
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
         self.runner = ModelRunner(loaded.model, kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
@@ -90,16 +95,36 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for even one block of {bytes_per_block} bytes")
         block_size = self.config.cache.block_size
-        capacity = num_blocks * block_size - num_lookahead_tokens
-        if capacity < max_model_len:
-            logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len to %d",
-                           capacity, max_model_len, capacity)
-            max_model_len = capacity
-        target = specs[0]
+        target, chunk = specs[0], self.config.scheduler.max_num_batched_tokens
+
+        def blocks_for(num_tokens: int) -> int:  # the most one request of num_tokens holds
+            return target.max_blocks(num_tokens + num_lookahead_tokens, chunk)
+
+        capacity = num_blocks * block_size - num_lookahead_tokens  # tokens, as full attention holds them
+        if blocks_for(max_model_len) > num_blocks:
+            low, high = 0, max_model_len  # the longest request that fits: blocks_for grows with its length
+            while low < high:
+                mid = (low + high + 1) // 2
+                low, high = (mid, high) if blocks_for(mid) <= num_blocks else (low, mid - 1)
+            logger.warning("KV cache holds a request of %d tokens at most, fewer than max_model_len %d: lowering "
+                           "max_model_len to %d", low, max_model_len, low)
+            max_model_len = low
+        if max_model_len < 1:
+            raise ValueError(f"kv_cache_memory is too small for a request of even one token ({num_blocks} blocks)")
         logger.info("KV cache (%s): %d blocks of %d tokens (%d tokens, %.1f MiB); max concurrency at %d tokens per "
                     "request: %.1fx", target.dtype if target.cache_dtype == "auto" else target.cache_dtype,
                     num_blocks, block_size, capacity, num_blocks * bytes_per_block / 2**20, max_model_len,
-                    capacity / max_model_len)
+                    num_blocks / blocks_for(max_model_len))
+        if len(target.groups) > 1:
+            kinds: dict[str, int] = {}
+            for group in target.groups:
+                kind = "full attention" if group.window is None else f"sliding window {group.window}"
+                kinds[kind] = kinds.get(kind, 0) + 1
+            held, full = blocks_for(max_model_len), target.full_attention_blocks(max_model_len + num_lookahead_tokens)
+            logger.info("KV cache groups of %d layers (a block holds their K/V): %s; a request of %d tokens holds "
+                        "at most %d blocks, %.0f without sliding groups (%.1f%%)", target.layers_per_block,
+                        ", ".join(f"{kind} x{n}" for kind, n in kinds.items()), max_model_len, held, full,
+                        100 * held / full)
         return num_blocks, max_model_len
 
     @classmethod

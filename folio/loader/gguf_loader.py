@@ -8,6 +8,12 @@ What the translation has to undo:
 * values: quantised blocks are dequantised (with the `gguf` package, the same code transformers uses);
 * layout: llama.cpp's converter permutes the rows of Q and K of llama-architecture models so its
   rotary embedding can rotate adjacent pairs; Hugging Face rotates the two halves of each head;
+* Gemma's norms: llama.cpp stores 1 + weight (its RMSNorm multiplies by the weight as stored), Hugging Face
+  the weight; the one is taken off again (in float32, as Transformers does, and kept in float32: the model
+  adds it back in float32). What llama.cpp hard-codes rather than stores comes back from its own rules:
+  Gemma 2's default window and soft-caps, Gemma 3's local RoPE base, the layer patterns (Gemma 2: even
+  layers slide; Gemma 3: five of six, and none without a sliding_window), and the attention scale
+  (1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 27B models);
 * the tokenizer: a GGUF stores vocabulary, merges and token types as metadata, not a tokenizer.json,
   so one is rebuilt with the `tokenizers` library, splitting text the way llama.cpp does.
 
@@ -47,11 +53,14 @@ ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 # llama.cpp writes Mixtral as "llama" with experts (llama.expert_count).
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # The model types whose Q and K rows llama.cpp's converter permutes.
 PERMUTED_QK = frozenset({"llama", "mixtral"})
+GEMMA = frozenset({"gemma2", "gemma3"})
 
 Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -87,6 +96,10 @@ _LAYER_TENSORS = {
 _ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 # Stacked expert tensors [experts, rows, cols]: one Hugging Face tensor per expert, mlp.experts.E.<name>.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward one there
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                        "post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ rope scaling factors: folded into hf_config's rope_scaling, not a model weight.
 ROPE_FREQS = "rope_freqs.weight"
@@ -206,6 +219,8 @@ def _hf_config(reader: GGUFReader) -> dict:
     if ROPE_FREQS in tensors:
         factors = dequantize(tensors[ROPE_FREQS].data, tensors[ROPE_FREQS].tensor_type)
         config["rope_scaling"] = _llama3_rope_scaling(factors, config["rope_theta"], rope_dim)
+    if arch in GEMMA:
+        config.update(_gemma_config(reader, arch, config))
     return config
 
 
@@ -225,6 +240,37 @@ def _moe_config(reader: GGUFReader, arch: str, model_type: str) -> dict:
             "shared_expert_intermediate_size": int(shared or 0),
             # llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's unless the file says so
             "norm_topk_prob": bool(get_field(reader, f"{arch}.expert_weights_norm", model_type == "qwen3_moe"))}
+
+
+# llama.cpp's block counts of the 27B models, whose attention scale is 1 / sqrt(hidden / heads)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_config(reader: GGUFReader, arch: str, config: dict) -> dict:
+    """Gemma's fields of config.json, from the metadata llama.cpp writes and the defaults it applies."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    big = layers == _GEMMA_27B_LAYERS[arch]
+    extra = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // heads if big else config["head_dim"],
+    }
+    final_cap = get_field(reader, f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None)
+    extra["final_logit_softcapping"] = _f32(final_cap) if final_cap else None
+    window = get_field(reader, f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+    extra["sliding_window"] = int(window) if window else None
+    pattern = get_field(reader, f"{arch}.attention.sliding_window_pattern")
+    if arch == "gemma2":
+        extra["attn_logit_softcapping"] = _f32(get_field(reader, f"{arch}.attn_logit_softcapping", 50.0)) or None
+        if extra["sliding_window"] is None:  # llama.cpp's Gemma 2 always slides
+            extra["sliding_window"] = 4096
+    else:
+        extra["rope_local_base_freq"] = _f32(get_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+    if isinstance(pattern, list):  # per layer: whether it slides
+        extra["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:  # every pattern-th layer is global
+        extra["layer_types"] = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                                for i in range(layers)]
+    return extra
 
 
 def _llama3_rope_scaling(factors: np.ndarray, theta: float, dim: int) -> dict:
@@ -298,7 +344,8 @@ def _hf_names(gguf_name: str, arch: str, experts: int) -> list[str]:
     if match and match[2] in _EXPERT_TENSORS:
         part = _EXPERT_TENSORS[match[2]]
         return [f"model.layers.{match[1]}.mlp.experts.{e}.{part}.{match[3]}" for e in range(experts)]
-    hf = _ARCH_LAYER_TENSORS.get(arch, {}).get(match[2], _LAYER_TENSORS.get(match[2])) if match else None
+    layer_tensors = _GEMMA_LAYER_TENSORS if arch in GEMMA else _LAYER_TENSORS
+    hf = _ARCH_LAYER_TENSORS.get(arch, {}).get(match[2], layer_tensors.get(match[2])) if match else None
     if hf:
         return [f"model.layers.{match[1]}.{hf}.{match[3]}"]
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that folio knows")
@@ -361,6 +408,9 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
         w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements="W"))
         if n_head is not None:
             w = _unpermute(w, n_head)
+        if arch in GEMMA and t.name.endswith("norm.weight"):  # stored as 1 + weight; norms stay float32
+            yield names[0], w.float() - 1.0
+            continue
         if t.name.endswith("ffn_gate_inp_shexp.weight") and w.dim() == 1:  # llama.cpp drops its unit dim
             w = w.unsqueeze(0)
         for name, part in zip(names, w.reshape(len(names), -1, *w.shape[-1:]) if len(names) > 1 else [w]):

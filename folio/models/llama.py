@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from folio.attention.backend import AttentionBackend
+from folio.attention.backend import AttentionBackend, AttentionParams
 from folio.models.layers import Embedding, RMSNorm, RotaryEmbedding, silu_and_mul
 from folio.models.linear import Linear
 from folio.models.model_config import ModelConfig
@@ -40,6 +40,7 @@ class LlamaAttention(nn.Module):
                                bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
+        self.attn_params = AttentionParams(sliding_window=cfg.sliding_window(layer_idx))  # Mistral's window
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for architectures that normalise q and k per head before RoPE (Qwen3)."""
@@ -52,7 +53,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.normalize_qk(q, k)
         q, k = self.rotary(positions, q, k)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.attn_params)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -108,6 +109,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
                               tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
+        # per layer, the window its attention slides (None: full): the KV cache frees what falls out of it
+        self.sliding_windows = tuple(layer.self_attn.attn_params.sliding_window for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

@@ -7,7 +7,7 @@ instead of seconds and keeps transformers off the serving path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from folio.models.rope_scaling import SUPPORTED as SUPPORTED_ROPE_TYPES, rope_type
@@ -45,6 +45,80 @@ class MoEConfig:
                    mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
 
+# Fields a config.json may leave out, as Transformers' config classes default them (Gemma 3's multimodal
+# checkpoints keep little more than the sizes in their text_config).
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6, "bos_token_id": 2, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "vocab_size": 256000, "max_position_embeddings": 8192,
+                          "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
+                          "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6},
+    "MistralForCausalLM": {"sliding_window": 4096},
+}
+HF_DEFAULTS["Gemma3ForConditionalGeneration"] = HF_DEFAULTS["Gemma3ForCausalLM"]
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: a multimodal config's text_config (Gemma 3: the text part is served, the
+    vision tower is not), with the architecture's defaults for the fields it leaves out. Gemma 3's per-layer
+    RoPE parameters become rope_theta / rope_scaling (global layers) and rope_local_base_freq /
+    rope_local_scaling (sliding ones), whichever way the file writes them."""
+    arch = ModelConfig.architecture_of(cfg)
+    if arch == "Gemma3ForConditionalGeneration":
+        inner = dict(cfg.get("text_config") or {})
+        inner["architectures"] = [arch]
+        for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+            if key in cfg:
+                inner.setdefault(key, cfg[key])
+        cfg = inner
+    cfg = {**HF_DEFAULTS.get(arch, {}), **cfg}
+    if arch.startswith("Gemma3"):
+        rope = cfg.pop("rope_parameters", None) or {}
+        if "full_attention" in rope or "sliding_attention" in rope:  # Transformers 5: per layer type
+            full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+            cfg["rope_theta"] = full.pop("rope_theta", cfg["rope_theta"])
+            cfg["rope_local_base_freq"] = local.pop("rope_theta", cfg["rope_local_base_freq"])
+            cfg["rope_scaling"], cfg["rope_local_scaling"] = full or None, local or None
+        elif rope:
+            cfg["rope_scaling"] = rope
+    return cfg
+
+
+def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Optional[int], ...]:
+    """Per layer, the sliding window its attention uses (None: full attention), as Transformers decides it
+    (layer_types, or the architecture's pattern); () when no layer slides."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        if arch == "Gemma2ForCausalLM":  # even layers slide
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        elif arch.startswith("Gemma3"):  # five local layers to one global
+            pattern = int(cfg.get("sliding_window_pattern") or 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        elif arch == "Qwen2ForCausalLM":
+            first = int(cfg.get("max_window_layers", 28)) if cfg.get("use_sliding_window") else num_layers
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        elif arch == "MistralForCausalLM":
+            types = ["sliding_attention"] * num_layers
+        else:
+            return ()
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"unsupported attention layer type {unknown[0]!r} in layer_types (supported: "
+                         f"{', '.join(LAYER_TYPES)})")
+    if window is None:
+        return ()
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -78,6 +152,13 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The leading channels of each head that RoPE rotates (Transformers: int(head_dim * factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
+    # per layer: the sliding window of its attention, or None (full attention); () when no layer slides
+    sliding_windows: tuple[Optional[int], ...] = ()
+    # the (text) config.json dict with the architecture's defaults: architecture-specific fields come from here
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def sliding_window(self, layer_idx: int) -> Optional[int]:
+        return self.sliding_windows[layer_idx] if self.sliding_windows else None
 
     @staticmethod
     def architecture_of(cfg: dict[str, Any]) -> str:
@@ -87,6 +168,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = cls.architecture_of(cfg)
+        cfg = text_config(cfg)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -121,6 +203,8 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 moe=MoEConfig.from_hf_dict(cfg),
                 partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
+                sliding_windows=sliding_windows(cfg, arch, int(cfg["num_hidden_layers"])),
+                hf_config=cfg,
             )
         except KeyError as e:
             raise ValueError(f"model config is missing the field {e.args[0]!r}") from e

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from folio.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from folio.models.llama import LlamaForCausalLM
 from folio.models.mixtral import MixtralForCausalLM
 from folio.models.model_config import ModelConfig
@@ -23,6 +24,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model: text in, text out
 }
 
 

@@ -1,7 +1,7 @@
 """Persistent input buffers of the model runner, updated incrementally from step to step.
 
 Every request the runner is computing owns a row of two arrays that live as long as the engine: its token
-ids and its block table. A step only writes what changed since the previous one (the tokens each request
+ids and its block table (one per KV cache group: a model with sliding-window layers has several). A step only writes what changed since the previous one (the tokens each request
 sampled, appended by the runner; the block ids the step's message brings, a new one every `block_size`
 tokens; draft tokens to verify, past the known ones; a whole row when a request arrives or resumes), then
 builds the step's flattened inputs (token ids, positions, cache slots, the [B, max blocks] block table)
@@ -30,24 +30,38 @@ from folio.worker.request_state import RequestState
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    layout: BatchLayout
+    layouts: list[BatchLayout]  # per KV cache group: the same requests, the group's tables and slots
+
+    @property
+    def layout(self) -> BatchLayout:
+        return self.layouts[0]
 
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"), num_groups: int = 1) -> None:
         self.block_size = block_size
         self.device = device  # where the step's tensors go
         self.max_model_len = max_model_len
         self.max_blocks = cdiv(max_model_len, block_size)
         # np.zeros maps zero pages lazily: only the token positions requests actually reach take memory
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
-        self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
-        # per row: tokens and blocks written so far (plain lists: the fastest per-item access in Python)
+        # per KV cache group
+        self.block_tables = [np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32) for _ in range(num_groups)]
+        # per row: tokens and (per group) blocks written so far (plain lists: the fastest per-item access)
         self.num_tokens: list[int] = [0] * max_num_reqs
-        self.num_blocks: list[int] = [0] * max_num_reqs
+        self.group_num_blocks: list[list[int]] = [[0] * max_num_reqs for _ in range(num_groups)]
         self.rows: dict[str, int] = {}
         self.free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """The first group's block tables (the only group's, unless the model has sliding-window layers)."""
+        return self.block_tables[0]
+
+    @property
+    def num_blocks(self) -> list[int]:
+        return self.group_num_blocks[0]
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Release the rows of requests that finished or were preempted."""
@@ -80,12 +94,16 @@ class InputBatch:
             if row is None:
                 row = self._add_row(requests[item.request_id])
             start = item.num_computed_tokens
-            have, new = self.num_blocks[row], item.new_block_ids
-            if new:
-                self.block_table[row, have:have + len(new)] = new
-                have = self.num_blocks[row] = have + len(new)
-            if have * self.block_size < start + item.num_tokens:
-                raise ValueError(f"request {item.request_id}: {have} blocks for {start + item.num_tokens} tokens")
+            if len(item.new_block_ids) != len(self.block_tables):
+                raise ValueError(f"request {item.request_id}: block ids for {len(item.new_block_ids)} KV cache "
+                                 f"groups, the cache has {len(self.block_tables)}")
+            for table, counts, new in zip(self.block_tables, self.group_num_blocks, item.new_block_ids):
+                have = counts[row]
+                if new:
+                    table[row, have:have + len(new)] = new
+                    have = counts[row] = have + len(new)
+                if have * self.block_size < start + item.num_tokens:
+                    raise ValueError(f"request {item.request_id}: {have} blocks for {start + item.num_tokens} tokens")
             if item.draft_token_ids:  # guesses after the known tokens: inputs of this step only, never kept
                 n = self.num_tokens[row]
                 if n + len(item.draft_token_ids) > self.max_model_len:
@@ -106,14 +124,16 @@ class InputBatch:
         positions = np.arange(int(ends[-1])) + np.repeat(starts_a - (ends - qlens), qlens)
         token_rows = rows_a[token_req]
         input_ids = self.token_ids[token_rows, positions].astype(np.int64)
-        slots = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         max_blocks = cdiv(int(seq_lens.max()), bs)
-        # columns past a request's own blocks may hold a former occupant's ids: kernels read seq_lens only
-        tables = self.block_table[rows_a, :max_blocks]
         device = self.device
-        layout = BatchLayout(qlens, seq_lens, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
-                             bs)
-        return StepInputs(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), layout)
+        layouts = []
+        for table in self.block_tables:
+            slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            # columns past a request's own blocks may hold a former occupant's ids: kernels read seq_lens only
+            tables = table[rows_a, :max_blocks]
+            layouts.append(BatchLayout(qlens, seq_lens, torch.from_numpy(tables).to(device),
+                                       torch.from_numpy(slots).to(device), bs))
+        return StepInputs(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), layouts)
 
     def _add_row(self, request: RequestState) -> int:
         """A fresh row holding the request's tokens so far; its block table starts empty."""
@@ -128,13 +148,15 @@ class InputBatch:
         self.token_ids[row, :prompt_len] = request.prompt_token_ids
         self.token_ids[row, prompt_len:n] = request.output_token_ids
         self.num_tokens[row] = n
-        self.num_blocks[row] = 0
+        for counts in self.group_num_blocks:
+            counts[row] = 0
         return row
 
     def _grow(self) -> None:
         old = len(self.num_tokens)
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
-        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self.block_tables = [np.concatenate([t, np.zeros_like(t)]) for t in self.block_tables]
         self.num_tokens += [0] * old
-        self.num_blocks += [0] * old
+        for counts in self.group_num_blocks:
+            counts += [0] * old
         self.free_rows += list(range(2 * old - 1, old - 1, -1))

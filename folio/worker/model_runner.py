@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from folio.attention.backend import AttentionBackend
+from folio.attention.backend import AttentionBackend, GroupedMetadata
 from folio.core.step_contract import ModelRunnerOutput, SampledTokens, ScheduledRequestData, SchedulerOutput
 from folio.models import fused_ops
 from folio.models.llama import StepContext
@@ -55,7 +55,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.num_blocks = num_blocks
-        self.inputs = InputBatch(max_num_seqs, max_model_len, kv_cache_spec.block_size, device)
+        self.inputs = InputBatch(max_num_seqs, max_model_len, kv_cache_spec.block_size, device,
+                                 num_groups=len(kv_cache_spec.groups))
         self.requests: dict[str, RequestState] = {}
         if kv_cache_spec.dtype == torch.bfloat16:
             fused_ops.prepare()  # the fused elementwise kernels serve bf16 only
@@ -76,7 +77,11 @@ class ModelRunner:
             return output
         start_time = time.perf_counter()
         step = self.inputs.prepare(sched.scheduled, self.requests)
-        ctx = StepContext(self.backend, self.backend.build_metadata(step.layout), self.kv_caches)
+        if len(step.layouts) == 1:
+            metadata = self.backend.build_metadata(step.layout)
+        else:  # KV cache groups (sliding-window layers): each group's tables
+            metadata = GroupedMetadata([self.backend.build_metadata(layout) for layout in step.layouts])
+        ctx = StepContext(self.backend, metadata, self.kv_caches)
         hidden = self.model(step.input_ids, step.positions, ctx)
 
         sample_rows, samplers, drafts, jobs = [], [], [], []

@@ -1,0 +1,197 @@
+"""Gemma 2 and Gemma 3 (text): the Llama decoder with Gemma's changes, as Transformers computes them.
+
+  * embeddings scaled by sqrt(hidden_size), the factor rounded to the model's dtype first;
+  * RMSNorm multiplies by (1 + weight), in float32 before the one rounding to the model's dtype: the
+    parameter keeps 1 + weight in float32 (`GemmaRMSNorm`), computed as it loads;
+  * four norms per layer: before attention, after it (before the residual add), before and after the MLP;
+  * GeGLU: gelu (tanh approximation) of the gate times the up projection;
+  * attention scaled by query_pre_attn_scalar ** -0.5; local layers see a sliding window (Gemma 2: every
+    other layer, Gemma 3: five of every six, or as layer_types says), global layers the whole context;
+  * final logits soft-capped (cap * tanh(x / cap)) where the config says so (Gemma 2: 30), and in Gemma 2
+    the attention scores too (50; Gemma 3's attention ignores attn_logit_softcapping, as Transformers' does);
+  * Gemma 3: an RMSNorm over each head of q and k before RoPE, and RoPE bases of their own for local
+    (rope_local_base_freq, 10k) and global layers (rope_theta, 1M, scaled linearly on the larger models).
+
+Gemma3ForConditionalGeneration checkpoints load their language model only (text in, text out; the vision
+tower's tensors are skipped). EmbeddingGemma's bidirectional attention is not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from folio.attention.backend import AttentionParams
+from folio.models.layers import Embedding, RotaryEmbedding
+from folio.models.linear import Linear
+from folio.models.llama import StepContext
+from folio.models.model_config import ModelConfig
+from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
+
+GELU_TANH = ("gelu_pytorch_tanh",)
+
+
+def _load_one_plus(param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
+    if shard_id is not None:
+        raise ValueError(f"is given as shard {shard_id!r} of a parameter that has no shards")
+    copy_checked(param.data, 1.0 + tensor.float())
+
+
+class GemmaRMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * (1 + w) in float32, rounded once to x's dtype. `weight` holds 1 + w in
+    float32 whatever the model's dtype: it loads as the checkpoint's w plus one (Transformers' own sum)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = uninitialized(size, dtype=torch.float32)
+        set_weight_loader(self.weight, _load_one_plus, (None,))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight).to(x.dtype)
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool,
+                 softcap: Optional[float]) -> None:
+        super().__init__()
+        hf = cfg.hf_config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                               bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.rotary = rotary
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.attn_params = AttentionParams(scale=float(hf["query_pre_attn_scalar"]) ** -0.5,
+                                           sliding_window=cfg.sliding_window(layer_idx), logit_softcap=softcap)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.attn_params)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size})
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool,
+                 softcap: Optional[float]) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = GemmaAttention(cfg, layer_idx, rotary, qk_norm, softcap)
+        self.mlp = GemmaMLP(cfg)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        h = self.self_attn(positions, self.input_layernorm(x), ctx)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+def _rope_scaling(scaling: Optional[dict]) -> Optional[dict]:
+    kind = None if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+    return None if kind in (None, "default") else scaling
+
+
+class Gemma2ForCausalLM(nn.Module):
+    qk_norm = False  # Gemma 3 normalises q and k per head
+    local_rope = False  # Gemma 3's local layers have a RoPE base of their own
+    attn_softcap = True  # Gemma 3 does not soft-cap attention scores, whatever attn_logit_softcapping says
+    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # prefixes of a checkpoint's decoder tensors (a multimodal Gemma 3 nests its language model), and of the
+    # tensors folio does not serve
+    prefixes = ("model.language_model.", "language_model.model.", "model.")
+    skipped = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        hf = cfg.hf_config
+        activation = hf.get("hidden_activation") or hf.get("hidden_act")
+        if activation not in GELU_TANH:
+            raise ValueError(f"{cfg.architecture} with hidden_activation {activation!r} is not supported "
+                             f"(supported: {', '.join(GELU_TANH)})")
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError(f"{cfg.architecture} with use_bidirectional_attention (EmbeddingGemma) is not supported")
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        local = rotary
+        if self.local_rope:
+            local = RotaryEmbedding(cfg.head_dim, max_positions, float(hf["rope_local_base_freq"]),
+                                    _rope_scaling(hf.get("rope_local_scaling")))
+        cap = hf.get("attn_logit_softcapping") if self.attn_softcap else None
+        softcap = None if cap is None else float(cap)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = cfg.hidden_size ** 0.5
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(cfg, i, local if cfg.sliding_window(i) is not None else rotary, self.qk_norm, softcap)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
+                              tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
+        cap = hf.get("final_logit_softcapping")
+        self.final_logit_softcap = None if cap is None else float(cap)
+        # per layer, the window its attention slides (None: full): the KV cache frees what falls out of it
+        self.sliding_windows = tuple(layer.self_attn.attn_params.sliding_window for layer in self.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)  # as Transformers rounds it
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
+
+    def map_checkpoint_name(self, name: str) -> Optional[tuple[str, ShardId]]:
+        """Where a checkpoint tensor (Hugging Face name) goes: (parameter name, shard id), or None to skip it."""
+        if name.startswith(self.skipped):
+            return None
+        name = name.removeprefix("language_model.")  # an older multimodal checkpoint's lm_head
+        for prefix in self.prefixes:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        for part, (fused, shard_id) in self.stacked_params.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), shard_id
+        return name, None
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    qk_norm = True
+    local_rope = True
+    attn_softcap = False

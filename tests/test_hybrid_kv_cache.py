@@ -1,0 +1,220 @@
+"""KV cache groups for sliding-window layers: blocks wholly out of a sliding layer's window are freed while a
+request runs, prefix caching stays correct (a prefix is a hit only where each sliding group still has its
+window's blocks), and a long request holds about what its full-attention layers need.
+
+The random-workload test runs the real scheduler and KV cache manager with a stand-in runner that writes each
+step's tokens into the cache slots of every group's block table and checks that every key each query reads
+(its window, or its whole context) holds the token it should: a block freed too early and handed to another
+request, or a wrong cache hit, shows up as a wrong token.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import hf_greedy
+from fake_runner import fake_runner_output
+from folio import LLM, LLMEngine, SamplingParams
+from folio.config import SchedulerOptions
+from folio.core.block_hash import extend_block_hashes
+from folio.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from folio.core.request import Request, RequestStatus
+from folio.core.scheduler import Scheduler
+from folio.worker.kv_cache import KVCacheGroup, group_layers
+
+
+def gemma3_windows(num_layers: int, window: int) -> list:
+    return [None if (i + 1) % 6 == 0 else window for i in range(num_layers)]
+
+
+def test_grouping():
+    groups, size = group_layers(gemma3_windows(26, 512), 26)  # Gemma 3 1B: 4 global layers, 22 local ones
+    assert size == 4 and [g.window for g in groups] == [None] + [512] * 6
+    assert groups[0].layers == (5, 11, 17, 23) and groups[-1].layers == (24, 25)  # two spare slots
+    assert sorted(i for g in groups for i in g.layers) == list(range(26))
+    groups, size = group_layers([8, None] * 13, 26)  # Gemma 2: alternating
+    assert size == 13 and [(g.window, len(g.layers)) for g in groups] == [(None, 13), (8, 13)]
+    assert group_layers((), 30) == ((KVCacheGroup(None, tuple(range(30))),), 30)  # no sliding layers
+    assert group_layers([4096] * 32, 32) == ((KVCacheGroup(4096, tuple(range(32))),), 32)  # Mistral
+    groups, size = group_layers([None] * 5 + [16] * 6, 11)  # within 25%: the larger count, one group each
+    assert size == 6 and [len(g.layers) for g in groups] == [5, 6]
+
+
+def _fits(windows, block_size, chunk, num_blocks, length) -> bool:
+    return sum(KVCacheGroup(w, ()).max_blocks(length, block_size, chunk) for w in windows) <= num_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 10), st.booleans()),
+                min_size=1, max_size=10),
+       st.integers(10, 40), st.sampled_from([2, 4]), st.integers(3, 24), st.sampled_from([1, 3, 5, 8]),
+       st.booleans(), st.integers(0, 10_000))
+def test_windows_hold_the_right_tokens_under_random_workloads(reqs, num_blocks, block_size, budget, window,
+                                                               caching, seed):
+    rng = random.Random(seed)
+    windows = [None, window, window]  # a full group and two sliding ones, as a Gemma's
+    kv = KVCacheManager(num_blocks, block_size, caching, windows)
+    max_model_len = 60
+    while not _fits(windows, block_size, budget, num_blocks, max_model_len):
+        max_model_len -= 1
+    sched = Scheduler(SchedulerOptions(max_num_batched_tokens=budget, max_num_seqs=5), kv, max_model_len)
+    pool = kv.pool
+    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(0, 16))] for _ in range(4)]
+    all_requests = []
+    for i, (p, extra, max_tokens, abort) in enumerate(reqs):
+        tokens = (prefixes[p] + [rng.randrange(1, 50) for _ in range(extra)])[:max_model_len - 1]
+        req = Request(str(i), tokens, SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({0}))
+        sched.add_request(req)
+        all_requests.append((req, abort))
+    slot_tokens: dict[int, int] = {}  # what each cache slot holds, as the forward pass would write it
+    for step in range(3000):
+        if not sched.num_unfinished:
+            break
+        out = sched.schedule()
+        steps = []
+        for item in out.scheduled:  # every layer writes the step's K/V before any attention reads
+            r = sched.requests[item.request_id]
+            for g in range(len(windows)):  # a scheduled request holds nothing before its windows
+                first = kv._first_needed(g, item.num_computed_tokens)
+                assert all(b is NULL_BLOCK for b in kv.req_to_blocks[g][item.request_id][:first])
+            tables = [kv.block_ids(item.request_id, group=g) for g in range(len(windows))]
+            positions = range(item.num_computed_tokens, item.num_computed_tokens + item.num_tokens)
+            for table in tables:
+                for pos in positions:
+                    slot_tokens[table[pos // block_size] * block_size + pos % block_size] = r.all_token_ids[pos]
+            steps.append((r, tables, positions))
+        for r, tables, positions in steps:  # each query reads its window (or its whole context) in each group
+            for table, w in zip(tables, windows):
+                for pos in positions:
+                    for key in range(0 if w is None else max(0, pos - w + 1), pos + 1):
+                        slot = table[key // block_size] * block_size + key % block_size
+                        assert slot_tokens.get(slot) == r.all_token_ids[key], "a key holds another token"
+        sched.update_from_output(out, fake_runner_output(sched, out, lambda: rng.choice([0, 3]) if rng.random() < 0.1
+                                                         else 5))
+        # reference counts: the (request, group) pairs holding each block; out-of-window places hold none
+        holders: dict[int, int] = {}
+        for g, tables in enumerate(kv.req_to_blocks):
+            for rid, blocks in tables.items():
+                for b in blocks:
+                    if b is not NULL_BLOCK:
+                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        assert all(pool.blocks[b].ref_cnt == n for b, n in holders.items())
+        assert all(b.ref_cnt == 0 for b in pool.blocks if b.block_id not in holders)
+        assert pool.num_free_blocks == num_blocks - len(holders)
+        # a cached block holds what its hash names, in the group its key names
+        known = {}
+        for req, _ in all_requests:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, block_size, None)
+            for j, h in enumerate(req.block_hashes):
+                for g in range(len(windows)):
+                    known[kv._key(g, h)] = req.all_token_ids[j * block_size:(j + 1) * block_size]
+        for h, blk in pool.cached.items():
+            assert blk.block_hash == h
+            written = [slot_tokens.get(blk.block_id * block_size + o) for o in range(block_size)]
+            assert written == known[h], "a cached block holds other tokens than its hash names"
+        if step == 4:
+            sched.finish_requests([r.request_id for r, abort in all_requests if abort], RequestStatus.FINISHED_ABORTED)
+    assert sched.num_unfinished == 0
+    assert pool.num_free_blocks == num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not any(kv.req_to_blocks)
+
+
+def held_blocks_of_a_long_request(windows: list, num_tokens: int, block_size: int = 16, budget: int = 2048,
+                                  decode: int = 16) -> tuple[int, int]:
+    """(most blocks held at once, blocks held at the end) by one request of num_tokens prompt tokens and
+    `decode` generated ones, through the scheduler, in a cache of the given groups."""
+    kv = KVCacheManager(1 << 20, block_size, True, windows)
+    sched = Scheduler(SchedulerOptions(max_num_batched_tokens=budget, max_num_seqs=4), kv, num_tokens + decode + 1)
+    sched.add_request(Request("r", list(range(num_tokens)), SamplingParams(max_tokens=decode, ignore_eos=True),
+                              eos_token_ids=frozenset({-1})))
+    peak = held = 0
+    while sched.num_unfinished:
+        out = sched.schedule()
+        held = kv.num_held_blocks("r")
+        peak = max(peak, held)
+        sched.update_from_output(out, fake_runner_output(sched, out, 7))
+    return peak, held
+
+
+@pytest.mark.parametrize("name,layers,window", [("gemma-3-1b", 26, 512), ("gemma-3-4b", 34, 1024),
+                                                ("gemma-3-12b", 48, 1024), ("gemma-3-27b", 62, 1024)])
+def test_a_16k_request_holds_about_a_sixth(name, layers, window):
+    # Gemma 3's layout (five local layers to one global), blocks of 16 tokens, 2048-token prefill chunks.
+    groups, size = group_layers(gemma3_windows(layers, window), layers)
+    peak, held = held_blocks_of_a_long_request([g.window for g in groups], 16384)
+    full = -(-(16384 + 16) // 16) * layers / size  # a full-attention cache, in blocks of `size` layers
+    globals_ = sum(1 for g in groups if g.window is None)
+    locals_ = len(groups) - globals_
+    expected = globals_ * -(-(16384 + 16) // 16) + locals_ * (window // 16 + 1)
+    print(f"{name}: {held} blocks of {size} layers held at the end ({peak} at the peak) against {full:.0f} "
+          f"for full attention: {held / full:.1%}")
+    assert expected - locals_ <= held <= expected
+    assert held / full < 1 / 6 + locals_ * (window / 16 + 1) / full + 0.01
+
+
+def test_engine_frees_out_of_window_blocks(tmp_path):
+    # the tiny Gemma 3 (window 8, five local layers to one global): a long request's held blocks grow with the
+    # global layer only, and greedy output is Transformers'
+    from test_gemma import build_gemma
+
+    folder = build_gemma(str(tmp_path / "g3"), "gemma3")
+    engine = LLMEngine.from_kwargs(folder, dtype="float32", kv_cache_memory=1 << 22, block_size=4,
+                                   max_num_batched_tokens=32)
+    kv = engine.kv_cache_manager
+    assert kv.windows == [None] + [8] * 5
+    prompt = [(7 * i) % 500 + 3 for i in range(150)]
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=30))
+    held, tokens = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens = out.outputs[0].token_ids
+        if kv.req_to_blocks[0].get("r"):
+            held.append((engine.scheduler.requests["r"].num_computed_tokens, kv.num_held_blocks("r")))
+    assert tokens == hf_greedy(folder, prompt, 30)
+    computed, blocks = held[-1]
+    # the global group holds every block; each local one its window (8 tokens: 3 blocks of 4) and the next
+    assert blocks <= -(-(computed + 1) // 4) + 5 * 4
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_prefix_cache_with_sliding_windows(tmp_path):
+    # prompts sharing a prefix far longer than the window: cache hits, and the same outputs as without the cache
+    from test_gemma import build_gemma
+
+    folder = build_gemma(str(tmp_path / "g3"), "gemma3")
+    prefix = [(11 * i) % 400 + 5 for i in range(60)]
+    prompts = [{"prompt_token_ids": prefix + s} for s in ([1, 2, 3], [9, 8], [4, 4, 4, 4, 4], [300] * 7)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    results = []
+    for enable in (True, False):
+        llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, block_size=4, enable_prefix_caching=enable)
+        first = llm.generate(prompts[:1], params, use_tqdm=False)
+        rest = llm.generate(prompts[1:], params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in first + rest])
+        if enable:
+            assert all(o.num_cached_tokens >= 56 for o in rest)
+    assert results[0] == results[1] == [hf_greedy(folder, p["prompt_token_ids"], 12) for p in prompts]
+
+
+def test_speculative_decoding_with_sliding_windows(tmp_path):
+    # ngram drafts: rejected ones roll the computed count back, never before a freed window; a draft model
+    # reads the target's tables as full attention, so its engine keeps one group
+    from test_gemma import build_gemma
+
+    folder = build_gemma(str(tmp_path / "g3"), "gemma3")
+    prompts = [[5, 6, 7, 8, 9] * 6, list(range(20, 61))]
+    expected = [hf_greedy(folder, p, 24) for p in prompts]
+    for spec, windows in (({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                            "prompt_lookup_max": 3}, [None] + [8] * 5),
+                          ({"method": "draft_model", "model": folder, "num_speculative_tokens": 3}, [None])):
+        llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, block_size=4, max_num_batched_tokens=16,
+                  speculative_config=spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.llm_engine.kv_cache_manager.windows == windows
+        assert llm.llm_engine.scheduler.spec_decoding_stats.snapshot().num_accepted_tokens > 0
