@@ -32,6 +32,10 @@ def warm_up(runner: ModelRunner, block_size: int, max_model_len: int, prompt_len
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     blocks = list(range(cdiv(prompt_len + 1, block_size)))
     new = NewRequestData(WARM_UP_REQUEST_ID, prompt, params, frozenset())
-    runner.execute(SchedulerOutput([new], [ScheduledRequestData(WARM_UP_REQUEST_ID, 0, prompt_len, blocks)]))
-    runner.execute(SchedulerOutput(scheduled=[ScheduledRequestData(WARM_UP_REQUEST_ID, prompt_len, 1)]))
+    # the same blocks in every KV cache group: the throwaway request's KV is never read back by another
+    groups = tuple(blocks for _ in runner.inputs.block_tables)
+    runner.execute(SchedulerOutput([new], [ScheduledRequestData(WARM_UP_REQUEST_ID, 0, prompt_len, groups)]))
+    no_new_blocks = tuple([] for _ in runner.inputs.block_tables)
+    runner.execute(SchedulerOutput(scheduled=[ScheduledRequestData(WARM_UP_REQUEST_ID, prompt_len, 1,
+                                                                   no_new_blocks)]))
     runner.execute(SchedulerOutput(finished_ids=[WARM_UP_REQUEST_ID]))
