@@ -26,7 +26,7 @@ from torch import nn
 from folio.attention.backend import AttentionParams
 from folio.models.layers import Embedding, RotaryEmbedding
 from folio.models.linear import Linear
-from folio.models.llama import StepContext
+from folio.models.llama import StepContext, checkpoint_target
 from folio.models.model_config import ModelConfig
 from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
 
@@ -183,12 +183,7 @@ class Gemma2ForCausalLM(nn.Module):
             if name.startswith(prefix):
                 name = name[len(prefix):]
                 break
-        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-            return None
-        for part, (fused, shard_id) in self.stacked_params.items():
-            if f".{part}." in name:
-                return name.replace(part, fused), shard_id
-        return name, None
+        return checkpoint_target(name, self.stacked_params, self.config.tie_word_embeddings)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

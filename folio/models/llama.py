@@ -93,6 +93,18 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def checkpoint_target(name: str, stacked_params: dict[str, tuple[str, ShardId]],
+                      tie_word_embeddings: bool) -> Optional[tuple[str, ShardId]]:
+    """A decoder tensor's place (its name without the model's prefix): (parameter name, shard id of a fused
+    layer), or None for what is not loaded (rotary tables, a tied lm_head)."""
+    if "rotary_emb" in name or (name == "lm_head.weight" and tie_word_embeddings):
+        return None
+    for part, (fused, shard_id) in stacked_params.items():
+        if f".{part}." in name:
+            return name.replace(part, fused), shard_id
+    return name, None
+
+
 class LlamaForCausalLM(nn.Module):
     layer_cls = LlamaDecoderLayer
     # checkpoint tensor name fragment -> (fused parameter fragment, shard id)
@@ -124,10 +136,4 @@ class LlamaForCausalLM(nn.Module):
 
     def map_checkpoint_name(self, name: str) -> Optional[tuple[str, ShardId]]:
         """Where a checkpoint tensor (Hugging Face name) goes: (parameter name, shard id), or None to skip it."""
-        name = name.removeprefix("model.")
-        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-            return None
-        for part, (fused, shard_id) in self.stacked_params.items():
-            if f".{part}." in name:
-                return name.replace(part, fused), shard_id
-        return name, None
+        return checkpoint_target(name.removeprefix("model."), self.stacked_params, self.config.tie_word_embeddings)
