@@ -111,6 +111,19 @@ def llama_server(llama_dir):
         yield server
 
 
+@pytest.fixture
+def isolated_gguf_cache(tmp_path, monkeypatch):
+    """GGUF conversions go to a fresh cache per test; the built C++ kernels are shared (rebuilding them takes
+    minutes)."""
+    from folio import envs
+
+    kernels = envs.cache_dir() / "torch_extensions"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "torch_extensions").symlink_to(kernels, target_is_directory=True)
+    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @contextlib.contextmanager
 def prior_step_costs():
     """Speculation's policy learns what a step costs from this machine's timings. Tests that check that drafts

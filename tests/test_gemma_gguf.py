@@ -40,9 +40,7 @@ def _hf_config(folder: str) -> ModelConfig:
         return ModelConfig.from_hf_dict(json.load(f))
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("isolated_gguf_cache")
 
 
 def _gguf_name(hf_name: str) -> str:

@@ -11,9 +11,7 @@ from folio import LLM, SamplingParams
 from test_gguf_loader import ARCHS, write_tiny_gguf
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("isolated_gguf_cache")
 
 
 def _hf_from_gguf(path: str):

@@ -163,9 +163,7 @@ def write_tiny_gguf(path: str, arch: str = "llama", tokenizer: str = "gpt2", pre
     return path
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("isolated_gguf_cache")
 
 
 @pytest.fixture(scope="module")

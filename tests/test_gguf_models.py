@@ -108,16 +108,7 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
     return path
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    """Converted GGUFs go to a fresh cache; the built C++ kernels are shared (rebuilding them takes minutes)."""
-    from folio import envs
-
-    kernels = envs.cache_dir() / "torch_extensions"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "torch_extensions").symlink_to(kernels, target_is_directory=True)
-    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("isolated_gguf_cache")
 
 
 MODELS = {

@@ -15,14 +15,10 @@ from folio.models import quant_kernels
 from folio.models import quant_reference as ref
 from test_gguf_loader import ARCHS, _quantize, write_tiny_gguf
 
-pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
+pytestmark = [pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built"),
+              pytest.mark.usefixtures("isolated_gguf_cache")]
 
 PROMPT = [5, 6, 7, 8] + list(range(40, 70))
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize("qtype", list(FORMAT_OF), ids=lambda q: q.name)

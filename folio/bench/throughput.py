@@ -180,6 +180,11 @@ def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, brea
                        if config.speculative.speculative_config else None))
 
 
+def rate(results: list[ThroughputResult]) -> float:
+    """Output tokens per second over several runs together."""
+    return sum(r.output_tokens for r in results) / sum(r.elapsed_s for r in results)
+
+
 def print_result(result: ThroughputResult) -> None:
     print(f"folio bench throughput: {result.model} ({result.dtype}), {result.workload}")
     print(f"  {result.num_requests} requests, {result.prompt_tokens} prompt + {result.output_tokens} output tokens "
@@ -231,9 +236,6 @@ def compare_structured(engine: LLMEngine, requests: list[BenchRequest], args: ar
         runs[bound].append(measure(engine, constrained if bound else requests,
                                    f"{workload}{', constrained by JSON schemas' if bound else ''}", args.breakdown,
                                    sampling))
-
-    def rate(results: list[ThroughputResult]) -> float:
-        return sum(r.output_tokens for r in results) / sum(r.elapsed_s for r in results)
 
     mask = None
     if args.breakdown:
@@ -310,9 +312,6 @@ def compare_speculation(args: argparse.Namespace, config: EngineConfig, sampling
         engine, requests = engines[speculative]
         engine.reset_prefix_cache()  # the second run of the same prompts must not find them cached
         runs[speculative].append(measure(engine, requests, workload, args.breakdown, sampling))
-
-    def rate(results: list[ThroughputResult]) -> float:
-        return sum(r.output_tokens for r in results) / sum(r.elapsed_s for r in results)
 
     return SpeculationComparison(runs[True], runs[False], rate(runs[True]) / rate(runs[False]))
 

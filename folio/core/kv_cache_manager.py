@@ -160,14 +160,15 @@ class KVCacheManager:
 
     def _free_out_of_window(self, blocks: list[KVCacheBlock], first_needed: int) -> None:
         """Give back the blocks before first_needed, leaving NULL_BLOCK in their table places (newest first,
-        as `free` does: the most specific prefix is evicted first)."""
-        freed = []
-        for i in range(min(first_needed, len(blocks))):
-            if blocks[i] is not NULL_BLOCK:
-                freed.append(blocks[i])
-                blocks[i] = NULL_BLOCK
+        as `free` does: the most specific prefix is evicted first). The freed places are always a leading run,
+        so the walk back from first_needed stops at the first one: a step's cost does not grow with the context."""
+        freed, i = [], min(first_needed, len(blocks)) - 1
+        while i >= 0 and blocks[i] is not NULL_BLOCK:
+            freed.append(blocks[i])
+            blocks[i] = NULL_BLOCK
+            i -= 1
         if freed:
-            self.pool.free(reversed(freed))
+            self.pool.free(freed)
 
     def _publish_full_blocks(self, request: Request, group: int, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         counts = self.num_cached_blocks[group]

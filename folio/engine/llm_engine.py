@@ -59,7 +59,7 @@ class LLMEngine:
             load_draft_model(spec, cfg, dtype, max_model_len, config.cache.block_size, platform)
         # sliding-window layers get KV cache groups of their own, whose old blocks are freed; not beside a draft
         # model, which reads the target's block tables as one full-attention table
-        windows = () if draft else getattr(loaded.model, "sliding_windows", ())
+        windows = () if draft else cfg.sliding_windows
         kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype, config.cache.kv_cache_dtype,
                                               windows)
         num_lookahead_tokens = spec.num_speculative_tokens if draft else 0

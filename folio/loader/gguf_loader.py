@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from folio import envs
 from folio.loader.gguf_metadata import check_exists, get_field, need_field, open_gguf
 from folio.loader.gguf_tokenizer import build_tokenizer
+from folio.models.model_config import num_experts
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ def _gemma_config(reader: GGUFReader, arch: str, config: dict) -> dict:
     }
     final_cap = get_field(reader, f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None)
     extra["final_logit_softcapping"] = _f32(final_cap) if final_cap else None
-    window = get_field(reader, f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None)
+    window = get_field(reader, f"{arch}.attention.sliding_window")
     extra["sliding_window"] = int(window) if window else None
     pattern = get_field(reader, f"{arch}.attention.sliding_window_pattern")
     if arch == "gemma2":
@@ -351,10 +352,6 @@ def _hf_names(gguf_name: str, arch: str, experts: int) -> list[str]:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that folio knows")
 
 
-def _num_experts(hf_config: dict) -> int:
-    return int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
-
-
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> rotate-half layout), per head."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
@@ -365,19 +362,19 @@ def _tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype) -> dict[st
     return dict(_iter_tensors(reader, hf_config, dtype, frozenset()))
 
 
-def tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
-    """Hugging Face name -> GGUF type of every weight of the file."""
+def tensor_types(path: str, hf_config: dict) -> dict[str, GGMLQuantizationType]:
+    """Hugging Face name -> GGUF type of every weight of the file (hf_config: its read_gguf config)."""
     reader = open_gguf(path)
-    arch, experts = _architecture(reader), _num_experts(_hf_config(reader))
+    arch, experts = _architecture(reader), num_experts(hf_config)
     return {name: t.tensor_type for t in reader.tensors if t.name not in _NOT_WEIGHTS
             for name in _hf_names(t.name, arch, experts)}
 
 
-def iter_gguf_tensors(path: str, dtype: torch.dtype, keep_quantized: frozenset[str]):
+def iter_gguf_tensors(path: str, hf_config: dict, dtype: torch.dtype, keep_quantized: frozenset[str]):
     """(Hugging Face name, tensor) for every weight, dequantised to dtype, except that those named in
-    keep_quantized come as their blocks (folio.loader.gguf_native.GGUFBlocks, rows un-permuted likewise)."""
-    reader = open_gguf(path)
-    return _iter_tensors(reader, _hf_config(reader), dtype, keep_quantized)
+    keep_quantized come as their blocks (folio.loader.gguf_native.GGUFBlocks, rows un-permuted likewise);
+    hf_config: the file's read_gguf config."""
+    return _iter_tensors(open_gguf(path), hf_config, dtype, keep_quantized)
 
 
 def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_quantized: frozenset[str]):
@@ -391,7 +388,7 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
             )
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
     permuted = heads if hf_config["model_type"] in PERMUTED_QK else {}  # llama.cpp permutes llama's Q/K only
-    arch, experts = _architecture(reader), _num_experts(hf_config)
+    arch, experts = _architecture(reader), num_experts(hf_config)
     for t in reader.tensors:
         if t.name in _NOT_WEIGHTS:
             continue

@@ -114,6 +114,8 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (folio loads local folders and .gguf files only)")
+    if gguf_native and os.path.isdir(path):
+        raise ValueError(f"quantization 'gguf' needs a .gguf model file, got the folder {path}")
     if os.path.isdir(path):
         hf_config = _read_json(os.path.join(path, "config.json"))
         if not hf_config:
@@ -135,17 +137,15 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
 
     max_positions = cfg.max_context if max_positions_cap is None else max_positions_cap
-    if gguf_native and os.path.isdir(path):
-        raise ValueError(f"quantization 'gguf' needs a .gguf model file, got the folder {path}")
     with _default_dtype(dtype), device:
         net = build_model(cfg, max_positions)
         methods = (linear_method or current_platform().linear_method)(net)
         if "quantization_config" in hf_config:  # pre-quantised: its layers load as stored, the rest as asked
             methods = compressed_tensors_chooser(hf_config["quantization_config"], as_chooser(methods))
         if gguf_native:
-            layers, quantized_tensors = native_layers(tensor_types(path), net)
+            layers, quantized_tensors = native_layers(tensor_types(path, hf_config), net)
             methods = native_chooser(layers, as_chooser(methods))
-            tensors = iter_gguf_tensors(path, dtype, quantized_tensors)
+            tensors = iter_gguf_tensors(path, hf_config, dtype, quantized_tensors)
         bind_linear_methods(net, methods)
     load_weights(net, tensors)
     process_weights_after_loading(net)

@@ -115,11 +115,6 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
-def _rope_scaling(scaling: Optional[dict]) -> Optional[dict]:
-    kind = None if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
-    return None if kind in (None, "default") else scaling
-
-
 class Gemma2ForCausalLM(nn.Module):
     qk_norm = False  # Gemma 3 normalises q and k per head
     local_rope = False  # Gemma 3's local layers have a RoPE base of their own
@@ -145,11 +140,12 @@ class Gemma2ForCausalLM(nn.Module):
         local = rotary
         if self.local_rope:
             local = RotaryEmbedding(cfg.head_dim, max_positions, float(hf["rope_local_base_freq"]),
-                                    _rope_scaling(hf.get("rope_local_scaling")))
+                                    hf.get("rope_local_scaling"))
         cap = hf.get("attn_logit_softcapping") if self.attn_softcap else None
         softcap = None if cap is None else float(cap)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size ** 0.5
+        self._embed_scales: dict[torch.dtype, torch.Tensor] = {}  # the scale rounded to each dtype, made once
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(cfg, i, local if cfg.sliding_window(i) is not None else rotary, self.qk_norm, softcap)
             for i in range(cfg.num_hidden_layers))
@@ -158,12 +154,13 @@ class Gemma2ForCausalLM(nn.Module):
                               tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
         cap = hf.get("final_logit_softcapping")
         self.final_logit_softcap = None if cap is None else float(cap)
-        # per layer, the window its attention slides (None: full): the KV cache frees what falls out of it
-        self.sliding_windows = tuple(layer.self_attn.attn_params.sliding_window for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)  # as Transformers rounds it
+        scale = self._embed_scales.get(x.dtype)
+        if scale is None:  # rounded to the model's dtype first, as Transformers rounds it
+            scale = self._embed_scales[x.dtype] = torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        x = x * scale
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return self.norm(x)

@@ -121,8 +121,6 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
                               tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
-        # per layer, the window its attention slides (None: full): the KV cache frees what falls out of it
-        self.sliding_windows = tuple(layer.self_attn.attn_params.sliding_window for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

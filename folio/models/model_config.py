@@ -13,6 +13,11 @@ from typing import Any, Optional
 from folio.models.rope_scaling import SUPPORTED as SUPPORTED_ROPE_TYPES, rope_type
 
 
+def num_experts(cfg: dict[str, Any]) -> int:
+    """Routed experts of a config.json (Mixtral's num_local_experts, the others' num_experts); 0: dense."""
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+
+
 @dataclass
 class MoEConfig:
     """The mixture-of-experts facts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE configs (folio.models.moe)."""
@@ -30,13 +35,13 @@ class MoEConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> Optional["MoEConfig"]:
-        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-        if not num_experts:
+        experts = num_experts(cfg)
+        if not experts:
             return None
         if cfg.get("clip_qkv") is not None:
             raise ValueError(f"clip_qkv={cfg['clip_qkv']} (OLMoE's q/k/v clamping) is not supported")
         mixtral = cfg.get("model_type") == "mixtral" or "MixtralForCausalLM" in (cfg.get("architectures") or ())
-        return cls(num_experts=num_experts, top_k=int(cfg["num_experts_per_tok"]),
+        return cls(num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),
                    # OLMoE's and Mixtral's experts have intermediate_size; Qwen's have their own
                    intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                    norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),

@@ -4,6 +4,6 @@ speculation and sampled ones follow the same distribution.
 
 Proposers (ngram, suffix, draft_model) live beside the model runner, which calls them after each step's
 sampling; the drafts travel back to the scheduler in the ModelRunnerOutput and are scheduled with the next
-step's tokens (folio.core.step_contract). The policy (folio.spec_decode.policy) decides how many drafts each
+step's tokens (folio.core.step_contract). The policy (folio.spec_decode.speculator) decides how many drafts each
 request gets, so speculation that does not pay backs off on its own.
 """

@@ -127,8 +127,9 @@ class InputBatch:
         max_blocks = cdiv(int(seq_lens.max()), bs)
         device = self.device
         layouts = []
+        block_of, offset = positions // bs, positions % bs
         for table in self.block_tables:
-            slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            slots = table[token_rows, block_of].astype(np.int64) * bs + offset
             # columns past a request's own blocks may hold a former occupant's ids: kernels read seq_lens only
             tables = table[rows_a, :max_blocks]
             layouts.append(BatchLayout(qlens, seq_lens, torch.from_numpy(tables).to(device),
