@@ -26,7 +26,7 @@ from torch import nn
 from folio.attention.backend import AttentionParams
 from folio.models.layers import Embedding, RotaryEmbedding
 from folio.models.linear import Linear
-from folio.models.llama import StepContext, checkpoint_target
+from folio.models.llama import LlamaAttention, LlamaMLP, StepContext, checkpoint_target
 from folio.models.model_config import ModelConfig
 from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
 
@@ -55,41 +55,26 @@ class GemmaRMSNorm(nn.Module):
         return (h * self.weight).to(x.dtype)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's softmax scale (query_pre_attn_scalar), window, soft-cap (Gemma 2), q/k
+    norms (Gemma 3) and an o_proj bias where q/k/v have one."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool,
                  softcap: Optional[float]) -> None:
-        super().__init__()
-        hf = cfg.hf_config
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                               bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.rotary = rotary
+        super().__init__(cfg, layer_idx, rotary)
+        if cfg.attention_bias:
+            self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=True)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.attn_params = AttentionParams(scale=float(hf["query_pre_attn_scalar"]) ** -0.5,
+        self.attn_params = AttentionParams(scale=float(cfg.hf_config["query_pre_attn_scalar"]) ** -0.5,
                                            sliding_window=cfg.sliding_window(layer_idx), logit_softcap=softcap)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.attn_params)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (q, k) if self.q_norm is None else (self.q_norm(q), self.k_norm(k))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size})
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+class GemmaMLP(LlamaMLP):
+    """Llama's MLP with GeGLU (tanh-approximated GELU) instead of SwiGLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
