@@ -152,10 +152,19 @@ def http(server):
 
 def hf_greedy(folder: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Transformers' greedy continuation (the oracle), cut after EOS as an engine would stop."""
+    return hf_greedy_logprobs(folder, prompt_ids, max_new_tokens)[0]
+
+
+def hf_greedy_logprobs(folder: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """hf_greedy's tokens and the logprob of each, as generate computed it step by step: a finer check than the
+    tokens where a tiny random model's argmax hardly moves (with a dynamic RoPE, a single forward over the whole
+    sequence would rotate it for its full length instead)."""
     model = _hf_model(folder)
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=EOS_ID, pad_token_id=0)[0, len(prompt_ids):].tolist()
-    return out[:out.index(EOS_ID) + 1] if EOS_ID in out else out
+                         eos_token_id=EOS_ID, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    tokens = tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+    return tokens, [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(out.logits, tokens)]
 
 
 _HF_MODELS: dict[str, object] = {}

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from conftest import EOS_ID, VOCAB, hf_greedy, write_tokenizer
+from conftest import EOS_ID, VOCAB, hf_greedy, hf_greedy_logprobs, write_tokenizer
 from folio import LLM, SamplingParams
 from folio.models.model_config import ModelConfig
 from folio.worker.kv_cache import group_layers
@@ -44,11 +44,11 @@ CONFIGS = {
 }
 
 
-def build_gemma(folder: str, name: str, seed: int = 0) -> str:
+def build_gemma(folder: str, name: str, seed: int = 0, **overrides) -> str:
     import transformers
 
     cls_name, extra = CONFIGS[name]
-    cfg = getattr(transformers, cls_name)(**{**COMMON, **extra})
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -111,6 +111,36 @@ def test_preemption_matches(gemma_dirs, expected, name, attention_backend):
                             max_num_batched_tokens=16)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert tokens == [e[:64 - len(p)] for e, p in zip(expected[name], PROMPTS)]
+
+
+ORIGINAL = 32  # the original context of the RoPE-scaled models: prompts cross the window and fit it, outputs pass it
+SCALED = {  # the scaling of the global layers (Gemma 3's local ones keep their default RoPE), max_position_embeddings
+    "gemma3-dynamic": ("gemma3", {"rope_type": "dynamic", "factor": 4.0}, ORIGINAL),
+    "gemma2-dynamic": ("gemma2", {"rope_type": "dynamic", "factor": 4.0}, ORIGINAL),
+    "gemma3-yarn": ("gemma3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+                    4 * ORIGINAL),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALED))
+def test_rope_scaling_past_the_original_context(tmp_path, name):
+    # the tables read the original context (dynamic's growth starts there), not the engine's max positions
+    base, scaling, max_len = SCALED[name]
+    rope = {**scaling, "rope_theta": 10000.0}
+    if base == "gemma3":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {**scaling, "rope_theta": 1000000.0}}
+    folder = build_gemma(str(tmp_path / name), base, max_position_embeddings=max_len, rope_parameters=rope)
+    prompts, max_tokens = [list(range(20, 20 + ORIGINAL - 4)), [5, 6, 7, 8, 9]], 3 * ORIGINAL
+    expected = [hf_greedy_logprobs(folder, p, max_tokens) for p in prompts]
+    assert max(len(p) + len(tokens) for p, (tokens, _) in zip(prompts, expected)) > 2 * ORIGINAL
+    llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=7, block_size=4)
+    assert llm.llm_engine.max_model_len == 4 * ORIGINAL
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1), use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outputs, expected):  # the tokens barely depend on RoPE: their logprobs do
+        assert out.outputs[0].token_ids == tokens
+        assert [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)] == pytest.approx(logprobs, abs=1e-4)
 
 
 def test_config_parsing(gemma_dirs):

@@ -44,8 +44,7 @@ def test_tables_equal_transformers_step_by_step(kind):
     hf_cfg = _hf_config(kind)
     positions = 4 * ORIGINAL
     cfg = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
-    ours = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim,
-                           cfg.max_position_embeddings)
+    ours = RotaryEmbedding.for_model(cfg, positions, cfg.rope_theta, cfg.rope_scaling)
     hf = LlamaRotaryEmbedding(hf_cfg)
     x = torch.zeros(1, dtype=torch.float32)
     prompt = ORIGINAL - 4

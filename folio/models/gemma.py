@@ -121,11 +121,11 @@ class Gemma2ForCausalLM(nn.Module):
         if hf.get("use_bidirectional_attention"):
             raise ValueError(f"{cfg.architecture} with use_bidirectional_attention (EmbeddingGemma) is not supported")
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding.for_model(cfg, max_positions, cfg.rope_theta, cfg.rope_scaling)
         local = rotary
         if self.local_rope:
-            local = RotaryEmbedding(cfg.head_dim, max_positions, float(hf["rope_local_base_freq"]),
-                                    hf.get("rope_local_scaling"))
+            local = RotaryEmbedding.for_model(cfg, max_positions, float(hf["rope_local_base_freq"]),
+                                              hf.get("rope_local_scaling"))
         cap = hf.get("attn_logit_softcapping") if self.attn_softcap else None
         softcap = None if cap is None else float(cap)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)

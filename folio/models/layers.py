@@ -8,7 +8,7 @@ bit-identical to the torch reference code they fall back to.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from torch import nn
 from folio.models import fused_ops
 from folio.models.rope_scaling import cos_sin_tables
 from folio.models.weight_loader import uninitialized
+
+if TYPE_CHECKING:
+    from folio.models.model_config import ModelConfig
 
 
 class Embedding(nn.Module):
@@ -61,6 +64,15 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin_tables(self.rotary_dim, max_positions, theta, scaling, max_len or max_positions)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, max_positions: int, theta: float,
+                  scaling: Optional[dict[str, Any]]) -> RotaryEmbedding:
+        """A rotary embedding of the model's head (its rotary_dim) and original context (max_len): every model
+        builds its tables so, since the scaling types that read the context length (yarn without a factor,
+        dynamic) would otherwise take max_positions for it. theta and scaling: the layers' own (Gemma 3's local
+        layers have a base of their own), usually the config's rope_theta and rope_scaling."""
+        return cls(cfg.head_dim, max_positions, theta, scaling, cfg.rotary_dim, cfg.max_position_embeddings)
 
     def _apply(self, fn, recurse=True):
         """Apply a .to()/.cuda()/.half()-style conversion to the tables' device only: fn says where the
