@@ -1,5 +1,5 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini: greedy outputs equal Transformers' (fused qkv and gate_up checkpoints, partial
-rotary, LongRoPE past the original context), with chunked prefill and preemption."""
+rotary, LongRoPE past the original context, the sliding window), with chunked prefill and preemption."""
 
 from __future__ import annotations
 
@@ -34,6 +34,16 @@ def phi3_dir(request, tmp_path_factory):
 
 def test_greedy_matches_transformers(phi3_dir):
     assert_greedy_matches(phi3_dir, KV_BLOCK)
+
+
+def test_sliding_window_matches_transformers(tmp_path):
+    # Phi-3's own sliding_window (Phi-3-mini-4k: 2047) on every layer, as Transformers' Phi-3 masks it: prompts
+    # longer than the window, in chunks and through preemptions, with the layers' old blocks freed
+    folder = build_tiny_model(str(tmp_path / "phi3-w8"), "phi3", sliding_window=8)
+    llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 20)
+    assert llm.llm_engine.model_config.sliding_windows == (8, 8)
+    assert llm.llm_engine.kv_cache_manager.windows == [8]
+    assert_greedy_matches(folder, KV_BLOCK)
 
 
 def test_fused_tensor_of_the_wrong_size_is_named(tmp_path):

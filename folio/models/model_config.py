@@ -108,7 +108,7 @@ def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Op
         elif arch == "Qwen2ForCausalLM":
             first = int(cfg.get("max_window_layers", 28)) if cfg.get("use_sliding_window") else num_layers
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        elif arch == "MistralForCausalLM":
+        elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer (Phi-3-mini-4k: 2047)
             types = ["sliding_attention"] * num_layers
         else:
             return ()
