@@ -96,10 +96,12 @@ def test_chunked_prefill_matches(gemma_dirs, expected, name, attention_backend):
     assert tokens == expected[name]
 
 
-def tight_cache_memory(cfg: ModelConfig, max_model_len: int, block_size: int, chunk: int, spare: int = 6) -> int:
-    """KV memory for one request of max_model_len and a few blocks more (sliding groups hold their windows)."""
+def tight_cache_memory(cfg: ModelConfig, max_model_len: int, block_size: int, chunk: int, spare: int = 6,
+                       draft_layers: int = 0) -> int:
+    """KV memory for one request of max_model_len and a few blocks more (sliding groups hold their windows).
+    draft_layers: those of a draft model with the same KV heads, whose K/V every block holds too."""
     groups, layers_per_block = group_layers(cfg.sliding_windows, cfg.num_hidden_layers)
-    per_block = 2 * layers_per_block * cfg.num_key_value_heads * cfg.head_dim * 4 * block_size  # K and V, fp32
+    per_block = 2 * (layers_per_block + draft_layers) * cfg.num_key_value_heads * cfg.head_dim * 4 * block_size
     return (sum(g.max_blocks(max_model_len, block_size, chunk) for g in groups) + spare) * per_block
 
 

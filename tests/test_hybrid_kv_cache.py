@@ -10,9 +10,12 @@ request, or a wrong cache hit, shows up as a wrong token.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import hf_greedy
@@ -23,6 +26,7 @@ from folio.core.block_hash import extend_block_hashes
 from folio.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from folio.core.request import Request, RequestStatus
 from folio.core.scheduler import Scheduler
+from folio.models.model_config import ModelConfig
 from folio.worker.kv_cache import KVCacheGroup, group_layers
 
 
@@ -155,30 +159,55 @@ def test_a_16k_request_holds_about_a_sixth(name, layers, window):
     assert held / full < 1 / 6 + locals_ * (window / 16 + 1) / full + 0.01
 
 
-def test_engine_frees_out_of_window_blocks(tmp_path):
+@pytest.mark.parametrize("k", [0, 3], ids=["alone", "beside-a-draft-model"])
+def test_engine_frees_out_of_window_blocks(tmp_path, k):
     # the tiny Gemma 3 (window 8, five local layers to one global): a long request's held blocks grow with the
-    # global layer only, and greedy output is Transformers'
+    # global layer only, and greedy output is Transformers'. Beside a draft model too (the target itself, k guesses
+    # a step): it uses the global group's tables, so its global layer's KV is the target's at the same blocks
     from test_gemma import build_gemma
 
     folder = build_gemma(str(tmp_path / "g3"), "gemma3")
+    spec = {"method": "draft_model", "model": folder, "num_speculative_tokens": k} if k else None
     engine = LLMEngine.from_kwargs(folder, dtype="float32", kv_cache_memory=1 << 22, block_size=4,
-                                   max_num_batched_tokens=32)
+                                   max_num_batched_tokens=32, speculative_config=spec)
     kv = engine.kv_cache_manager
     assert kv.windows == [None] + [8] * 5
     prompt = [(7 * i) % 500 + 3 for i in range(150)]
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=30))
-    held, tokens = [], None
+    held, tokens, checked = [], None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 tokens = out.outputs[0].token_ids
         if kv.req_to_blocks[0].get("r"):
-            held.append((engine.scheduler.requests["r"].num_computed_tokens, kv.num_held_blocks("r")))
+            computed = engine.scheduler.requests["r"].num_computed_tokens
+            held.append((computed, kv.num_held_blocks("r")))
+            if k:
+                checked = max(checked, _assert_draft_kv_is_the_targets(engine, "r", computed, layer=5))
     assert tokens == hf_greedy(folder, prompt, 30)
     computed, blocks = held[-1]
-    # the global group holds every block; each local one its window (8 tokens: 3 blocks of 4) and the next
-    assert blocks <= -(-(computed + 1) // 4) + 5 * 4
+    # the global group holds every block; each local one its window (8 tokens: 3 blocks of 4) and the next, and
+    # with drafts the step's guesses and the lookahead slots past them
+    assert blocks <= -(-(computed + 1 + 2 * k) // 4) + 5 * (-(-(8 + 2 * k) // 4) + 2)
     assert kv.num_free_blocks == kv.pool.num_blocks
+    if k:
+        stats = engine.get_stats().spec_decoding
+        assert stats.num_draft_tokens > 10 and stats.acceptance_rate == 1.0
+        assert checked * 4 >= len(prompt)
+
+
+def _assert_draft_kv_is_the_targets(engine: LLMEngine, request_id: str, computed: int, layer: int) -> int:
+    """A draft model with the target's weights: the K/V of its layer `layer` (a global one) in the blocks of the
+    target's full-attention group (group 0), wherever both computed the request's tokens, equal the target's there.
+    Returns how many blocks it compared."""
+    proposer = engine.runner.speculator.proposer
+    draft_kv = proposer._kv.get(request_id)
+    block_size = engine.kv_cache_manager.block_size
+    blocks = engine.kv_cache_manager.block_ids(request_id, group=0)[:min(computed, draft_kv.valid if draft_kv else 0)
+                                                                       // block_size]
+    for ours, target in zip(proposer.kv_caches[layer], engine.runner.kv_caches[layer]):
+        torch.testing.assert_close(ours[blocks], target[blocks], atol=1e-4, rtol=1e-4)
+    return len(blocks)
 
 
 def test_prefix_cache_with_sliding_windows(tmp_path):
@@ -201,20 +230,45 @@ def test_prefix_cache_with_sliding_windows(tmp_path):
 
 
 def test_speculative_decoding_with_sliding_windows(tmp_path):
-    # ngram drafts: rejected ones roll the computed count back, never before a freed window; a draft model
-    # reads the target's tables as full attention, so its engine keeps one group
-    from test_gemma import build_gemma
+    # ngram drafts: rejected ones roll the computed count back, never before a freed window. A draft model (a random
+    # Gemma 2 of the same vocabulary: windows of its own, many wrong guesses) reads the tables of the target's global
+    # group, so the local groups stay. Prompts past the window, chunked, with preemptions forced: the outputs are
+    # those without speculation (Transformers')
+    from test_gemma import PROMPTS, build_gemma, tight_cache_memory
 
     folder = build_gemma(str(tmp_path / "g3"), "gemma3")
-    prompts = [[5, 6, 7, 8, 9] * 6, list(range(20, 61))]
-    expected = [hf_greedy(folder, p, 24) for p in prompts]
-    for spec, windows in (({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                            "prompt_lookup_max": 3}, [None] + [8] * 5),
-                          ({"method": "draft_model", "model": folder, "num_speculative_tokens": 3}, [None])):
-        llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, block_size=4, max_num_batched_tokens=16,
-                  speculative_config=spec)
+    draft = build_gemma(str(tmp_path / "g2"), "gemma2", seed=1)
+    cfg = ModelConfig.from_hf_dict(json.load(open(os.path.join(folder, "config.json"))))
+    prompts = [[5, 6, 7, 8, 9] * 6] + PROMPTS
+    max_model_len = 64
+    expected = [hf_greedy(folder, p, 24)[:max_model_len - len(p)] for p in prompts]
+    for spec, draft_layers in (({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                 "prompt_lookup_max": 3}, 0),
+                               ({"method": "draft_model", "model": draft, "num_speculative_tokens": 3}, 4)):
+        memory = tight_cache_memory(cfg, max_model_len + 4, 4, 16, draft_layers=draft_layers)
+        llm = LLM(folder, dtype="float32", kv_cache_memory=memory, block_size=4, max_num_batched_tokens=16,
+                  max_model_len=max_model_len, speculative_config=spec)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24),
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
-        assert llm.llm_engine.kv_cache_manager.windows == windows
-        assert llm.llm_engine.scheduler.spec_decoding_stats.snapshot().num_accepted_tokens > 0
+        assert llm.llm_engine.kv_cache_manager.windows == [None] + [8] * 5
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+        assert llm.llm_engine.scheduler.spec_decoding_stats.snapshot().num_draft_tokens > 0
+
+
+def test_a_draft_model_beside_layers_that_all_slide_keeps_one_group(tmp_path):
+    # Mistral's layers all slide: no group holds a whole context for the draft model's catch-ups to read, so beside
+    # one the cache keeps a single group of every layer (windows still apply)
+    from conftest import build_tiny_model
+
+    folder = build_tiny_model(str(tmp_path / "mistral-w8"), "mistral", sliding_window=8)
+    engine = dict(dtype="float32", kv_cache_memory=1 << 22, block_size=4, max_num_batched_tokens=7)
+    assert LLM(folder, **engine).llm_engine.kv_cache_manager.windows == [8]
+    llm = LLM(folder, speculative_config={"method": "draft_model", "model": folder, "num_speculative_tokens": 3},
+              **engine)
+    assert llm.llm_engine.kv_cache_manager.windows == [None]
+    prompt = list(range(20, 61))
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(folder, prompt, 24)
+    stats = llm.llm_engine.get_stats().spec_decoding
+    assert stats.num_draft_tokens > 10 and stats.acceptance_rate == 1.0

@@ -57,9 +57,10 @@ class LLMEngine:
         spec = config.speculative.speculative_config
         draft = None if spec is None or spec.method != "draft_model" else \
             load_draft_model(spec, cfg, dtype, max_model_len, config.cache.block_size, platform)
-        # sliding-window layers get KV cache groups of their own, whose old blocks are freed; not beside a draft
-        # model, which reads the target's block tables as one full-attention table
-        windows = () if draft else cfg.sliding_windows
+        # sliding-window layers get KV cache groups of their own, whose old blocks are freed. A draft model reads the
+        # tables of the target's full-attention group (its catch-ups read whole contexts): where every layer slides
+        # (Mistral, Phi-3) there is none, and beside a draft model the cache keeps one group of every layer
+        windows = () if draft and None not in cfg.sliding_windows else cfg.sliding_windows
         kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype, config.cache.kv_cache_dtype,
                                               windows)
         num_lookahead_tokens = spec.num_speculative_tokens if draft else 0

@@ -2,8 +2,12 @@
 
 The draft model has its own paged KV cache: per layer a K and a V tensor of its own shape, indexed by the
 same block ids as the target's (the engine sizes the cache for both, and the scheduler reserves k lookahead
-slots past each step's tokens for the positions the draft writes while guessing). A request's draft KV is
-valid up to a known position; each proposal first catches the draft up to the request's last token (its
+slots past each step's tokens for the positions the draft writes while guessing). It uses the block tables
+of the target's full-attention KV cache group, which hold the whole context while the request runs (a sliding
+group frees the blocks out of its window, and the draft's catch-ups read whole contexts). A block id belongs to
+one group at a time, so the draft's tensors hold at a block id only the tokens of that group's block, and the
+target's other groups can share the pool as they would without a draft model. A request's draft KV is valid
+up to a known position; each proposal first catches the draft up to the request's last token (its
 whole context the first time, and after a preemption, whose freed blocks took the draft KV with them), then
 feeds back its own guesses one position at a time. Guesses the target rejected leave KV behind that the next
 catch-up overwrites: the proposer compares what it fed with the tokens the request actually has.
@@ -61,10 +65,11 @@ class _DraftKV:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, draft: DraftModel, inputs: InputBatch, backend: AttentionBackend, num_blocks: int,
-                 device: torch.device) -> None:
+    def __init__(self, draft: DraftModel, inputs: InputBatch, group: int, backend: AttentionBackend,
+                 num_blocks: int, device: torch.device) -> None:
         self.model = draft.model
         self.inputs = inputs  # the runner's: token rows and block tables, read only
+        self.group = group  # the target's full-attention KV cache group, whose tables the draft uses
         self.backend = backend
         self.kv_caches = draft.kv_cache_spec.allocate(backend, num_blocks, device)
         self.device = device
@@ -114,7 +119,7 @@ class DraftModelProposer(Proposer):
     def _room(self, request_id: str, num_tokens: int) -> int:
         """How many guesses the request's blocks hold: guess i is written at position num_tokens + i - 1."""
         row = self.inputs.rows[request_id]
-        return self.inputs.num_blocks[row] * self.inputs.block_size - num_tokens + 1
+        return self.inputs.group_num_blocks[self.group][row] * self.inputs.block_size - num_tokens + 1
 
     def _forward(self, request_ids: list[str], positions: list[np.ndarray], token_ids: list[np.ndarray]) -> list[int]:
         """One draft forward pass over the given positions of each request; the argmax after each one's last."""
@@ -124,8 +129,9 @@ class DraftModelProposer(Proposer):
         seq_lens = np.array([int(p[-1]) + 1 for p in positions], dtype=np.int64)
         flat = np.concatenate(positions).astype(np.int64)
         token_rows = np.repeat(rows, qlens)
-        slots = self.inputs.block_table[token_rows, flat // bs].astype(np.int64) * bs + flat % bs
-        tables = torch.from_numpy(self.inputs.block_table[rows, :cdiv(int(seq_lens.max()), bs)])
+        table = self.inputs.block_tables[self.group]
+        slots = table[token_rows, flat // bs].astype(np.int64) * bs + flat % bs
+        tables = torch.from_numpy(table[rows, :cdiv(int(seq_lens.max()), bs)])
         layout = BatchLayout(qlens, seq_lens, tables.to(self.device), torch.from_numpy(slots).to(self.device), bs)
         ctx = StepContext(self.backend, self.backend.build_metadata(layout), self.kv_caches)
         ids = torch.from_numpy(np.concatenate(token_ids).astype(np.int64)).to(self.device)

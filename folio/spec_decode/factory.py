@@ -23,5 +23,9 @@ def make_speculator(config: SpeculativeConfig, runner: "ModelRunner", draft: Opt
     elif config.method == "suffix":
         proposer = SuffixProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.suffix_cache_requests)
     else:
-        proposer = DraftModelProposer(draft, runner.inputs, runner.backend, runner.num_blocks, runner.device)
+        group = runner.kv_cache_spec.full_attention_group
+        if group is None:
+            raise ValueError("a draft model reads the block tables of a full-attention KV cache group, and every "
+                             "group of this cache slides")
+        proposer = DraftModelProposer(draft, runner.inputs, group, runner.backend, runner.num_blocks, runner.device)
     return Speculator(config, proposer, runner.inputs.max_model_len)

@@ -54,15 +54,6 @@ class InputBatch:
         self.rows: dict[str, int] = {}
         self.free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
 
-    @property
-    def block_table(self) -> np.ndarray:
-        """The first group's block tables (the only group's, unless the model has sliding-window layers)."""
-        return self.block_tables[0]
-
-    @property
-    def num_blocks(self) -> list[int]:
-        return self.group_num_blocks[0]
-
     def remove(self, request_ids: Iterable[str]) -> None:
         """Release the rows of requests that finished or were preempted."""
         for request_id in request_ids:

@@ -96,6 +96,12 @@ class KVCacheSpec:
         return self._grouping[0]
 
     @property
+    def full_attention_group(self) -> Optional[int]:
+        """The first group of full-attention layers (groups are sorted so: 0), or None when every layer slides.
+        A draft model reads its block tables: they hold the whole context for as long as the request runs."""
+        return 0 if self.groups[0].window is None else None
+
+    @property
     def layers_per_block(self) -> int:
         """N: the layers whose K/V one block holds (every layer, without sliding groups)."""
         return self._grouping[1]

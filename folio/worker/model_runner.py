@@ -55,6 +55,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.num_blocks = num_blocks
+        self.kv_cache_spec = kv_cache_spec
         self.inputs = InputBatch(max_num_seqs, max_model_len, kv_cache_spec.block_size, device,
                                  num_groups=len(kv_cache_spec.groups))
         self.requests: dict[str, RequestState] = {}
