@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import build_tiny_model
 from folio import LLM
+from folio.models.model_config import ModelConfig
 from greedy_match import assert_greedy_matches
 
 KV_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # K and V, layers, kv heads, head_dim, fp32 bytes, block_size
@@ -44,6 +45,17 @@ def test_sliding_window_matches_transformers(tmp_path):
     assert llm.llm_engine.model_config.sliding_windows == (8, 8)
     assert llm.llm_engine.kv_cache_manager.windows == [8]
     assert_greedy_matches(folder, KV_BLOCK)
+
+
+def test_a_window_no_shorter_than_the_context_is_full_attention():
+    # Phi-3-mini-4k slides (2047 of 4096); Phi-3.5-mini's window (262144) exceeds its context (131072): it hides no
+    # key, so its layers run as full attention
+    phi = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 2, "num_attention_heads": 1}
+    mini_4k = ModelConfig.from_hf_dict({**phi, "sliding_window": 2047, "max_position_embeddings": 4096})
+    assert mini_4k.sliding_windows == (2047, 2047)
+    mini_3_5 = ModelConfig.from_hf_dict({**phi, "sliding_window": 262144, "max_position_embeddings": 131072})
+    assert mini_3_5.sliding_windows == () and mini_3_5.sliding_window(0) is None
 
 
 def test_fused_tensor_of_the_wrong_size_is_named(tmp_path):

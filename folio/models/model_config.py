@@ -162,6 +162,12 @@ class ModelConfig:
     # the (text) config.json dict with the architecture's defaults: architecture-specific fields come from here
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # a window no shorter than the context hides no key: full attention, which keeps the faster prefill path
+        # and a single KV cache group (Phi-3.5's and Phi-4-mini's 262144 over a context of 131072)
+        windows = tuple(None if w is not None and w >= self.max_context else w for w in self.sliding_windows)
+        self.sliding_windows = windows if any(w is not None for w in windows) else ()
+
     def sliding_window(self, layer_idx: int) -> Optional[int]:
         return self.sliding_windows[layer_idx] if self.sliding_windows else None
 
