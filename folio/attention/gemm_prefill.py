@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from folio.attention.backend import AttentionParams
+from folio.attention.long_query import LongQueryPath
 from folio.utils.math_utils import cdiv
 
 # A request is attended here when it has at least this many query tokens and (query token, key) pairs. Measured
@@ -53,3 +55,17 @@ def attend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         tile_out = torch.bmm(torch.softmax(scores, dim=-1), values[:, :visible])  # [Hkv, rows, D]
         out[first_token + start:first_token + stop] = tile_out.reshape(num_kv_heads, stop - start, group, head_dim) \
             .permute(1, 0, 2, 3).reshape(stop - start, num_kv_heads * group, head_dim)
+
+
+class GemmPrefill(LongQueryPath):
+    """The path for float32 caches: plain causal layers only (windows and soft-capping stay on the kernel)."""
+
+    min_query_len = MIN_QUERY_LEN
+    min_query_key_pairs = MIN_QUERY_KEY_PAIRS
+
+    def supports(self, params: AttentionParams, head_dim: int) -> bool:
+        return params.sliding_window is None and params.logit_softcap is None
+
+    def attend(self, out, q, k_cache, v_cache, reqs, block_tables, scale, params) -> None:
+        for row, (first_token, query_len, context_len) in enumerate(reqs.tolist()):
+            attend(out, q, k_cache, v_cache, block_tables[row], first_token, query_len, context_len, scale)
