@@ -15,7 +15,7 @@ LONG = 256  # query tokens: with its own keys, above both thresholds
 
 @pytest.fixture
 def gemm_backend(paged):  # noqa: F811 (the fixture builds the kernel or skips)
-    return cpu_paged.CPUPagedAttentionBackend(gemm_prefill=True)
+    return cpu_paged.CPUPagedAttentionBackend(gemm_prefill=True, flash_prefill=False)
 
 
 def long_split(backend, layout, dtype):

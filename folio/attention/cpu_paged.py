@@ -26,18 +26,20 @@ written and read by the scalar loop). Anything else (float16 caches, q/k/v in an
 reference backend for that call.
 
 Long queries (prompts, prefill chunks) go, where measured faster, to a matrix-product path for the cache's
-dtype (folio.attention.long_query): MKL GEMMs for float32 caches (gemm_prefill); the kernel still writes
-their K/V rows and attends the rest of the step.
+dtype (folio.attention.long_query): MKL GEMMs for float32 caches (gemm_prefill), brgemm tiles for bf16 ones
+(flash_prefill); the kernel still writes their K/V rows and attends the rest of the step.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
+from folio.attention import flash_prefill as flash_prefill_module
 from folio.attention import gemm_prefill as gemm_prefill_module
 from folio.attention import kv_quant
 from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout, GroupedMetadata
@@ -102,10 +104,11 @@ class CPUPagedAttentionBackend(AttentionBackend):
     """Paged attention on the CPU through the C++ kernel; raises RuntimeError if the kernel cannot be built."""
 
     def __init__(self, min_split_keys: int = MIN_SPLIT_KEYS, min_parallel_work: int = MIN_PARALLEL_WORK,
-                 gemm_prefill: Optional[bool] = None) -> None:
+                 gemm_prefill: Optional[bool] = None, flash_prefill: Optional[bool] = None) -> None:
         """Long queries (folio.attention.long_query) in matrix products, by default where that measured faster:
         gemm_prefill: float32 caches in MKL GEMMs (gemm_prefill.py), by default where the kernel has no vector
-        code (no AVX-512)."""
+        code (no AVX-512); flash_prefill: bf16 caches through brgemm (flash_prefill.py), by default with AMX or
+        without AVX-512 (its kernel is built when a bf16 cache first needs it)."""
         self.ext = load_extension()
         if self.ext is None:
             raise RuntimeError(f"CPU paged attention kernel unavailable: {KERNEL.error}")
@@ -115,6 +118,9 @@ class CPUPagedAttentionBackend(AttentionBackend):
         self._path_makers: dict[torch.dtype, Callable[[], Optional[LongQueryPath]]] = {}
         if not has_avx512 if gemm_prefill is None else gemm_prefill:
             self._path_makers[torch.float32] = gemm_prefill_module.GemmPrefill
+        if flash_prefill is not False:
+            self._path_makers[torch.bfloat16] = functools.partial(flash_prefill_module.for_cpu, has_avx512,
+                                                                  always=bool(flash_prefill))
         self._paths: dict[torch.dtype, Optional[LongQueryPath]] = {}
         self.reference = TorchSDPABackend()
 

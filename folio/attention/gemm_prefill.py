@@ -7,8 +7,9 @@ times faster (measured on an AVX2 EPYC: one Qwen2-0.5B layer of an 1852-token pr
 the cache the kernel has just written: its context's K and V are gathered from its blocks once per layer,
 then each tile of query rows (every head of a kv-head group stacked, so K and V are read once for the group)
 takes one batched GEMM for the scores, the causal mask on the tile's own diagonal keys, a softmax and one
-GEMM for the output. Scores and softmax are float32 (float32 caches only; bf16 and 8-bit caches stay on the
-kernel). A tile's rows are sized so its score matrix stays within SCORE_TILE_BYTES, whatever the context.
+GEMM for the output. Scores and softmax are float32 (float32 caches only: bf16 caches have
+folio.attention.flash_prefill, 8-bit caches stay on the kernel). A tile's rows are sized so its score matrix
+stays within SCORE_TILE_BYTES, whatever the context.
 """
 
 from __future__ import annotations
