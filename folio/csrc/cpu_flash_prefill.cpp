@@ -48,22 +48,44 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 using bf16 = at::BFloat16;
 
-// 2^x for x <= 0, to about one float32 rounding (degree-5 polynomial on the fraction, the same as the paged
-// kernel's AVX-512 exp2_ps); branch-free so that the compiler vectorises the loops that call it.
+// 2^x for x <= 0 (scores shifted by their running max; -inf gives 2^-126), to 2.5e-7 relative: a degree-5
+// polynomial on the fraction (the paged kernel's AVX-512 exp2_ps). Integer bit operations only, no float
+// compare or conversion, so that the loops calling it vectorise under the default -ftrapping-math.
 inline float exp2_approx(float x) {
-  x = std::max(x, -126.f);
-  const float n = (x + 12582912.f) - 12582912.f;  // round to nearest (|x| < 2^22)
-  const float f = x - n;
+  uint32_t xb;
+  std::memcpy(&xb, &x, sizeof(xb));
+  xb = std::min(xb, 0xC2FC0000u);  // for x <= 0 the bits grow with |x|: clamp at -126
+  std::memcpy(&x, &xb, sizeof(x));
+  const float t = x + 12582912.f;  // 1.5 * 2^23: round(x) lands in the low bits of t
+  int32_t ti;
+  std::memcpy(&ti, &t, sizeof(ti));
+  const float f = x - (t - 12582912.f);  // |f| <= 1/2
   float p = 0.0013276268728077412f;
   p = p * f + 0.00967547856271267f;
   p = p * f + 0.05550713464617729f;
   p = p * f + 0.24022120237350464f;
   p = p * f + 0.6931469440460205f;
   p = p * f + 1.0000001192092896f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const int32_t bits = (ti - 0x4B400000 + 127) << 23;  // 2^round(x)
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// *p = x in the compute type, returned as a float: to nearest even for bf16 (x is a finite probability), by bit
+// operations so that the loop vectorises.
+inline float round_to(float x, float* p) {
+  *p = x;
+  return x;
+}
+inline float round_to(float x, bf16* p) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  p->x = static_cast<uint16_t>(u >> 16);
+  float r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
 }
 
 struct Params {
@@ -179,15 +201,15 @@ void attend_item(const Params& P, const Span& span, const C* kpack, const C* vpa
       } else {
         for (int j = first; j < lim; ++j) s[j] *= P.scale_log2;
       }
+      // (the reductions are omp simd loops: -O3 alone does not vectorise float maxima and sums)
+#pragma omp simd reduction(max : mt)
       for (int j = first; j < lim; ++j) mt = std::max(mt, s[j]);
       const float mn = std::max(buf.m[r], mt);
+      for (int j = first; j < lim; ++j) s[j] = exp2_approx(s[j] - mn);
       float sum = 0.f;
-      for (int j = first; j < lim; ++j) {
-        // the sum is of the rounded probabilities: the output is then an exact weighted mean of P V's weights
-        const C e = static_cast<C>(exp2_approx(s[j] - mn));
-        p[j] = e;
-        sum += static_cast<float>(e);
-      }
+      // the sum is of the rounded probabilities: the output is then an exact weighted mean of P V's weights
+#pragma omp simd reduction(+ : sum)
+      for (int j = first; j < lim; ++j) sum += round_to(s[j], p + j);
       std::fill(p, p + first, C(0));
       std::fill(p + lim, p + ekt, C(0));
       if (first_tile) {
