@@ -10,13 +10,18 @@ is handled: causal, sliding windows, soft-capped scores.
 Where oneDNN finds AMX (`could_pack(kBFloat16)`), the products are bf16 on AMX tiles, K and V packed in
 pairs (the VNNI layout AMX reads). Elsewhere brgemm falls back to a plain GEMM, and bf16 there is emulated: the
 kernel then widens K, V and Q to float32 when it packs them and runs float32 products (`widen`), which measured
-faster on an AVX2 EPYC (Qwen2-0.5B shapes, one layer, 1852-token prompt, 2 threads: 255 ms in bf16 products,
-168 ms widened; the paged kernel's scalar bf16 loop takes 2780 ms).
+as fast or faster on an AVX2 EPYC (one thread, Qwen2-0.5B shapes: 64-token prompt 0.41 ms against 0.58 ms in
+bf16 products; 1852-token prompt 146-330 ms against 129-338 ms on a loaded machine).
 
 Which CPUs use it (`for_cpu`): AMX ones (the issue's target, where it replaces the AVX-512 paged kernel;
-not measured there), and those without AVX-512 (measured: 16.5x the paged kernel on an 1852-token prompt,
-13x on a 256-token chunk after 1000 of context, 4.5x on a 64-token prompt, 6.6x on 4 tokens after 1000 of context,
-0.67x on an 8-token prompt). CPUs with AVX-512 but no AMX keep the paged kernel's vector bf16 code.
+not measured there), and those without AVX-512, where the paged kernel's bf16 loop is scalar (measured with
+benchmarks/attention_bench.py --long-queries, 2 threads, one layer: 13.6x on an 1852-token prompt, 3242 ms
+to 238 ms; 12.8x on a 256-token chunk after 1000 of context; 5.6x on a 64-token prompt; and before the softmax
+was vectorised, 6.6x on 4 tokens after 1000 of context, 1.6x on a 16-token prompt, 0.67x on an 8-token one).
+CPUs with AVX-512 but no AMX keep the paged kernel's vector bf16 code.
+
+The kernel is built when a bf16 cache first needs it (about 60 s on two cores, once per machine: CPUBlas.h
+brings in oneDNN's headers).
 """
 
 from __future__ import annotations
