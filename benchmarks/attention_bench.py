@@ -9,6 +9,7 @@ the KV touched (>= --cold-mib) does not stay in the CPU caches, as in a real mod
     .venv/bin/python benchmarks/attention_bench.py                     # decode, B = 1, 16, 64, context 384
     .venv/bin/python benchmarks/attention_bench.py --prefill           # also prefill / chunked-prefill cases
     .venv/bin/python benchmarks/attention_bench.py --dtype float32 --threads 1
+    .venv/bin/python benchmarks/attention_bench.py --long-queries      # long-query paths vs the paged kernel alone
     .venv/bin/python benchmarks/attention_bench.py --engine      # whole engine, default model, both backends
 """
 
@@ -115,11 +116,11 @@ def bench_case(name, specs, shape, dtype, args, rng, backends):
     quiet = [i for i, x in enumerate(noise) if x < 0.1]
     keep = quiet if len(quiet) >= 3 else list(range(len(noise)))
     med = {b: statistics.median(ts[i] for i in keep) for b, ts in times.items()}
-    ref, new = med["torch_sdpa"], med["cpu_paged"]
+    ref, new = med["baseline"], med["cpu_paged"]
     flag = "" if len(quiet) >= 3 else f" [noisy: other processes used {statistics.median(noise):.2f} cores]"
     print(f"{name:<44} {ref * 1e3:10.3f} {new * 1e3:10.3f} {ref / new:7.1f}x "
           f"{kv_bytes / ref / 1e9:9.2f} {kv_bytes / new / 1e9:9.2f}   "
-          f"{meta_ms['torch_sdpa']:6.2f} {meta_ms['cpu_paged']:6.2f}  "
+          f"{meta_ms['baseline']:6.2f} {meta_ms['cpu_paged']:6.2f}  "
           f"({len(caches)} layers, {calls} calls x {len(keep)}/{args.rounds} rounds){flag}", flush=True)
 
 
@@ -171,6 +172,9 @@ def main() -> None:
     parser.add_argument("--cold-mib", type=int, default=256, help="KV bytes cycled through (per backend)")
     parser.add_argument("--hot", action="store_true", help="one layer: the KV stays in the CPU caches")
     parser.add_argument("--prefill", action="store_true", help="also time prefill and chunked-prefill steps")
+    parser.add_argument("--long-queries", action="store_true",
+                        help="prefill cases only, against the paged kernel without its long-query paths "
+                             "(folio.attention.long_query) instead of torch SDPA")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--engine", action="store_true", help="time whole-engine generation instead")
     parser.add_argument("--model", default=None, help="--engine: model (default: the embedded default model)")
@@ -185,14 +189,23 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     rng = random.Random(0)
     torch.manual_seed(0)
-    backends = {"torch_sdpa": TorchSDPABackend(), "cpu_paged": CPUPagedAttentionBackend()}
+    baseline = CPUPagedAttentionBackend(gemm_prefill=False, flash_prefill=False) if args.long_queries \
+        else TorchSDPABackend()
+    base = "kernel" if args.long_queries else "sdpa"
+    backends = {"baseline": baseline, "cpu_paged": CPUPagedAttentionBackend()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, block_size {args.block_size}, "
           f"{'hot (one layer)' if args.hot else f'cold (>= {args.cold_mib} MiB of KV cycled)'}; "
           f"time per layer call (KV write + attention), median over the quiet rounds")
-    print(f"{'case':<44} {'sdpa ms':>10} {'paged ms':>10} {'speedup':>8} {'sdpa GB/s':>9} {'paged GB/s':>9}   "
-          f"{'meta ms (sdpa, paged)':>13}")
+    print(f"{'case':<44} {base + ' ms':>10} {'paged ms':>10} {'speedup':>8} {base + ' GB/s':>9} {'paged GB/s':>9}   "
+          f"{f'meta ms ({base}, paged)':>13}")
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
+        if args.long_queries:
+            for label, specs in (("prefill 1x1852", [(1852, 1852)]), ("chunk 256 after 1000", [(256, 1256)]),
+                                 ("prefill 1x64", [(64, 64)]), ("chunk 16 after 1000 + 15 decodes",
+                                                                [(16, 1016)] + [(1, args.context)] * 15)):
+                bench_case(f"{shape_name} {label}", specs, shape, dtype, args, rng, backends)
+            continue
         for b in (int(x) for x in args.batches.split(",")):
             bench_case(f"{shape_name} decode B={b} ctx={args.context}", [(1, args.context)] * b, shape, dtype, args,
                        rng, backends)

@@ -15,7 +15,13 @@ LONG = 256  # query tokens: with its own keys, above both thresholds
 
 @pytest.fixture
 def gemm_backend(paged):  # noqa: F811 (the fixture builds the kernel or skips)
-    return cpu_paged.CPUPagedAttentionBackend(gemm_prefill=True)
+    return cpu_paged.CPUPagedAttentionBackend(gemm_prefill=True, flash_prefill=False)
+
+
+def long_split(backend, layout, dtype):
+    """The step's requests the backend's long-query path for dtype takes (None: none, or no such path)."""
+    path = backend.long_query_path(dtype)
+    return path and backend.build_metadata(layout).split_for(dtype, path)
 
 
 @pytest.mark.parametrize("specs", [
@@ -26,7 +32,7 @@ def gemm_backend(paged):  # noqa: F811 (the fixture builds the kernel or skips)
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_long_queries_match_reference(gemm_backend, specs, group, block_size):
     step = make_step(specs, block_size, 2, group, 64, torch.float32, seed=group * 10 + block_size)
-    assert gemm_backend.build_metadata(step[-1]).gemm_items  # the path under test is taken
+    assert long_split(gemm_backend, step[-1], torch.float32)  # the path under test is taken
     check_against_reference(gemm_backend, step, torch.float32)
 
 
@@ -40,7 +46,8 @@ def test_bf16_and_short_queries_stay_on_the_kernel(gemm_backend):
     few_pairs = int(gemm_prefill.MIN_QUERY_KEY_PAIRS ** 0.5) - 1
     step = make_step([(gemm_prefill.MIN_QUERY_LEN - 1, 2000), (few_pairs, few_pairs), (1, 30)], 16, 2, 3, 64,
                      torch.float32, seed=4)
-    assert not gemm_backend.build_metadata(step[-1]).gemm_items
+    assert not long_split(gemm_backend, step[-1], torch.float32)
     check_against_reference(gemm_backend, step, torch.float32)
     step = make_step([(LONG, LONG)], 16, 2, 3, 64, torch.bfloat16, seed=5)  # long, but a bf16 cache
+    assert not long_split(gemm_backend, step[-1], torch.bfloat16)
     check_against_reference(gemm_backend, step, torch.bfloat16)

@@ -24,18 +24,26 @@ Handled in place: float32 and bfloat16 caches, any head_dim (AVX-512 code for mu
 scalar loop otherwise), and 8-bit caches (folio.attention.kv_quant: int8 or fp8 codes with a scale per row,
 written and read by the scalar loop). Anything else (float16 caches, q/k/v in another dtype than the cache) goes to the
 reference backend for that call.
+
+Long queries (prompts, prefill chunks) go, where measured faster, to a matrix-product path for the cache's
+dtype (folio.attention.long_query): MKL GEMMs for float32 caches (gemm_prefill), brgemm tiles for bf16 ones
+(flash_prefill); the kernel still writes their K/V rows and attends the rest of the step.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from folio.attention import gemm_prefill, kv_quant
+from folio.attention import flash_prefill as flash_prefill_module
+from folio.attention import gemm_prefill as gemm_prefill_module
+from folio.attention import kv_quant
 from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout, GroupedMetadata
+from folio.attention.long_query import LongQueryPath
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
 from folio.utils.math_utils import cdiv
@@ -60,33 +68,68 @@ def extension_error() -> Optional[str]:
 
 
 @dataclass
+class RequestSplit:
+    """A step's requests split between a long-query path (folio.attention.long_query) and the kernel."""
+
+    long_reqs: torch.Tensor  # rows of CPUPagedMetadata.reqs and block_tables the path attends
+    long_block_tables: torch.Tensor
+    kernel_reqs: torch.Tensor  # and those of the others
+    kernel_block_tables: torch.Tensor
+
+
+@dataclass
 class CPUPagedMetadata:
     layout: BatchLayout
     slot_mapping: torch.Tensor  # [T] int64
     reqs: torch.Tensor  # [B, 3] int32: first token in the batch, query length, context length
     block_tables: torch.Tensor  # [B, max blocks] int32
-    # requests attended in GEMMs (folio.attention.gemm_prefill) where the cache is float32: (row of reqs, first
-    # token, query length, context length), and reqs / block_tables of the others, for the kernel
-    gemm_items: list[tuple[int, int, int, int]] = field(default_factory=list)
-    kernel_reqs: Optional[torch.Tensor] = None
-    kernel_block_tables: Optional[torch.Tensor] = None
+    # per cache dtype with a long-query path: its split of the step (None: no request for it), made at the
+    # step's first layer of that dtype
+    splits: dict[torch.dtype, Optional[RequestSplit]] = field(default_factory=dict)
     _reference: Any = field(default=None, repr=False)  # TorchSDPAMetadata, built only if a call needs it
+
+    def split_for(self, dtype: torch.dtype, path: LongQueryPath) -> Optional[RequestSplit]:
+        if dtype not in self.splits:
+            long = path.is_long(self.layout.query_lens, self.layout.seq_lens)
+            split = None
+            if long.any():
+                rows, others = torch.from_numpy(np.flatnonzero(long)), torch.from_numpy(np.flatnonzero(~long))
+                split = RequestSplit(self.reqs[rows].contiguous(), self.block_tables[rows].contiguous(),
+                                     self.reqs[others].contiguous(), self.block_tables[others].contiguous())
+            self.splits[dtype] = split
+        return self.splits[dtype]
 
 
 class CPUPagedAttentionBackend(AttentionBackend):
     """Paged attention on the CPU through the C++ kernel; raises RuntimeError if the kernel cannot be built."""
 
     def __init__(self, min_split_keys: int = MIN_SPLIT_KEYS, min_parallel_work: int = MIN_PARALLEL_WORK,
-                 gemm_prefill: Optional[bool] = None) -> None:
-        """gemm_prefill: attend long float32 queries in GEMMs (gemm_prefill.py); by default where the kernel
-        has no vector code (no AVX-512), which is where that was measured faster."""
+                 gemm_prefill: Optional[bool] = None, flash_prefill: Optional[bool] = None) -> None:
+        """Long queries (folio.attention.long_query) in matrix products, by default where that measured faster:
+        gemm_prefill: float32 caches in MKL GEMMs (gemm_prefill.py), by default where the kernel has no vector
+        code (no AVX-512); flash_prefill: bf16 caches through brgemm (flash_prefill.py), by default with AMX or
+        without AVX-512 (its kernel is built when a bf16 cache first needs it)."""
         self.ext = load_extension()
         if self.ext is None:
             raise RuntimeError(f"CPU paged attention kernel unavailable: {KERNEL.error}")
         self.min_split_keys = min_split_keys
         self.min_parallel_work = min_parallel_work
-        self.gemm_prefill = not self.ext.has_avx512() if gemm_prefill is None else gemm_prefill
+        has_avx512 = self.ext.has_avx512()
+        self._path_makers: dict[torch.dtype, Callable[[], Optional[LongQueryPath]]] = {}
+        if not has_avx512 if gemm_prefill is None else gemm_prefill:
+            self._path_makers[torch.float32] = gemm_prefill_module.GemmPrefill
+        if flash_prefill is not False:
+            self._path_makers[torch.bfloat16] = functools.partial(flash_prefill_module.for_cpu, has_avx512,
+                                                                  always=bool(flash_prefill))
+        self._paths: dict[torch.dtype, Optional[LongQueryPath]] = {}
         self.reference = TorchSDPABackend()
+
+    def long_query_path(self, dtype: torch.dtype) -> Optional[LongQueryPath]:
+        """The path long queries take with a cache of this dtype, made at first use; None: the kernel."""
+        if dtype not in self._paths:
+            make = self._path_makers.get(dtype)
+            self._paths[dtype] = make() if make is not None else None
+        return self._paths[dtype]
 
     def build_metadata(self, layout: BatchLayout) -> CPUPagedMetadata:
         qlens, slens = layout.query_lens, layout.seq_lens
@@ -100,15 +143,7 @@ class CPUPagedAttentionBackend(AttentionBackend):
             raise ValueError(f"block tables have {layout.block_tables.shape[1]} columns, a context needs {needed}")
         tables = layout.block_tables.to(torch.int32).contiguous()
         slot_mapping = layout.slot_mapping.to(torch.int64).contiguous()
-        metadata = CPUPagedMetadata(layout, slot_mapping, torch.from_numpy(reqs), tables)
-        long_queries = (qlens >= gemm_prefill.MIN_QUERY_LEN) & (qlens * slens >= gemm_prefill.MIN_QUERY_KEY_PAIRS)
-        long_queries &= self.gemm_prefill
-        if long_queries.any():
-            metadata.gemm_items = [(i, *map(int, reqs[i])) for i in np.flatnonzero(long_queries)]
-            short = np.flatnonzero(~long_queries)
-            metadata.kernel_reqs = torch.from_numpy(np.ascontiguousarray(reqs[short]))
-            metadata.kernel_block_tables = tables[torch.from_numpy(short)].contiguous()
-        return metadata
+        return CPUPagedMetadata(layout, slot_mapping, torch.from_numpy(reqs), tables)
 
     def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata,
                 params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
@@ -126,19 +161,17 @@ class CPUPagedAttentionBackend(AttentionBackend):
         if v.stride(-1) != 1:
             v = v.contiguous()
         out = torch.empty(q.shape, dtype=dtype)
-        # the GEMM path computes plain causal attention; windows and soft-capping stay on the kernel
-        plain = params.sliding_window is None and params.logit_softcap is None
-        gemm_items = metadata.gemm_items if plain and k_cache.dtype == torch.float32 else []
-        reqs, tables = (metadata.kernel_reqs, metadata.kernel_block_tables) if gemm_items else \
+        path = self.long_query_path(k_cache.dtype)
+        split = metadata.split_for(k_cache.dtype, path) if path and path.supports(params, q.shape[-1]) else None
+        reqs, tables = (split.kernel_reqs, split.kernel_block_tables) if split else \
             (metadata.reqs, metadata.block_tables)
         scale = params.scale_for(q.shape[-1])
         # the kernel writes every new K/V row, and attends the requests left to it
         self.ext.paged_attention(out, q, k, v, k_cache, v_cache, metadata.slot_mapping, reqs, tables, scale,
                                  params.sliding_window or 0, params.logit_softcap or 0.0, self.min_split_keys,
                                  self.min_parallel_work)
-        for row, first_token, query_len, context_len in gemm_items:
-            gemm_prefill.attend(out, q, k_cache, v_cache, metadata.block_tables[row], first_token, query_len,
-                                context_len, scale)
+        if split:
+            path.attend(out, q, k_cache, v_cache, split.long_reqs, split.long_block_tables, scale, params)
         return out
 
     def _reference_forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata,

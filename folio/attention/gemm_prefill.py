@@ -7,8 +7,9 @@ times faster (measured on an AVX2 EPYC: one Qwen2-0.5B layer of an 1852-token pr
 the cache the kernel has just written: its context's K and V are gathered from its blocks once per layer,
 then each tile of query rows (every head of a kv-head group stacked, so K and V are read once for the group)
 takes one batched GEMM for the scores, the causal mask on the tile's own diagonal keys, a softmax and one
-GEMM for the output. Scores and softmax are float32 (float32 caches only; bf16 and 8-bit caches stay on the
-kernel). A tile's rows are sized so its score matrix stays within SCORE_TILE_BYTES, whatever the context.
+GEMM for the output. Scores and softmax are float32 (float32 caches only: bf16 caches have
+folio.attention.flash_prefill, 8-bit caches stay on the kernel). A tile's rows are sized so its score matrix
+stays within SCORE_TILE_BYTES, whatever the context.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 
 import torch
 
+from folio.attention.backend import AttentionParams
+from folio.attention.long_query import LongQueryPath
 from folio.utils.math_utils import cdiv
 
 # A request is attended here when it has at least this many query tokens and (query token, key) pairs. Measured
@@ -53,3 +56,17 @@ def attend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         tile_out = torch.bmm(torch.softmax(scores, dim=-1), values[:, :visible])  # [Hkv, rows, D]
         out[first_token + start:first_token + stop] = tile_out.reshape(num_kv_heads, stop - start, group, head_dim) \
             .permute(1, 0, 2, 3).reshape(stop - start, num_kv_heads * group, head_dim)
+
+
+class GemmPrefill(LongQueryPath):
+    """The path for float32 caches: plain causal layers only (windows and soft-capping stay on the kernel)."""
+
+    min_query_len = MIN_QUERY_LEN
+    min_query_key_pairs = MIN_QUERY_KEY_PAIRS
+
+    def supports(self, params: AttentionParams, head_dim: int) -> bool:
+        return params.sliding_window is None and params.logit_softcap is None
+
+    def attend(self, out, q, k_cache, v_cache, reqs, block_tables, scale, params) -> None:
+        for row, (first_token, query_len, context_len) in enumerate(reqs.tolist()):
+            attend(out, q, k_cache, v_cache, block_tables[row], first_token, query_len, context_len, scale)
