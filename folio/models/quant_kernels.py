@@ -39,6 +39,17 @@ def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, o
     return ext.weight_only_linear(x, w, scales, offsets, bias, isa)
 
 
+def w4a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                bias: Optional[torch.Tensor], isa: Optional[int] = None) -> torch.Tensor:
+    """x [M, K] quantised to int8 per block of 32, times packed int4 W, (+ bias), in x's dtype."""
+    ext = KERNEL.load()
+    if ext is None:
+        return quant_reference.w4a8_linear(x, w, scales, offsets, bias)
+    if isa is None:
+        return ext.w4a8_linear(x, w, scales, offsets, bias)
+    return ext.w4a8_linear(x, w, scales, offsets, bias, isa)
+
+
 def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
                 isa: Optional[int] = None) -> torch.Tensor:
     """x [M, K] quantised per row to int8, times int8 W [N, K] with one scale per row, (+ bias), in x's dtype."""
