@@ -277,15 +277,22 @@ void over_tiles(int64_t M, int64_t N, int64_t row_bytes, const Tile& tile) {
   });
 }
 
+// fn(std::integral_constant<int, mr>) for a tile's 1 .. MAX_MR rows: each row count is its own instantiation
+template <class Fn>
+void by_rows(int64_t mr, const Fn& fn) {
+  static_assert(MAX_MR == 4, "one case per row count");
+  switch (mr) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 template <class V, class Fmt>
 void weight_only(const WeightOnly& a) {
   over_tiles(a.M, a.N, a.row_bytes, [&](int64_t m0, int64_t mr, int64_t n0, int64_t n1) {
-    switch (mr) {
-      case 1: weight_only_tile<V, Fmt, 1>(a, m0, n0, n1); break;
-      case 2: weight_only_tile<V, Fmt, 2>(a, m0, n0, n1); break;
-      case 3: weight_only_tile<V, Fmt, 3>(a, m0, n0, n1); break;
-      default: weight_only_tile<V, Fmt, 4>(a, m0, n0, n1); break;
-    }
+    by_rows(mr, [&](auto rows) { weight_only_tile<V, Fmt, decltype(rows)::value>(a, m0, n0, n1); });
   });
 }
 
@@ -318,12 +325,7 @@ void w8a8_tile(const W8A8& a, int64_t m0, int64_t n0, int64_t n1) {
 template <class V>
 void w8a8(const W8A8& a) {
   over_tiles(a.M, a.N, a.K, [&](int64_t m0, int64_t mr, int64_t n0, int64_t n1) {
-    switch (mr) {
-      case 1: w8a8_tile<V, 1>(a, m0, n0, n1); break;
-      case 2: w8a8_tile<V, 2>(a, m0, n0, n1); break;
-      case 3: w8a8_tile<V, 3>(a, m0, n0, n1); break;
-      default: w8a8_tile<V, 4>(a, m0, n0, n1); break;
-    }
+    by_rows(mr, [&](auto rows) { w8a8_tile<V, decltype(rows)::value>(a, m0, n0, n1); });
   });
 }
 
@@ -383,45 +385,24 @@ struct HasU4<V, std::void_t<typename V::Q>> : std::true_type {};
 template <class V>
 void w4a8(const W4A8& a) {
   over_tiles(a.M, a.N, a.K / 2, [&](int64_t m0, int64_t mr, int64_t n0, int64_t n1) {
-    switch (mr) {
-      case 1: w4a8_tile<V, 1>(a, m0, n0, n1); break;
-      case 2: w4a8_tile<V, 2>(a, m0, n0, n1); break;
-      case 3: w4a8_tile<V, 3>(a, m0, n0, n1); break;
-      default: w4a8_tile<V, 4>(a, m0, n0, n1); break;
-    }
+    by_rows(mr, [&](auto rows) { w4a8_tile<V, decltype(rows)::value>(a, m0, n0, n1); });
   });
 }
 
-// Per block of 32 values of each row, symmetric int8: s = max|x| / 127 (1 for a zero block), q =
-// round_half_even(x / s), as the reference.
-void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs) {
-  const int64_t nb = K / BLOCK;
-  at::parallel_for(0, M * nb, std::max<int64_t>(1, 65536 / BLOCK), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* r = x + b * BLOCK;
+// Symmetric int8 per span of `span` consecutive values of x (a row for W8A8, a block of 32 for W4A8): s =
+// max|x| / 127 (1 for a zero span), q = round_half_even(x / s), as the reference; xa, when given, gets |q|.
+void quantize_spans(const float* x, int64_t num_spans, int64_t span, int8_t* xq, int8_t* xa, float* scales) {
+  at::parallel_for(0, num_spans, std::max<int64_t>(1, 65536 / span), [&](int64_t s0, int64_t s1) {
+    for (int64_t i = s0; i < s1; ++i) {
+      const float* r = x + i * span;
       float amax = 0.f;
-      for (int j = 0; j < BLOCK; ++j) amax = std::max(amax, std::fabs(r[j]));
+      for (int64_t k = 0; k < span; ++k) amax = std::max(amax, std::fabs(r[k]));
       const float s = amax > 0.f ? amax / 127.f : 1.f;
-      xs[b] = s;
-      for (int j = 0; j < BLOCK; ++j)
-        xq[b * BLOCK + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(r[j] / s))));
-    }
-  });
-}
-
-// Per-row symmetric int8: s = max|x| / 127 (1 for a zero row), q = round_half_even(x / s), as the reference.
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, int8_t* xa, float* sx) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* r = x + m * K;
-      float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
-      const float s = amax > 0.f ? amax / 127.f : 1.f;
-      sx[m] = s;
-      for (int64_t k = 0; k < K; ++k) {
+      scales[i] = s;
+      for (int64_t k = 0; k < span; ++k) {
         const float q = std::min(127.f, std::max(-127.f, std::nearbyint(r[k] / s)));
-        xq[m * K + k] = static_cast<int8_t>(q);
-        xa[m * K + k] = static_cast<int8_t>(std::fabs(q));
+        xq[i * span + k] = static_cast<int8_t>(q);
+        if (xa) xa[i * span + k] = static_cast<int8_t>(std::fabs(q));
       }
     }
   });
@@ -536,7 +517,7 @@ at::Tensor w4a8_linear(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor
   at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kChar));
   at::Tensor xs = at::empty({M, K / BLOCK}, xf.options());
   at::Tensor xsum = at::empty({M, ng}, xf.options());
-  quantize_blocks(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  quantize_spans(xf.data_ptr<float>(), M * (K / BLOCK), BLOCK, xq.data_ptr<int8_t>(), nullptr, xs.data_ptr<float>());
   group_sums(xf.data_ptr<float>(), M, K, G, xsum.data_ptr<float>());
   at::Tensor y = at::empty({M, N}, xf.options());
   W4A8 a{xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), w.data_ptr<uint8_t>(),
@@ -561,7 +542,7 @@ at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10::optio
   at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kChar));
   at::Tensor xa = at::empty({M, K}, xf.options().dtype(at::kChar));
   at::Tensor sx = at::empty({M}, xf.options());
-  quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xa.data_ptr<int8_t>(), sx.data_ptr<float>());
+  quantize_spans(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xa.data_ptr<int8_t>(), sx.data_ptr<float>());
   at::Tensor y = at::empty({M, N}, xf.options());
   W8A8 a{xq.data_ptr<int8_t>(), xa.data_ptr<int8_t>(), sx.data_ptr<float>(), w.data_ptr<int8_t>(),
          scales.data_ptr<float>(), y.data_ptr<float>(), M, N, K};
