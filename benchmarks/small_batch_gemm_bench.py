@@ -1,11 +1,13 @@
-"""The small-batch bf16 kernel (folio.models.small_batch_gemm) against oneDNN's packed GEMM, side by side.
+"""The small-batch kernel (folio.models.small_batch_gemm) against the library GEMM, side by side: oneDNN's
+packed GEMM in bf16, MKL (F.linear) in float32.
 
-1. Every linear layer of a model (random bf16 weights, more bytes than the caches hold, so each pass reads
-   them from memory as a decode step does) multiplied by M = 1..3 rows: ms per pass, GB/s, ratio.
+1. Every linear layer of a model (random weights, more bytes than the caches hold, so each pass reads them
+   from memory as a decode step does) multiplied by M = 1..MAX_ROWS rows: ms per pass, GB/s, ratio.
 2. End to end: single-sequence decode of the default model with the kernel on and off, alternating, the
    median of each (ms per output token).
 
-    python benchmarks/small_batch_gemm_bench.py [--rounds 3] [--skip-engine]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/small_batch_gemm_bench.py [--dtype float32] [--rounds 3]
+        [--skip-engine]
 """
 
 from __future__ import annotations
@@ -25,22 +27,27 @@ MODELS = {  # hidden, q + 2 kv width, intermediate, layers
 }
 
 
-def layer_pass(model: str, m: int, rounds: int) -> tuple[float, float, float]:
+def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[float, float, float]:
     hidden, qkv, inter, layers = MODELS[model]
     shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers
-    weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-    xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
+    weights = [torch.randn(n, k).to(dtype) for n, k in shapes]
+    xs = {k: torch.randn(m, k).to(dtype) for _, k in shapes}
+    if dtype == torch.bfloat16:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
 
-    def onednn():
-        for w, p in zip(weights, packed):
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+        def library():
+            for w, p in zip(weights, packed):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+    else:
+        def library():
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
 
     def kernel():
         for w in weights:
             small_batch_gemm.linear(xs[w.shape[1]], w, None)
 
-    times = {onednn: [], kernel: []}
+    times = {library: [], kernel: []}
     for f in times:
         f()
     for _ in range(rounds * 3):
@@ -48,49 +55,53 @@ def layer_pass(model: str, m: int, rounds: int) -> tuple[float, float, float]:
             start = time.perf_counter()
             f()
             ts.append(time.perf_counter() - start)
-    nbytes = sum(w.numel() * 2 for w in weights)
-    return statistics.median(times[onednn]), statistics.median(times[kernel]), nbytes
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    return statistics.median(times[library]), statistics.median(times[kernel]), nbytes
 
 
-def engine_decode(rounds: int) -> None:
+def engine_decode(rounds: int, dtype: torch.dtype, library: str) -> None:
     from folio.entrypoints.llm import LLM
     from folio.sampling_params import SamplingParams
 
-    llm = LLM(dtype="bfloat16", max_num_seqs=1)
+    llm = LLM(dtype=str(dtype).removeprefix("torch."), max_num_seqs=1)
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
     prompt = {"prompt_token_ids": list(range(1000, 1032))}
-    on = small_batch_gemm.MAX_ROWS
-    results: dict[str, list[float]] = {"kernel": [], "oneDNN": []}
+    on = small_batch_gemm.MAX_ROWS[dtype]
+    results: dict[str, list[float]] = {"kernel": [], library: []}
     llm.generate(prompt, params, use_tqdm=False)
     for _ in range(rounds):
-        for name, rows in (("kernel", on), ("oneDNN", 0)):
-            small_batch_gemm.MAX_ROWS = rows
+        for name, rows in (("kernel", on), (library, 0)):
+            small_batch_gemm.MAX_ROWS[dtype] = rows
             out = llm.generate(prompt, params, use_tqdm=False)[0]
             m = out.metrics
             results[name].append((m.last_token_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1))
-    small_batch_gemm.MAX_ROWS = on
-    k, o = statistics.median(results["kernel"]), statistics.median(results["oneDNN"])
-    print(f"  default model, batch-1 decode: oneDNN {o * 1e3:.2f} ms/token, kernel {k * 1e3:.2f} ms/token "
+    small_batch_gemm.MAX_ROWS[dtype] = on
+    k, o = statistics.median(results["kernel"]), statistics.median(results[library])
+    print(f"  default model, batch-1 decode: {library} {o * 1e3:.2f} ms/token, kernel {k * 1e3:.2f} ms/token "
           f"({o / k:.2f}x)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--skip-engine", action="store_true", help="only the per-layer comparison")
     args = ap.parse_args()
-    if not small_batch_gemm.available():
-        raise SystemExit(f"small-batch kernel unavailable here: {small_batch_gemm.KERNEL.error or 'no AVX512-BF16'}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16")
+    dtype = getattr(torch, args.dtype)
+    if not small_batch_gemm.available(dtype):
+        needs = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX2+FMA or AVX-512F"
+        raise SystemExit(f"small-batch kernel unavailable here: {small_batch_gemm.KERNEL.error or 'needs ' + needs}")
+    library = "oneDNN" if dtype == torch.bfloat16 else "MKL"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
     load = OtherLoad()
     for model in MODELS:
-        for m in range(1, small_batch_gemm.MAX_ROWS + 1):
-            o, k, nbytes = layer_pass(model, m, args.rounds)
-            print(f"  {model:13s} M={m}  all linear layers ({nbytes / 1e6:.0f} MB): oneDNN {o * 1e3:6.2f} ms "
+        for m in range(1, small_batch_gemm.MAX_ROWS[dtype] + 1):
+            o, k, nbytes = layer_pass(model, m, args.rounds, dtype)
+            print(f"  {model:13s} M={m}  all linear layers ({nbytes / 1e6:.0f} MB): {library} {o * 1e3:6.2f} ms "
                   f"({nbytes / o / 1e9:4.1f} GB/s)   kernel {k * 1e3:6.2f} ms ({nbytes / k / 1e9:4.1f} GB/s)   "
                   f"{o / k:4.2f}x")
     if not args.skip_engine:
-        engine_decode(args.rounds)
+        engine_decode(args.rounds, dtype, library)
     print(f"  {note(load.cores())}")
 
 

@@ -73,6 +73,37 @@ def test_w8a8_equals_the_reference_bit_for_bit(n, k):
                 assert torch.equal(quant_kernels.w8a8_linear(x[:m], q, scales.view(-1), b, isa), want[:m]), (isa, m)
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_w4a8_equals_the_reference_to_float32_rounding(n, k):
+    """int4 . int8 block sums are exact in both; the kernel then sums scaled blocks in float32 (the reference in
+    float64), so results differ by float32 rounding of the scaled sums only."""
+    x, w, bias = _data(max(ROWS), n, k, seed=5 * n + k)
+    x[1] = 0  # a zero row: every block's scale 1, all products 0
+    for group in {32, 128 if k % 128 == 0 else 32}:
+        packed, scales, offsets = ref.quantize_int4(w, group)
+        for b in (None, bias):
+            want = ref.w4a8_linear(x.double(), packed, scales, offsets, None if b is None else b.double())
+            xq, xs = ref.quantize_blocks(x)
+            terms = (xq.double().abs() * xs.double().repeat_interleave(32, dim=1)) @ \
+                ref.dequantize(packed, scales, offsets).double().abs().T
+            bound = WEIGHT_ONLY_RTOL * (terms + x.double().abs() @ offsets.double().abs().repeat_interleave(
+                k // offsets.shape[1], dim=1).T) + 1e-6
+            for isa in ISAS:
+                for m in ROWS:
+                    got = quant_kernels.w4a8_linear(x[:m], packed, scales, offsets, b, isa)
+                    assert got.dtype == x.dtype and got.shape == (m, n)
+                    assert bool(((got.double() - want[:m]).abs() <= bound[:m]).all()), (isa, m, group)
+
+
+def test_w4a8_quantises_activations_per_block_of_32():
+    x = torch.randn(3, 96) * torch.tensor([1.0, 100.0, 0.01]).repeat_interleave(32)  # blocks of very different size
+    q, s = ref.quantize_blocks(x)
+    assert q.dtype == torch.int8 and s.shape == (3, 3)
+    assert bool((q.abs().reshape(3, 3, 32).amax(dim=2) == 127).all())  # each block uses its whole range
+    err = (q.float() * s.repeat_interleave(32, dim=1) - x).abs()
+    assert bool((err <= s.repeat_interleave(32, dim=1) / 2 * (1 + 1e-6)).all())
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_activations_round_the_float32_result_once(isa):
     x, w, bias = _data(5, 48, 128, seed=7)
@@ -81,7 +112,8 @@ def test_bf16_activations_round_the_float32_result_once(isa):
     packed, s4, o4 = ref.quantize_int4(w, 32)
     pairs = [(lambda a: quant_kernels.weight_only_linear(a, q, scales, None, bias, isa)),
              (lambda a: quant_kernels.weight_only_linear(a, packed, s4, o4, None, isa)),
-             (lambda a: quant_kernels.w8a8_linear(a, q, scales.view(-1), bias, isa))]
+             (lambda a: quant_kernels.w8a8_linear(a, q, scales.view(-1), bias, isa)),
+             (lambda a: quant_kernels.w4a8_linear(a, packed, s4, o4, bias, isa))]
     for run in pairs:
         got = run(xb)
         assert got.dtype == torch.bfloat16 and torch.equal(got, run(xb.float()).to(torch.bfloat16))

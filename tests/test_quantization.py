@@ -25,7 +25,7 @@ PROMPT = [1] + list(range(5, 60))
 # 0.03-0.04 (int8), 0.06 (w8a8) and 0.53 (int4, groups of 32) on these 2-layer random models of width 64, where
 # rounding noise weighs far more than in real models (folio bench perplexity measures those); a wrong kernel
 # is off by whole units.
-MEAN_LOGPROB_ERROR = {"int8": 0.08, "w8a8": 0.12, "int4": 0.9}
+MEAN_LOGPROB_ERROR = {"int8": 0.08, "w8a8": 0.12, "int4": 0.9, "w4a8": 0.9}
 
 
 def _fused_layer(method, bias: bool = False) -> tuple[Linear, dict]:
@@ -97,19 +97,22 @@ def test_schemes_quantise_every_layer_they_can():
     assert int4("layers.0.self_attn.o_proj", odd) is dense  # K not a multiple of 32
     int8, w8a8 = quantization_chooser("int8", dense)("lm_head", layer), quantization_chooser("w8a8", dense)("x", layer)
     assert not int8.int8_activations and w8a8.int8_activations
+    w4a8 = quantization_chooser("w4a8", dense)
+    assert w4a8("x", layer).int8_activations and w4a8("lm_head", layer).int8_activations
+    assert isinstance(w4a8("x", layer), Int4LinearMethod) and not int4("x", layer).int8_activations
     assert quantization_chooser("gguf", dense)("x", layer) is dense  # the GGUF loader binds its own layers
-    with pytest.raises(ValueError, match="quantization must be one of int8, w8a8, int4, int4-g128, gguf"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, w8a8, int4, int4-g128, w4a8, gguf"):
         EngineConfig.from_kwargs(quantization="int3")
 
 
-@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4", "w4a8"])
 @pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False), ("phi3", False)])
 def test_quantised_models_stay_close_to_float_transformers(tiny_model_factory, scheme, arch, tie):
     folder = tiny_model_factory(arch, tie)
     llm = LLM(folder, dtype="float32", quantization=scheme, kv_cache_memory=1 << 22)
     assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight_scale.dtype == torch.float32
     model = llm.llm_engine.runner.model
-    assert model.layers[0].mlp.down_proj.weight.dtype == (torch.uint8 if scheme == "int4" else torch.int8)
+    assert model.layers[0].mlp.down_proj.weight.dtype == (torch.uint8 if scheme in ("int4", "w4a8") else torch.int8)
     assert model.lm_head.weight.dtype == torch.int8
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
@@ -118,7 +121,7 @@ def test_quantised_models_stay_close_to_float_transformers(tiny_model_factory, s
     assert float((got - want).abs().mean()) < MEAN_LOGPROB_ERROR[scheme]
 
 
-@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4", "w4a8"])
 def test_a_bf16_model_keeps_float32_scales_and_biases(tiny_model_factory, scheme):
     folder = tiny_model_factory("qwen2", False)
     llm = LLM(folder, dtype="bfloat16", quantization=scheme, kv_cache_memory=1 << 22)

@@ -3,8 +3,9 @@
 In bf16 the weight is reordered once, after loading, into oneDNN's blocked layout; plain F.linear reorders
 it on every call, which costs 10-40% of a decode step's matmuls. The results are bit-identical. Batches of
 at most small_batch_gemm.MAX_ROWS rows may instead go to a kernel that streams the plain weight faster
-(`small_batches`), which needs the plain weight kept besides the packed one: see small_batch_gemm for when
-that is worth it. float32 stays on F.linear (MKL), whose numbers Transformers' match.
+(`small_batches`), which in bf16 needs the plain weight kept besides the packed one: see small_batch_gemm for
+when that is worth it. float32 layers keep their plain weight on F.linear (MKL), and send batches of at most
+eight rows to the kernel, which reads the weight once where MKL packs it on every call.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ class DenseLinearMethod(LinearMethod):
         layer.small_batches = False
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        """Switch to the packed weight; the plain one is freed unless the small-batch kernel or the
-        embedding needs it."""
+        """bf16: switch to the packed weight; the plain one is freed unless the small-batch kernel or the
+        embedding needs it. float32: small batches go to the kernel, which reads the plain weight."""
+        if layer.weight.dtype == torch.float32:
+            layer.small_batches = small_batch_gemm.supports(layer.weight)
+            return
         if not (_can_prepack(layer.weight.dtype) and layer.weight.is_cpu):
             return
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), _PACK_FOR_BATCH)
@@ -60,8 +64,8 @@ class DenseLinearMethod(LinearMethod):
             layer.weight = None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.small_batches and small_batch_gemm.serves(x):
+            return small_batch_gemm.linear(x, layer.weight, layer.bias)
         if layer.packed is not None:
-            if layer.small_batches and x.dim() == 2 and x.shape[0] <= small_batch_gemm.MAX_ROWS:
-                return small_batch_gemm.linear(x, layer.weight, layer.bias)
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
         return nn.functional.linear(x, layer.weight, layer.bias)

@@ -1,6 +1,10 @@
 """int4 weights: asymmetric groups of 32 values along K (scheme "int4"), or of 128 where K allows
 ("int4-g128"), quantised on the fly (folio.models.quantized_linear); activations stay in floating point
-(weight-only, W4A16).
+(weight-only, W4A16). Scheme "w4a8" quantises the activations too, to int8 per block of 32 values at run time,
+and sums the 4-bit x 8-bit products exactly in int32 (llama.cpp's Q4 x Q8 recipe): on AVX2 the weight-only
+kernel is bound by widening 4 bits to float32, and W4A8 decodes twice as fast (README, "Low precision"), at
+the cost of the activations' rounding. Prefill-sized batches run the dense GEMM on the dequantised weight
+in both schemes.
 
 A weight takes half a byte per value plus 8 bytes of float32 scale and offset per group: 0.75 bytes per value
 in groups of 32, 0.5625 in groups of 128, against bf16's 2. Groups of 32 are what llama.cpp's 4-bit types use;
@@ -13,15 +17,17 @@ from typing import Optional
 
 import torch
 
+from folio.models import quant_kernels
 from folio.models.linear import Linear
 from folio.models.quant_reference import BLOCK, quantize_int4
-from folio.models.quantized_linear import QuantizedLinearMethod
+from folio.models.quantized_linear import DEQUANTIZE_MIN_ROWS, QuantizedLinearMethod
 
 class Int4LinearMethod(QuantizedLinearMethod):
     asymmetric = True
 
-    def __init__(self, group_size: int = BLOCK) -> None:
+    def __init__(self, group_size: int = BLOCK, int8_activations: bool = False) -> None:
         self.preferred_group_size = group_size
+        self.int8_activations = int8_activations
 
     def group_size(self, input_size: int) -> int:
         """The preferred size where it divides K, else the kernels' block (K is a multiple of it)."""
@@ -34,4 +40,6 @@ class Int4LinearMethod(QuantizedLinearMethod):
         return quantize_int4(w, self.group_size(w.shape[1]))
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations and x.shape[0] < DEQUANTIZE_MIN_ROWS:
+            return quant_kernels.w4a8_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
         return self.weight_only(layer, x)

@@ -28,23 +28,27 @@ def isas() -> list[int]:
     return list(ext.isas()) if ext is not None else []
 
 
+def _run(name: str, reference, *args, isa: Optional[int] = None) -> torch.Tensor:
+    """The kernel `name` on args (with the instruction set asked for), or its torch reference without the kernel."""
+    ext = KERNEL.load()
+    if ext is None:
+        return reference(*args)
+    return getattr(ext, name)(*args) if isa is None else getattr(ext, name)(*args, isa)
+
+
 def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor],
                        bias: Optional[torch.Tensor], isa: Optional[int] = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) in x's dtype, W int8 (offsets None) or packed int4 (folio.models.quant_reference)."""
-    ext = KERNEL.load()
-    if ext is None:
-        return quant_reference.weight_only_linear(x, w, scales, offsets, bias)
-    if isa is None:
-        return ext.weight_only_linear(x, w, scales, offsets, bias)
-    return ext.weight_only_linear(x, w, scales, offsets, bias, isa)
+    return _run("weight_only_linear", quant_reference.weight_only_linear, x, w, scales, offsets, bias, isa=isa)
+
+
+def w4a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                bias: Optional[torch.Tensor], isa: Optional[int] = None) -> torch.Tensor:
+    """x [M, K] quantised to int8 per block of 32, times packed int4 W, (+ bias), in x's dtype."""
+    return _run("w4a8_linear", quant_reference.w4a8_linear, x, w, scales, offsets, bias, isa=isa)
 
 
 def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
                 isa: Optional[int] = None) -> torch.Tensor:
     """x [M, K] quantised per row to int8, times int8 W [N, K] with one scale per row, (+ bias), in x's dtype."""
-    ext = KERNEL.load()
-    if ext is None:
-        return quant_reference.w8a8_linear(x, w, scales, bias)
-    if isa is None:
-        return ext.w8a8_linear(x, w, scales, bias)
-    return ext.w8a8_linear(x, w, scales, bias, isa)
+    return _run("w8a8_linear", quant_reference.w8a8_linear, x, w, scales, bias, isa=isa)

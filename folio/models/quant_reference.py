@@ -84,6 +84,33 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], float32 scales [M, K / 32]): symmetric per block of 32, rounding half to even."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(dim=2)
+    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(blocks / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(x.shape), scales
+
+
+def w4a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """int4 W (packed, with scales and offsets per group) times x quantised per block of 32, in x's dtype:
+    sum over blocks of (int4 . int8, exact) * x's block scale * W's group scale, plus offsets times x's exact
+    group sums (float64 here; the kernel sums in float32)."""
+    m, k = x.shape
+    q = unpack_int4(w).double()  # [N, K] in 0..15
+    xq, xs = quantize_blocks(x)
+    dots = torch.einsum("mbj,nbj->mnb", xq.double().reshape(m, -1, BLOCK), q.reshape(q.shape[0], -1, BLOCK))
+    per_group = k // scales.shape[1] // BLOCK
+    block_scales = scales.double().repeat_interleave(per_group, dim=1)  # [N, K / 32]
+    y = (dots * xs.double()[:, None, :] * block_scales[None]).sum(dim=2)
+    y = y + x.double().reshape(m, scales.shape[1], -1).sum(dim=2) @ offsets.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
 def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Dynamic per-token W8A8: exact integer sums, then float32(sum) * (x scale * w scale) (+ bias)."""
     xq, sx = quantize_rows(x)
