@@ -107,8 +107,8 @@ class CPUPagedAttentionBackend(AttentionBackend):
                  gemm_prefill: Optional[bool] = None, flash_prefill: Optional[bool] = None) -> None:
         """Long queries (folio.attention.long_query) in matrix products, by default where that measured faster:
         gemm_prefill: float32 caches in MKL GEMMs (gemm_prefill.py), by default where the kernel has no vector
-        code (no AVX-512); flash_prefill: bf16 caches through brgemm (flash_prefill.py), by default with AMX or
-        without AVX-512 (its kernel is built when a bf16 cache first needs it)."""
+        code (no AVX-512); flash_prefill: bf16 caches through brgemm (flash_prefill.py), by default without AVX-512
+        (its kernel is built when a bf16 cache first needs it)."""
         self.ext = load_extension()
         if self.ext is None:
             raise RuntimeError(f"CPU paged attention kernel unavailable: {KERNEL.error}")

@@ -1,20 +1,18 @@
-// Prefill attention for bf16 paged caches as tiled matrix products (FlashAttention style), through PyTorch's
-// at::native::cpublas::brgemm: AMX tiles where oneDNN finds them, its fallback GEMM elsewhere.
+// Prefill attention for bf16 paged caches as tiled float32 matrix products (FlashAttention style), through
+// PyTorch's at::native::cpublas::brgemm (its GEMM for float32 operands).
 //
 // The paged kernel (cpu_paged_attention.cpp) attends one query row and one key at a time; a long query (a prompt,
 // a prefill chunk) is a matrix product, and a GEMM engine runs it many times faster. For each request given here:
 //   1. pack: its context's K and V, per kv head and per tile of KEY_TILE keys, are gathered from the blocks of the
-//      cache (block table, in place) into the layout brgemm reads as B: K transposed [D, kt] and V [kt, D], each
-//      interleaved by pairs along the reduced dimension (VNNI [K/2, N, 2]) when brgemm runs on AMX tiles (then
-//      at::native::cpublas::could_pack(kBFloat16) is true and brgemm needs that form, as torch's own CPU flash
-//      attention packs it), plain row-major otherwise;
+//      cache (block table, in place) and widened to float32 into the layout brgemm reads as B: K transposed
+//      [D, kt] and V [kt, D];
 //   2. attend: per (request, kv head, tile of query tokens), the query rows of the tile's tokens times the G query
 //      heads of the kv head are stacked (rows r = token * G + g), so K and V are read once per group; per key
-//      tile S = Q K^T by brgemm (float32 accumulate), then scale, soft-cap, causal and sliding-window masks and
-//      the online softmax (running max and sum, float32, base 2), P rounded to the compute type, and
-//      O += P V by brgemm into a float32 accumulator rescaled when the max grows; finally O / sum in bf16.
-// Compute types: bf16 (bf16 products, float32 sums; P rounded to bf16 as torch's CPU flash attention does) or
-// float32 (K, V, Q widened once at packing; for CPUs whose bf16 GEMM fallback is slow, chosen by the caller).
+//      tile S = Q K^T by brgemm, then scale, soft-cap, causal and sliding-window masks and the online softmax
+//      (running max and sum, float32, base 2), and O += P V by brgemm into a float32 accumulator rescaled when
+//      the max grows; finally O / sum in bf16.
+// Products are float32 (a first version ran bf16 products, on AMX tiles with K and V packed in pairs: not
+// landed until measured on an AMX machine; tag amx-flash-prefill-wip).
 //
 // Layouts: q, out [T, Hq, D] bf16 (unit stride along D); caches [num_blocks, block_size, Hkv, D] bf16 contiguous;
 // reqs int32 [B, 3] = (first token in the batch, query length, context length including the query);
@@ -37,12 +35,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int KEY_TILE = 128;  // keys per tile: the N of S = Q K^T and the K of P V (even: VNNI pairs)
+constexpr int KEY_TILE = 128;  // keys per tile: the N of S = Q K^T and the K of P V
 constexpr int TARGET_ROWS = 128;  // query rows (tokens x heads of a group) per tile: the M of both products
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -72,22 +69,6 @@ inline float exp2_approx(float x) {
   return p * scale;
 }
 
-// *p = x in the compute type, returned as a float: to nearest even for bf16 (x is a finite probability), by bit
-// operations so that the loop vectorises.
-inline float round_to(float x, float* p) {
-  *p = x;
-  return x;
-}
-inline float round_to(float x, bf16* p) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  p->x = static_cast<uint16_t>(u >> 16);
-  float r;
-  std::memcpy(&r, &u, sizeof(r));
-  return r;
-}
-
 struct Params {
   const bf16* q;
   int64_t q_st, q_sh;
@@ -101,7 +82,6 @@ struct Params {
   float scale_log2;  // softmax scale times log2(e): scores are kept in base 2
   int window;  // 0: none
   float softcap2, inv_softcap2;  // soft-capping of the base-2 scores: cap * log2(e) and its inverse; 0: none
-  bool vnni;  // B operands interleaved by pairs (brgemm on AMX)
 };
 
 // Where request b's packed context starts and which keys it holds: keys [kbeg, ctx) in tiles of KEY_TILE from
@@ -117,27 +97,15 @@ inline int64_t cache_row(const Params& P, int b, int h, int t) {
   return (((int64_t)block * P.block_size + t % P.block_size) * P.Hkv + h) * P.D;
 }
 
-// Tile of kt keys from t0 into kdst (K^T: [D, kt], or VNNI [D/2, kt, 2]) and vdst (V: [kt, D], or VNNI
-// [ceil(kt/2), D, 2] with a zero key after an odd last one).
-template <typename C>
-void pack_tile(const Params& P, int b, int h, int t0, int kt, C* kdst, C* vdst) {
+// Tile of kt keys from t0, widened, into kdst (K^T: [D, kt]) and vdst (V: [kt, D]).
+void pack_tile(const Params& P, int b, int h, int t0, int kt, float* kdst, float* vdst) {
   const int D = P.D;
   for (int j = 0; j < kt; ++j) {
     const int64_t row = cache_row(P, b, h, t0 + j);
     const bf16* k = P.k_cache + row;
     const bf16* v = P.v_cache + row;
-    if (P.vnni) {
-      for (int d = 0; d < D; ++d) kdst[(int64_t)(d >> 1) * kt * 2 + j * 2 + (d & 1)] = static_cast<C>(k[d]);
-      C* vrow = vdst + (int64_t)(j >> 1) * D * 2 + (j & 1);
-      for (int d = 0; d < D; ++d) vrow[2 * d] = static_cast<C>(v[d]);
-    } else {
-      for (int d = 0; d < D; ++d) kdst[(int64_t)d * kt + j] = static_cast<C>(k[d]);
-      for (int d = 0; d < D; ++d) vdst[(int64_t)j * D + d] = static_cast<C>(v[d]);
-    }
-  }
-  if (P.vnni && (kt & 1)) {
-    C* vrow = vdst + (int64_t)(kt >> 1) * D * 2 + 1;
-    for (int d = 0; d < D; ++d) vrow[2 * d] = C(0);
+    for (int d = 0; d < D; ++d) kdst[(int64_t)d * kt + j] = static_cast<float>(k[d]);
+    for (int d = 0; d < D; ++d) vdst[(int64_t)j * D + d] = static_cast<float>(v[d]);
   }
 }
 
@@ -147,24 +115,22 @@ struct Item {
 };
 
 // Per-thread buffers of one query tile of at most M rows.
-template <typename C>
 struct TileBuffers {
-  std::vector<C> q, p;  // [M, D] query rows, [M, KEY_TILE] probabilities
-  std::vector<float> s, acc, m, l;  // [M, KEY_TILE] scores, [M, D] output accumulator, running max and sum
-  TileBuffers(int M, int D)
-      : q((size_t)M * D), p((size_t)M * KEY_TILE), s((size_t)M * KEY_TILE), acc((size_t)M * D), m(M), l(M) {}
+  // [M, D] query rows, [M, KEY_TILE] scores (then probabilities, in place), [M, D] output accumulator,
+  // running max and sum
+  std::vector<float> q, s, acc, m, l;
+  TileBuffers(int M, int D) : q((size_t)M * D), s((size_t)M * KEY_TILE), acc((size_t)M * D), m(M), l(M) {}
 };
 
-template <typename C>
-void attend_item(const Params& P, const Span& span, const C* kpack, const C* vpack, const Item& it,
-                 TileBuffers<C>& buf) {
+void attend_item(const Params& P, const Span& span, const float* kpack, const float* vpack, const Item& it,
+                 TileBuffers& buf) {
   const int D = P.D, G = P.G;
   const int32_t* rq = P.reqs + 3 * it.b;
   const int qs = rq[0], L = rq[2], off = L - rq[1];
   const int M = (it.q1 - it.q0) * G;
   for (int r = 0; r < M; ++r) {
     const bf16* src = P.q + (int64_t)(qs + it.q0 + r / G) * P.q_st + (int64_t)(it.h * G + r % G) * P.q_sh;
-    for (int d = 0; d < D; ++d) buf.q[(size_t)r * D + d] = static_cast<C>(src[d]);
+    for (int d = 0; d < D; ++d) buf.q[(size_t)r * D + d] = static_cast<float>(src[d]);
   }
   std::fill(buf.m.begin(), buf.m.begin() + M, -std::numeric_limits<float>::infinity());
   std::fill(buf.l.begin(), buf.l.begin() + M, 0.f);
@@ -177,21 +143,19 @@ void attend_item(const Params& P, const Span& span, const C* kpack, const C* vpa
   for (int n = n0; n <= n1; ++n) {
     const int t0 = span.kbeg + n * KEY_TILE;
     const int kt = std::min(KEY_TILE, L - t0);
-    const int ekt = P.vnni ? (kt + 1) & ~1 : kt;  // the K of P V: a whole number of pairs in VNNI
-    const C* kb = kpack + head_off + (int64_t)n * KEY_TILE * D;
-    const C* vb = vpack + head_off + (int64_t)n * KEY_TILE * D;
+    const float* kb = kpack + head_off + (int64_t)n * KEY_TILE * D;
+    const float* vb = vpack + head_off + (int64_t)n * KEY_TILE * D;
     float* S = buf.s.data();
-    at::native::cpublas::brgemm(M, kt, D, D, kt, kt, false, buf.q.data(), kb, S, P.vnni);
+    at::native::cpublas::brgemm(M, kt, D, D, kt, kt, false, buf.q.data(), kb, S, false);
     bool first_tile = n == n0;
     for (int r = 0; r < M; ++r) {
       const int pos = off + it.q0 + r / G;
       const int lim = std::min(kt, pos + 1 - t0);  // keys [first, lim) of this tile are the row's to see
       const int first = P.window ? std::max(0, pos - P.window + 1 - t0) : 0;
       float* s = S + (size_t)r * kt;
-      C* p = buf.p.data() + (size_t)r * ekt;
       float* a = buf.acc.data() + (size_t)r * D;
       if (lim <= first) {  // no key of this tile for the row (before the diagonal or past its window)
-        std::fill(p, p + ekt, C(0));
+        std::fill(s, s + kt, 0.f);
         if (first_tile) std::fill(a, a + D, 0.f);
         continue;
       }
@@ -207,11 +171,10 @@ void attend_item(const Params& P, const Span& span, const C* kpack, const C* vpa
       const float mn = std::max(buf.m[r], mt);
       for (int j = first; j < lim; ++j) s[j] = exp2_approx(s[j] - mn);
       float sum = 0.f;
-      // the sum is of the rounded probabilities: the output is then an exact weighted mean of P V's weights
 #pragma omp simd reduction(+ : sum)
-      for (int j = first; j < lim; ++j) sum += round_to(s[j], p + j);
-      std::fill(p, p + first, C(0));
-      std::fill(p + lim, p + ekt, C(0));
+      for (int j = first; j < lim; ++j) sum += s[j];
+      std::fill(s, s + first, 0.f);
+      std::fill(s + lim, s + kt, 0.f);
       if (first_tile) {
         std::fill(a, a + D, 0.f);
         buf.l[r] = sum;
@@ -223,7 +186,7 @@ void attend_item(const Params& P, const Span& span, const C* kpack, const C* vpa
       }
       buf.m[r] = mn;
     }
-    at::native::cpublas::brgemm(M, D, ekt, ekt, D, D, true, buf.p.data(), vb, buf.acc.data(), P.vnni);
+    at::native::cpublas::brgemm(M, D, kt, kt, D, D, true, S, vb, buf.acc.data(), false);
   }
   for (int r = 0; r < M; ++r) {
     const float* a = buf.acc.data() + (size_t)r * D;
@@ -233,7 +196,6 @@ void attend_item(const Params& P, const Span& span, const C* kpack, const C* vpa
   }
 }
 
-template <typename C>
 void run(const Params& P, int B) {
   const int D = P.D, G = P.G, Hkv = P.Hkv;
   std::vector<Span> spans(B);
@@ -246,11 +208,10 @@ void run(const Params& P, int B) {
     spans[b] = {kbeg, tiles, total};
     total += (int64_t)Hkv * tiles * KEY_TILE * D;
   }
-  const auto dtype = std::is_same<C, float>::value ? at::kFloat : at::kBFloat16;
-  at::Tensor kbuf = at::empty({total}, at::TensorOptions().dtype(dtype));
-  at::Tensor vbuf = at::empty({total}, at::TensorOptions().dtype(dtype));
-  C* kpack = static_cast<C*>(kbuf.data_ptr());
-  C* vpack = static_cast<C*>(vbuf.data_ptr());
+  at::Tensor kbuf = at::empty({total}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor vbuf = at::empty({total}, at::TensorOptions().dtype(at::kFloat));
+  float* kpack = kbuf.data_ptr<float>();
+  float* vpack = vbuf.data_ptr<float>();
 
   // 1. pack every (request, kv head, key tile)
   std::vector<int64_t> first_tile(B + 1, 0);  // running count of (kv head, key tile) pairs
@@ -263,7 +224,7 @@ void run(const Params& P, int B) {
       const int h = (int)((i - first_tile[b]) / sp.tiles), n = (int)((i - first_tile[b]) % sp.tiles);
       const int t0 = sp.kbeg + n * KEY_TILE, kt = std::min(KEY_TILE, P.reqs[3 * b + 2] - t0);
       const int64_t o = sp.offset + ((int64_t)h * sp.tiles + n) * KEY_TILE * D;
-      pack_tile<C>(P, b, h, t0, kt, kpack + o, vpack + o);
+      pack_tile(P, b, h, t0, kt, kpack + o, vpack + o);
     }
   });
 
@@ -283,17 +244,16 @@ void run(const Params& P, int B) {
   const int64_t n = (int64_t)items.size();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    TileBuffers<C> buf(qt * G, D);
-    for (int64_t i = next++; i < n; i = next++) attend_item<C>(P, spans[items[i].b], kpack, vpack, items[i], buf);
-    at::native::cpublas::brgemm_release(P.vnni);  // the AMX tile state this thread configured
+    TileBuffers buf(qt * G, D);
+    for (int64_t i = next++; i < n; i = next++) attend_item(P, spans[items[i].b], kpack, vpack, items[i], buf);
   });
 }
 
 }  // namespace
 
-// out [T, Hq, D] (written for the requests in reqs only); see the top of the file. widen: compute in float32.
+// out [T, Hq, D] (written for the requests in reqs only); see the top of the file.
 void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor reqs,
-                   at::Tensor block_tables, double scale, int64_t window, double softcap, bool widen) {
+                   at::Tensor block_tables, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "q, out must be 3-d and the caches 4-d");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
                   k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
@@ -302,8 +262,8 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
               "caches must be contiguous [blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.stride(2) == 1 && out.is_contiguous() && out.sizes() == q.sizes(),
               "q needs unit stride along head_dim, out must be contiguous and shaped like q");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 && q.size(2) % 2 == 0,
-              "q must be [T, Hkv * G, D] for caches [.., Hkv, D], D even");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "q must be [T, Hkv * G, D] for caches [.., Hkv, D]");
   TORCH_CHECK(reqs.scalar_type() == at::kInt && reqs.is_contiguous() && reqs.dim() == 2 && reqs.size(1) == 3,
               "reqs must be int32 [B, 3]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
@@ -326,7 +286,6 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
   P.window = (int)std::max<int64_t>(0, window);
   P.softcap2 = softcap > 0 ? (float)softcap * LOG2E : 0.f;
   P.inv_softcap2 = softcap > 0 ? 1.f / P.softcap2 : 0.f;
-  P.vnni = !widen && at::native::cpublas::could_pack(at::kBFloat16);
   const int B = (int)reqs.size(0);
   const int64_t num_blocks = k_cache.size(0);
   for (int b = 0; b < B; ++b) {
@@ -341,14 +300,10 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
       TORCH_CHECK(id >= 0 && id < num_blocks, "request ", b, ": block id ", id, " out of range");
     }
   }
-  if (widen) run<float>(P, B);
-  else run<bf16>(P, B);
+  run(P, B);
 }
-
-bool uses_vnni() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_prefill", &flash_prefill, "attend long bf16 queries from the paged cache in tiled matrix products",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("uses_vnni", &uses_vnni, "whether brgemm takes bf16 B in pairs (AMX): the packed path");
 }
