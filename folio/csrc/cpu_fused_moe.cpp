@@ -35,7 +35,8 @@ namespace {
 #if defined(__AVX512F__)
 using vec = __m512;
 constexpr int VL = 16;
-constexpr int NB = 4;  // weight rows per register tile (32 zmm registers)
+constexpr int MB = 4;  // rows of x per register tile: MB * NB accumulators of 32 zmm registers
+constexpr int NB = 4;  // weight rows per register tile
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vload(const c10::BFloat16* p) {
@@ -47,7 +48,8 @@ inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using vec = __m256;
 constexpr int VL = 8;
-constexpr int NB = 2;  // weight rows per register tile (16 ymm registers)
+constexpr int MB = 2;  // rows of x per register tile: MB * NB accumulators of 16 ymm registers
+constexpr int NB = 4;  // weight rows per register tile: 4 independent FMA chains even for one row of x
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vload(const c10::BFloat16* p) {
@@ -63,7 +65,8 @@ inline float vsum(vec a) {
 #else
 using vec = float;
 constexpr int VL = 1;
-constexpr int NB = 2;
+constexpr int MB = 2;
+constexpr int NB = 4;
 inline vec vzero() { return 0.f; }
 inline vec vload(const float* p) { return *p; }
 inline vec vload(const c10::BFloat16* p) { return static_cast<float>(*p); }
@@ -71,8 +74,7 @@ inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline float vsum(vec a) { return a; }
 #endif
 
-constexpr int MB = 4;          // rows of x per register tile
-constexpr int64_t COLS = 32;   // output columns per task: gate/up pairs, or down rows
+constexpr int64_t COLS = 32;  // output columns per task: gate/up pairs, or down rows
 
 // C[m * ldc + n] = A[m] . W[n] for M rows of A (float32) and N rows of W, all of length K.
 template <typename T, int M, int N>
