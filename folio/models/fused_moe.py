@@ -18,6 +18,7 @@ every layer, so those fixed costs dominate the step. Measured on a 2-core AVX2 E
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from folio.csrc_build import CSRC, CppKernel
 from folio.models.experts_method import ExpertsMethod
 from folio.models.linear import Linear
 from folio.platforms.cpu_features import has_fast_bf16
+
+if TYPE_CHECKING:
+    from folio.models.moe import Experts
 
 KERNEL = CppKernel("folio_cpu_fused_moe", CSRC / "cpu_fused_moe.cpp", what="CPU fused MoE kernel",
                    fallback="experts run one by one")
@@ -58,7 +62,7 @@ class FusedExpertsMethod(ExpertsMethod):
     def __init__(self, dtype: torch.dtype) -> None:
         self.gemm_min_rows = gemm_min_rows(dtype)
 
-    def process_weights_after_loading(self, experts: nn.ModuleList) -> None:
+    def process_weights_after_loading(self, experts: "Experts") -> None:
         """Stack the experts' weights into experts.w13 and experts.w2; the expert modules go."""
         experts.w13 = nn.Parameter(torch.stack([mlp.gate_up_proj.weight.detach() for mlp in experts]),
                                    requires_grad=False)
@@ -66,6 +70,6 @@ class FusedExpertsMethod(ExpertsMethod):
                                   requires_grad=False)
         del experts[:]
 
-    def apply(self, experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor,
+    def apply(self, experts: "Experts", x: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return KERNEL.load().fused_moe(x, experts.w13, experts.w2, weights, ids, self.gemm_min_rows)
