@@ -10,9 +10,10 @@ GEMM, SiLU(gate) * up and down GEMM on its rows, and each token's weighted sum, 
 
 Why: the per-expert path (folio.models.experts_method.PerExpertMethod) issues about ten torch ops per
 chosen expert per layer, each small matmul threaded on its own; at decode batch sizes every expert runs in
-every layer, so those fixed costs dominate the step. Measured on a 2-core AVX2 EPYC (shared, noisy; the README's
-"Mixture of experts: measured" has the commands): a 16-expert top-2 Qwen3-MoE decoded a batch of 64 1.77x
-(float32) and 1.65x (bf16) faster fused than per expert; at batch 1 both read the same weights and tie.
+every layer, so those fixed costs dominate the step. Measured on a 2-core AVX2 EPYC (shared, noisy; the
+README's "Mixture of experts: measured" has the commands): a 16-expert top-2 Qwen3-MoE decoded a batch of 64
+1.77-2.17x (float32) and 1.65-2.02x (bf16) faster fused than per expert; at batch 1, where both read the same
+weights, level in float32 and 11-13% faster fused in bf16.
 """
 
 from __future__ import annotations
