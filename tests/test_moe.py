@@ -21,26 +21,30 @@ def test_greedy_matches_transformers(tiny_model_factory, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_chosen_expert_runs_once_per_step(tiny_model_factory, arch):
+    from folio.models.fused_moe import FusedExpertsMethod
+
     llm = LLM(tiny_model_factory(arch), dtype="float32", kv_cache_memory=1 << 22)
     model = llm.llm_engine.runner.model
     block = model.layers[0].mlp
-    calls = [0] * len(block.experts)
-    for i, expert in enumerate(block.experts):
-        expert.register_forward_hook(lambda module, args, out, i=i: calls.__setitem__(i, calls[i] + 1))
+    assert isinstance(block.experts.method, FusedExpertsMethod)  # unquantised experts run fused
+    before = block.experts.runs.clone()
     x = torch.randn(64, model.config.hidden_size)
     with torch.no_grad():
         out = block(x)
     chosen = set(block.gate(x)[1].flatten().tolist())
-    assert calls == [int(e in chosen) for e in range(len(block.experts))]
+    assert (block.experts.runs - before).tolist() == [int(e in chosen) for e in range(block.experts.num_experts)]
     with torch.no_grad():  # token by token gives the same numbers
         alone = torch.cat([block(x[i:i + 1]) for i in range(len(x))])
     torch.testing.assert_close(out, alone, rtol=1e-4, atol=1e-5)
 
 
 def test_moe_quantised_stays_close(tiny_model_factory):
+    from folio.models.experts_method import PerExpertMethod
+
     folder = tiny_model_factory("qwen2_moe")
     llm = LLM(folder, dtype="float32", quantization="int8", kv_cache_memory=1 << 22)
-    assert llm.llm_engine.runner.model.layers[0].mlp.experts[0].down_proj.weight.dtype == torch.int8
+    experts = llm.llm_engine.runner.model.layers[0].mlp.experts
+    assert experts[0].down_proj.weight.dtype == torch.int8 and isinstance(experts.method, PerExpertMethod)
     prompt = list(range(30, 60))
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]

@@ -105,7 +105,7 @@ class StepProfile:
         return schedule
 
     def _expert_runs(self) -> list[int]:
-        return [n for experts in self._experts for n in experts.runs]
+        return [n for experts in self._experts for n in experts.runs.tolist()]
 
     def _step(self, fn: Callable) -> Callable:
         def step(*args: Any, **kwargs: Any) -> Any:

@@ -31,6 +31,8 @@ class DenseLinearMethod(LinearMethod):
     choice (the copies' total size against memory), so the method is made for a model: `for_model`.
     The tied lm_head keeps its plain weight anyway (it is the embedding) and uses the kernel when it can."""
 
+    plain_weights = True
+
     def __init__(self, keep_copies: bool) -> None:
         self.keep_copies = keep_copies
 

@@ -27,7 +27,13 @@ from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader,
 
 class LinearMethod(ABC):
     """How Linear layers keep their weights and compute. One object may serve many layers: it keeps per-layer
-    state on the layer, as attributes it creates in `create_weights`."""
+    state on the layer, as attributes it creates in `create_weights`.
+
+    plain_weights: whether a loaded layer's `weight` is the plain float [output_size, input_size] matrix
+    until `process_weights_after_loading`, so that a module may take it over (an MoE layer stacks its
+    experts': folio.models.fused_moe). Quantised methods keep packed integers: False."""
+
+    plain_weights = False
 
     @abstractmethod
     def create_weights(self, layer: "Linear") -> None:
@@ -123,5 +129,11 @@ def bind_linear_methods(model: nn.Module, methods: LinearMethods) -> None:
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
+    """First the modules that process their Linear layers' weights themselves (they define
+    process_weights_after_loading: MoE experts, which may stack theirs and drop the layers), while the weights
+    are as loaded; then each remaining Linear's method."""
+    for module in list(model.modules()):
+        if not isinstance(module, Linear) and hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     for _, layer in linear_layers(model):
         layer.method.process_weights_after_loading(layer)

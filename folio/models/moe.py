@@ -1,10 +1,12 @@
 """Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks each token's top-k
 experts.
 
-Each expert is a gated MLP of ordinary Linear layers, so every linear method (dense oneDNN-packed bf16, int8,
-int4, GGUF blocks) serves experts unchanged, and `bind_linear_methods` binds them like any layer. A step groups
-its tokens by expert (one stable sort of the (token, slot) choices) and runs each chosen expert once on all of
-its tokens (index_select in, weighted index_add out): an expert's weights are read at most once per step
+Each expert is declared as a gated MLP of ordinary Linear layers, so every linear method (dense, int8, int4, GGUF
+blocks) loads experts unchanged, and `bind_linear_methods` binds them like any layer. After loading,
+`experts_method` decides how they run, in that one place: unquantised float32 / bf16 experts are stacked and run
+fused, one C++ call per layer (folio.models.fused_moe); quantised ones keep the per-expert path
+(folio.models.experts_method.PerExpertMethod). Both group a step's (token, slot) choices by expert (a stable
+sort) and run each chosen expert once on all of its tokens: an expert's weights are read at most once per step
 whatever the batch, and an expert no token chose is not read at all.
 
 Routing follows Transformers exactly: softmax in float32 over the router logits, top-k, renormalised to sum 1
@@ -19,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from folio.models import fused_moe
+from folio.models.experts_method import ExpertsMethod, PerExpertMethod
 from folio.models.llama import LlamaDecoderLayer, LlamaMLP
 from folio.models.model_config import ModelConfig, MoEConfig
 from folio.models.weight_loader import uninitialized
@@ -50,28 +54,33 @@ class TopKRouter(Gate):
 
 
 class Experts(nn.ModuleList):
-    """The routed experts of one layer, each a LlamaMLP. runs[e] counts expert e's forwards, each one read of its
-    weights: the step profile (folio.bench.step_profile) reports them per step."""
+    """The routed experts of one layer, declared as LlamaMLPs (so every linear method loads them) and run by
+    an ExpertsMethod chosen after loading (`experts_method`). runs[e] counts expert e's runs, each one read of
+    its weights: the step profile (folio.bench.step_profile) reports them per step."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
         super().__init__(LlamaMLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
-        self.runs = [0] * moe.num_experts
+        self.num_experts = moe.num_experts
+        self.runs = torch.zeros(moe.num_experts, dtype=torch.int64)
+        self.method: ExpertsMethod = PerExpertMethod()
+
+    def process_weights_after_loading(self) -> None:
+        """Called before the experts' linear methods process their weights (folio.models.linear)."""
+        self.method = experts_method(self)
+        self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        top_k = experts.shape[1]
-        order = torch.argsort(experts.flatten(), stable=True)  # (token, slot) choices grouped by expert
-        counts = torch.bincount(experts.flatten(), minlength=len(self)).tolist()
-        tokens, slot_weights = order // top_k, weights.flatten()[order].unsqueeze(1)
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                rows = tokens[start:start + count]
-                y = self[expert](x.index_select(0, rows)) * slot_weights[start:start + count]
-                out.index_add_(0, rows, y.to(out.dtype))
-                self.runs[expert] += 1
-            start += count
+        out, rows = self.method.apply(self, x, weights, experts)
+        self.runs += rows > 0
         return out
+
+
+def experts_method(experts: Experts) -> ExpertsMethod:
+    """The one place that decides how a layer's experts run: fused where their linear method keeps plain
+    float32 / bf16 weights (dense) and the kernel builds, else one by one through their linear methods
+    (int8, int4, GGUF blocks, other dtypes)."""
+    layers = [layer for mlp in experts for layer in (mlp.gate_up_proj, mlp.down_proj)]
+    return fused_moe.FusedExpertsMethod(layers[0].weight.dtype) if fused_moe.supports(layers) else PerExpertMethod()
 
 
 class SparseMoeBlock(nn.Module):
