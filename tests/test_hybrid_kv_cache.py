@@ -2,10 +2,9 @@
 request runs, prefix caching stays correct (a prefix is a hit only where each sliding group still has its
 window's blocks), and a long request holds about what its full-attention layers need.
 
-The random-workload test runs the real scheduler and KV cache manager with a stand-in runner that writes each
-step's tokens into the cache slots of every group's block table and checks that every key each query reads
-(its window, or its whole context) holds the token it should: a block freed too early and handed to another
-request, or a wrong cache hit, shows up as a wrong token.
+The random-workload test runs the real scheduler and KV cache manager on a full group and two sliding ones
+(tests/kv_workload.py): every key each query reads (its window, or its whole context) must hold the token it
+should, so a block freed too early and handed to another request, or a wrong cache hit, shows up.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import hf_greedy
 from fake_runner import fake_runner_output
+from kv_workload import run_random_workload
 from folio import LLM, LLMEngine, SamplingParams
 from folio.config import SchedulerOptions
-from folio.core.block_hash import extend_block_hashes
-from folio.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
-from folio.core.request import Request, RequestStatus
+from folio.core.kv_cache_manager import KVCacheManager
+from folio.core.request import Request
 from folio.core.scheduler import Scheduler
 from folio.models.model_config import ModelConfig
 from folio.worker.kv_cache import KVCacheGroup, group_layers
@@ -58,72 +57,13 @@ def _fits(windows, block_size, chunk, num_blocks, length) -> bool:
        st.booleans(), st.integers(0, 10_000))
 def test_windows_hold_the_right_tokens_under_random_workloads(reqs, num_blocks, block_size, budget, window,
                                                                caching, seed):
-    rng = random.Random(seed)
     windows = [None, window, window]  # a full group and two sliding ones, as a Gemma's
     kv = KVCacheManager(num_blocks, block_size, caching, windows)
     max_model_len = 60
     while not _fits(windows, block_size, budget, num_blocks, max_model_len):
         max_model_len -= 1
     sched = Scheduler(SchedulerOptions(max_num_batched_tokens=budget, max_num_seqs=5), kv, max_model_len)
-    pool = kv.pool
-    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(0, 16))] for _ in range(4)]
-    all_requests = []
-    for i, (p, extra, max_tokens, abort) in enumerate(reqs):
-        tokens = (prefixes[p] + [rng.randrange(1, 50) for _ in range(extra)])[:max_model_len - 1]
-        req = Request(str(i), tokens, SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({0}))
-        sched.add_request(req)
-        all_requests.append((req, abort))
-    slot_tokens: dict[int, int] = {}  # what each cache slot holds, as the forward pass would write it
-    for step in range(3000):
-        if not sched.num_unfinished:
-            break
-        out = sched.schedule()
-        steps = []
-        for item in out.scheduled:  # every layer writes the step's K/V before any attention reads
-            r = sched.requests[item.request_id]
-            for g in range(len(windows)):  # a scheduled request holds nothing before its windows
-                first = kv._first_needed(g, item.num_computed_tokens)
-                assert all(b is NULL_BLOCK for b in kv.req_to_blocks[g][item.request_id][:first])
-            tables = [kv.block_ids(item.request_id, group=g) for g in range(len(windows))]
-            positions = range(item.num_computed_tokens, item.num_computed_tokens + item.num_tokens)
-            for table in tables:
-                for pos in positions:
-                    slot_tokens[table[pos // block_size] * block_size + pos % block_size] = r.all_token_ids[pos]
-            steps.append((r, tables, positions))
-        for r, tables, positions in steps:  # each query reads its window (or its whole context) in each group
-            for table, w in zip(tables, windows):
-                for pos in positions:
-                    for key in range(0 if w is None else max(0, pos - w + 1), pos + 1):
-                        slot = table[key // block_size] * block_size + key % block_size
-                        assert slot_tokens.get(slot) == r.all_token_ids[key], "a key holds another token"
-        sched.update_from_output(out, fake_runner_output(sched, out, lambda: rng.choice([0, 3]) if rng.random() < 0.1
-                                                         else 5))
-        # reference counts: the (request, group) pairs holding each block; out-of-window places hold none
-        holders: dict[int, int] = {}
-        for g, tables in enumerate(kv.req_to_blocks):
-            for rid, blocks in tables.items():
-                for b in blocks:
-                    if b is not NULL_BLOCK:
-                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        assert all(pool.blocks[b].ref_cnt == n for b, n in holders.items())
-        assert all(b.ref_cnt == 0 for b in pool.blocks if b.block_id not in holders)
-        assert pool.num_free_blocks == num_blocks - len(holders)
-        # a cached block holds what its hash names, in the group its key names
-        known = {}
-        for req, _ in all_requests:
-            extend_block_hashes(req.block_hashes, req.all_token_ids, block_size, None)
-            for j, h in enumerate(req.block_hashes):
-                for g in range(len(windows)):
-                    known[kv._key(g, h)] = req.all_token_ids[j * block_size:(j + 1) * block_size]
-        for h, blk in pool.cached.items():
-            assert blk.block_hash == h
-            written = [slot_tokens.get(blk.block_id * block_size + o) for o in range(block_size)]
-            assert written == known[h], "a cached block holds other tokens than its hash names"
-        if step == 4:
-            sched.finish_requests([r.request_id for r, abort in all_requests if abort], RequestStatus.FINISHED_ABORTED)
-    assert sched.num_unfinished == 0
-    assert pool.num_free_blocks == num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not any(kv.req_to_blocks)
+    run_random_workload(sched, reqs, random.Random(seed), max_prefix_len=16, rare_tokens=[0, 3])
 
 
 def held_blocks_of_a_long_request(windows: list, num_tokens: int, block_size: int = 16, budget: int = 2048,

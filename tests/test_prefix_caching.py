@@ -8,12 +8,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import hf_greedy
-from fake_runner import fake_runner_output
+from kv_workload import run_random_workload
 from folio import LLM, SamplingParams
 from folio.config import SchedulerOptions
-from folio.core.block_hash import extend_block_hashes
 from folio.core.kv_cache_manager import KVCacheManager
-from folio.core.request import Request, RequestStatus
+from folio.core.request import Request
 from folio.core.scheduler import Scheduler
 
 PREFIX = list(range(30, 70))  # 40 tokens: two and a half blocks of 16
@@ -135,50 +134,11 @@ def test_lru_eviction_order():
                 min_size=1, max_size=10),
        st.integers(8, 30), st.sampled_from([2, 4]), st.integers(4, 40), st.integers(0, 10_000))
 def test_prefix_cache_invariants_under_random_workloads(reqs, num_blocks, block_size, budget, seed):
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(0, 12))] for _ in range(4)]
     max_model_len = min(num_blocks * block_size, 48)
     cfg = SchedulerOptions(max_num_batched_tokens=budget, max_num_seqs=5)
     sched = Scheduler(cfg, KVCacheManager(num_blocks, block_size), max_model_len)
-    kv, pool = sched.kv_cache_manager, sched.kv_cache_manager.pool
-    all_requests = []
-    for i, (p, extra, max_tokens, abort) in enumerate(reqs):
-        tokens = (prefixes[p] + [rng.randrange(1, 50) for _ in range(extra)])[:max_model_len - 1]
-        req = Request(str(i), tokens, SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({0}))
-        sched.add_request(req)
-        all_requests.append((req, abort))
-    slot_tokens: dict[int, int] = {}  # what each cache slot holds, as the forward pass would write it
-    for step in range(3000):
-        if not sched.num_unfinished:
-            break
-        out = sched.schedule()
-        for item in out.scheduled:
-            r, table = sched.requests[item.request_id], kv.block_ids(item.request_id)
-            for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_tokens):
-                slot_tokens[table[pos // block_size] * block_size + pos % block_size] = r.all_token_ids[pos]
-        sched.update_from_output(out, fake_runner_output(sched, out, lambda: rng.choice([0, 3, 4]) if rng.random() < 0.1 else 5))
-        # every block's reference count is the number of live requests holding it
-        holders: dict[int, int] = {}
-        for blocks in kv.req_to_blocks[0].values():
-            for blk in blocks:
-                holders[blk.block_id] = holders.get(blk.block_id, 0) + 1
-        assert all(pool.blocks[b].ref_cnt == n for b, n in holders.items())
-        assert all(blk.ref_cnt == 0 for blk in pool.blocks if blk.block_id not in holders)
-        assert pool.num_free_blocks == num_blocks - len(holders)
-        # the hash map never points at a block whose contents differ from what was hashed
-        known = {}
-        for req, _ in all_requests:
-            extend_block_hashes(req.block_hashes, req.all_token_ids, block_size, None)
-            for j, h in enumerate(req.block_hashes):
-                known[h] = req.all_token_ids[j * block_size:(j + 1) * block_size]
-        for h, blk in pool.cached.items():
-            assert blk.block_hash == h
-            written = [slot_tokens.get(blk.block_id * block_size + o) for o in range(block_size)]
-            assert written == known[h], "a cached block holds other tokens than its hash names"
-        if step == 4:
-            sched.finish_requests([r.request_id for r, abort in all_requests if abort], RequestStatus.FINISHED_ABORTED)
-    assert sched.num_unfinished == 0
-    assert pool.num_free_blocks == num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+    run_random_workload(sched, reqs, random.Random(seed), max_prefix_len=12, rare_tokens=[0, 3, 4])
+    pool = sched.kv_cache_manager.pool
     assert len(pool.allocate(num_blocks)) == num_blocks  # every block reusable, cached or not
     assert not pool.cached
 

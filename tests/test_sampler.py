@@ -70,7 +70,7 @@ def test_all_greedy_is_argmax_and_skips_random_path(monkeypatch):
     def fail(*args):
         raise AssertionError("all-greedy batch must not take the random path")
 
-    monkeypatch.setattr(sampler_mod, "_sample_random", fail)
+    monkeypatch.setattr(sampler_mod, "draw", fail)
     monkeypatch.setattr(Sampler, "_sample", fail)  # plain greedy rows never need the float32 copy
     out = sample(logits, [row(SamplingParams(temperature=0.0)) for _ in range(5)])
     assert out.sampled_token_ids == logits.float().argmax(dim=-1).tolist()

@@ -213,6 +213,22 @@ def test_rejection_sampler_logprobs_are_those_of_each_row():
     assert out.logprobs[1].logprobs[0] == pytest.approx(float(raw[1, 0]))
 
 
+def test_rejection_sampler_logprobs_of_several_requests_are_each_their_own():
+    """A step's logprobs are gathered together: each request still gets its own rows', with its own count."""
+    logits = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    states = [_state(SamplingParams(temperature=0, logprobs=2)), _state(SamplingParams(temperature=0)),
+              _state(SamplingParams(temperature=1.0, seed=1, logprobs=1), seed=1)]
+    drafts = [[int(logits[0].argmax())], [], [3]]  # rows 0-1, 2, 3-4
+    out = RejectionSampler()(logits, states, drafts, [])
+    raw = torch.log_softmax(logits, -1)
+    assert len(out[0].token_ids) == 2 and out[1].logprobs == []
+    for i, first, k in ((0, 0, 2), (2, 3, 1)):
+        assert len(out[i].logprobs) == len(out[i].token_ids)
+        for row, token, lp in zip(raw[first:], out[i].token_ids, out[i].logprobs):
+            assert lp.token_ids[:k] == row.topk(k).indices.tolist()
+            assert lp.logprobs[lp.token_ids.index(token)] == pytest.approx(float(row[token]))
+
+
 # --- proposers ---------------------------------------------------------------------------------------------
 
 def test_continuations_find_the_longest_recurring_suffix():

@@ -104,6 +104,25 @@ def test_invalid_constraints_fail_before_queueing(llama_dir, kind, message):
     assert not engine.has_unfinished_requests() and not engine.output_processor.states
 
 
+def test_a_constraint_is_validated_once_on_its_way_in(llama_dir):
+    """The server validates (naming its field), then the engine as the request is added: the backend sees each
+    valid constraint once; an invalid one fails every time."""
+    engine = LLMEngine.from_kwargs(llama_dir, **ENGINE)
+    manager = engine.structured_output
+    seen = []
+    backend_validate = manager.backend.validate
+    manager.backend.validate = lambda params: seen.append(params.key()) or backend_validate(params)
+    schema = SCHEMAS[0].schema
+    manager.validate(StructuredOutputsParams(json=schema), "response_format.json_schema.schema")
+    for i in range(3):
+        engine.add_request(f"r{i}", "hi", constrained(json=dict(schema)))
+    assert seen == [StructuredOutputsParams(json=schema).key()]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="tools is not a valid JSON schema"):
+            manager.validate(StructuredOutputsParams(json={"type": "foo"}), "tools")
+    assert len(seen) == 3
+
+
 def test_a_compiling_grammar_does_not_hold_up_the_queue(llama_dir):
     engine = LLMEngine.from_kwargs(llama_dir, **ENGINE)
     release = threading.Event()

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from folio.bench import structured
 from folio.bench.noise import OtherLoad, note
@@ -180,6 +180,18 @@ def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, brea
                        if config.speculative.speculative_config else None))
 
 
+def a_b_b_a(setup: Callable[[bool], tuple[LLMEngine, list[BenchRequest], str]], breakdown: bool,
+            sampling: SamplingParams) -> dict[bool, list[ThroughputResult]]:
+    """Measure A (False) and B (True) in the order A B B A, so that a machine getting slower or faster over the
+    run weighs on both alike; `setup` gives each side's engine, requests and workload name. The runs of each."""
+    runs: dict[bool, list[ThroughputResult]] = {False: [], True: []}
+    for side in (False, True, True, False):
+        engine, requests, workload = setup(side)
+        engine.reset_prefix_cache()  # the second run of the same prompts must not find them cached
+        runs[side].append(measure(engine, requests, workload, breakdown, sampling))
+    return runs
+
+
 def rate(results: list[ThroughputResult]) -> float:
     """Output tokens per second over several runs together."""
     return sum(r.output_tokens for r in results) / sum(r.elapsed_s for r in results)
@@ -230,13 +242,9 @@ def compare_structured(engine: LLMEngine, requests: list[BenchRequest], args: ar
     workload = f"{describe(args)}, {describe_sampling(sampling)}"
     stats = engine.structured_output.stats
     compiles, compile_s = stats.num_compiles, stats.compile_s
-    runs: dict[bool, list[ThroughputResult]] = {False: [], True: []}
-    for bound in (False, True, True, False):
-        engine.reset_prefix_cache()  # the second run of the same prompts must not find them cached
-        runs[bound].append(measure(engine, constrained if bound else requests,
-                                   f"{workload}{', constrained by JSON schemas' if bound else ''}", args.breakdown,
-                                   sampling))
-
+    runs = a_b_b_a(lambda bound: (engine, constrained if bound else requests,
+                                  f"{workload}{', constrained by JSON schemas' if bound else ''}"),
+                   args.breakdown, sampling)
     mask = None
     if args.breakdown:
         steps = [r.breakdown for r in runs[True]]
@@ -307,12 +315,7 @@ def compare_speculation(args: argparse.Namespace, config: EngineConfig, sampling
                True: prepare(args, config)}
     for engine, requests in engines.values():
         warm_up(engine, requests, args.warmup_prompts, sampling)
-    runs: dict[bool, list[ThroughputResult]] = {False: [], True: []}
-    for speculative in (False, True, True, False):
-        engine, requests = engines[speculative]
-        engine.reset_prefix_cache()  # the second run of the same prompts must not find them cached
-        runs[speculative].append(measure(engine, requests, workload, args.breakdown, sampling))
-
+    runs = a_b_b_a(lambda speculative: (*engines[speculative], workload), args.breakdown, sampling)
     return SpeculationComparison(runs[True], runs[False], rate(runs[True]) / rate(runs[False]))
 
 

@@ -22,6 +22,15 @@ Params = Union[SamplingParams, PoolingParams]
 MAX_LOGPROBS = 20
 
 
+def check_prompt_fits(prompt_len: int, max_model_len: int, field: str = "prompt") -> None:
+    """The one rule for a prompt's length, wherever it is checked (the engine, and the server before tokenizing
+    a token-id prompt and after tokenizing text): the prompt and at least one generated token must fit."""
+    if prompt_len >= max_model_len:
+        raise ValueError(f"{field} is {prompt_len} tokens long, but this model's maximum context length "
+                         f"(max_model_len) is {max_model_len} tokens (the prompt and at least one generated token "
+                         "must fit)")
+
+
 @dataclass
 class ProcessedPrompt:
     prompt: Optional[str]
@@ -60,9 +69,7 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens long, but max_model_len is {self.max_model_len} "
-                             "(the prompt plus at least one generated token must fit)")
+        check_prompt_fits(len(ids), self.max_model_len)
         return ProcessedPrompt(text, ids, salt)
 
     def check_params(self, params: SamplingParams) -> None:

@@ -16,6 +16,8 @@ Logprobs (when asked) are those of the raw distribution at each output token's r
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -23,7 +25,7 @@ import torch
 
 from folio.core.step_contract import SampledLogprobs, SampledTokens
 from folio.sample.logits_processors import LogitsProcessor
-from folio.sample.sampler import gather_logprobs, process_logits, random_weights
+from folio.sample.sampler import gather_logprobs, process_full_rows
 from folio.sample.sampling_metadata import SamplingMetadata
 from folio.sample.sampling_ops import argmax_rows, draw_rows
 from folio.worker.request_state import RequestState
@@ -71,6 +73,17 @@ class DraftPosition:
         return None if masks is None else masks[len(self.drafts_before)]
 
 
+@dataclass
+class _Targets:
+    """What a step's rows verify drafts against, each indexable by the row's index in the step."""
+
+    tokens: list[int]  # greedy rows: the target's token (other rows' entries are never read)
+    weights: Optional[torch.Tensor]  # random rows' processed weights, one row each (weight_row says which)
+    weight_row: dict[int, int]
+    raw_logprobs: Optional[torch.Tensor]  # rows that want logprobs: the raw distribution (logprob_row says which)
+    logprob_row: dict[int, int]
+
+
 class RejectionSampler:
     def __call__(self, logits: torch.Tensor, requests: list[RequestState], drafts: list[list[int]],
                  processors: list[LogitsProcessor]) -> list[SampledTokens]:
@@ -79,78 +92,82 @@ class RejectionSampler:
         positions = [DraftPosition(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
         if logits.dim() != 2 or logits.shape[0] != len(positions):
             raise ValueError(f"logits must be [{len(positions)} rows, V], got {tuple(logits.shape)}")
-        meta = SamplingMetadata.build(positions, processors)
-        targets, weights, raw_logprobs = self._target(logits, meta)
+        targets = self._targets(logits, SamplingMetadata.build(positions, processors))
+        firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))  # each request's first row
 
-        first = 0
-        random_finals: list[tuple[int, int, int]] = []  # (request index, row of its final draw, token to drop)
-        uniforms: dict[int, torch.Tensor] = {}
+        randoms = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        uniforms = {i: _uniforms(requests[i], len(drafts[i]) + 1) for i in randoms}  # in request order
+        # The acceptance test's numbers for every random request's drafts, read in one go: p(x) and the row's mass.
+        checked = [targets.weight_row[firsts[i] + j] for i in randoms for j in range(len(drafts[i]))]
+        probs: list[float] = []
+        masses: list[float] = []
+        draws: list[float] = []
+        if checked:
+            rows = torch.tensor(checked)
+            probs = targets.weights[rows, torch.tensor([x for i in randoms for x in drafts[i]])].tolist()
+            masses = targets.weights.sum(dim=-1)[rows].tolist()
+            draws = torch.cat([uniforms[i][:-1] for i in randoms]).tolist()
+
         results: list[list[int]] = []
+        random_finals: list[tuple[int, int, int]] = []  # (request index, row of its final draw, token to drop)
+        checked_before = 0  # random requests' drafts before this request's, in probs, masses and draws
         for i, (request, draft) in enumerate(zip(requests, drafts)):
-            rows = range(first, first + len(draft) + 1)
-            first += len(draft) + 1
+            first = firsts[i]
             if request.params.is_greedy:
-                accepted = _greedy_run(draft, [targets[r] for r in rows])
-                results.append(draft[:accepted] + [targets[rows[accepted]]])
+                accepted = _greedy_run(draft, targets.tokens[first:first + len(draft) + 1])
+                results.append(draft[:accepted] + [targets.tokens[first + accepted]])
                 continue
-            u = _uniforms(request, len(draft) + 1)
-            accepted = _accepted_run(draft, [weights[r] for r in rows[:-1]], u[:-1])
-            uniforms[i] = u[-1:]
+            span = slice(checked_before, checked_before + len(draft))
+            checked_before += len(draft)
+            accepted = _accepted_run(probs[span], masses[span], draws[span])
             results.append(draft[:accepted])
-            random_finals.append((i, rows[accepted], draft[accepted] if accepted < len(draft) else -1))
+            random_finals.append((i, first + accepted, draft[accepted] if accepted < len(draft) else -1))
         if random_finals:
-            finals = torch.stack([weights[row] for _, row, _ in random_finals])  # copies: the drop below is local
+            # a copy (indexing gathers): the drop below is local
+            finals = targets.weights[torch.tensor([targets.weight_row[row] for _, row, _ in random_finals])]
             for q, (_, _, dropped) in enumerate(random_finals):
                 if dropped >= 0:
                     finals[q, dropped] = 0.0
-            tokens = draw_rows(finals, torch.cat([uniforms[i] for i, _, _ in random_finals])).tolist()
+            tokens = draw_rows(finals, torch.cat([uniforms[i][-1:] for i, _, _ in random_finals])).tolist()
             for (i, _, _), token in zip(random_finals, tokens):
                 results[i].append(token)
-        return self._with_logprobs(requests, drafts, results, raw_logprobs)
+        return self._with_logprobs(requests, firsts, results, targets)
 
     @staticmethod
-    def _target(logits: torch.Tensor, meta: SamplingMetadata):
+    def _targets(logits: torch.Tensor, meta: SamplingMetadata) -> _Targets:
         """Per row: the greedy target token (greedy rows), the processed weights (random rows) and the raw
-        logprobs (rows that want them), each indexable by the row's index in the step."""
+        logprobs (rows that want them), the full rows processed as the Sampler processes them."""
         num_rows = len(meta.requests)
-        targets: list[int] = [0] * num_rows
-        weights: dict[int, torch.Tensor] = {}
-        raw_logprobs: dict[int, torch.Tensor] = {}
+        tokens: list[int] = [0] * num_rows
         if meta.fast_rows:
             fast = logits if len(meta.fast_rows) == num_rows else logits[torch.tensor(meta.fast_rows)]
             for row, token in zip(meta.fast_rows, argmax_rows(fast).tolist()):
-                targets[row] = token
+                tokens[row] = token
         if not meta.full_rows:
-            return targets, weights, raw_logprobs
-        full = logits[torch.tensor(meta.full_rows)].to(torch.float32)  # a private copy, processed in place
-        if meta.logprob_rows:
-            for position, lp in zip(meta.logprob_rows, torch.log_softmax(full[torch.tensor(meta.logprob_rows)], -1)):
-                raw_logprobs[meta.full_rows[position]] = lp
-        process_logits(full, meta)
-        random = set(meta.random_rows)
-        greedy = [p for p in range(len(meta.full_rows)) if p not in random]
-        if greedy:
-            for position, token in zip(greedy, argmax_rows(full[torch.tensor(greedy)]).tolist()):
-                targets[meta.full_rows[position]] = token
-        if meta.random_rows:
-            rows = [meta.full_rows[p] for p in meta.random_rows]
-            for row, w in zip(rows, random_weights(full[torch.tensor(meta.random_rows)],
-                                                   [meta.requests[r] for r in rows])):
-                weights[row] = w
-        return targets, weights, raw_logprobs
+            return _Targets(tokens, None, {}, None, {})
+        full = process_full_rows(logits if len(meta.full_rows) == num_rows else logits[torch.tensor(meta.full_rows)],
+                                 meta)
+        if full.argmax is not None:
+            for row, token in zip(meta.full_rows, full.argmax.tolist()):
+                tokens[row] = token
+        return _Targets(tokens, full.weights, {meta.full_rows[p]: k for k, p in enumerate(meta.random_rows)},
+                        full.raw_logprobs, {meta.full_rows[p]: k for k, p in enumerate(meta.logprob_rows)})
 
     @staticmethod
-    def _with_logprobs(requests: list[RequestState], drafts: list[list[int]], results: list[list[int]],
-                       raw_logprobs: dict[int, torch.Tensor]) -> list[SampledTokens]:
-        out = []
-        first = 0
-        for request, draft, tokens in zip(requests, drafts, results):
-            logprobs: list[SampledLogprobs] = []
-            if request.params.logprobs is not None:
-                rows = torch.stack([raw_logprobs[first + j] for j in range(len(tokens))])
-                logprobs = gather_logprobs(rows, torch.tensor(tokens), [request.params.logprobs] * len(tokens))
-            out.append(SampledTokens(tokens, logprobs))
-            first += len(draft) + 1
+    def _with_logprobs(requests: list[RequestState], firsts: list[int], results: list[list[int]],
+                       targets: _Targets) -> list[SampledTokens]:
+        """Each request's tokens with their logprobs, if it asked: every output token's gathered in one go."""
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        gathered: list[SampledLogprobs] = []
+        if wanted:
+            rows = [targets.logprob_row[firsts[i] + j] for i in wanted for j in range(len(results[i]))]
+            gathered = gather_logprobs(targets.raw_logprobs[torch.tensor(rows)],
+                                       torch.tensor([t for i in wanted for t in results[i]]),
+                                       [requests[i].params.logprobs for i in wanted for _ in results[i]])
+        out = [SampledTokens(tokens, []) for tokens in results]
+        entries = iter(gathered)
+        for i in wanted:
+            out[i].logprobs = list(itertools.islice(entries, len(results[i])))
         return out
 
 
@@ -162,11 +179,12 @@ def _greedy_run(draft: list[int], targets: list[int]) -> int:
     return accepted
 
 
-def _accepted_run(draft: list[int], weights: list[torch.Tensor], u: torch.Tensor) -> int:
-    """How many drafts pass the test u < p(x) in a row, p the target's normalised weights at x's position."""
+def _accepted_run(probs: list[float], masses: list[float], u: list[float]) -> int:
+    """How many drafts pass the test u < p(x) in a row, from the first on: p(x) the target's weight at the draft
+    x's position (probs) over the row's sum (masses)."""
     accepted = 0
-    for x, w, u_j in zip(draft, weights, u.tolist()):
-        if not u_j * float(w.sum()) < float(w[x]):
+    for p, mass, u_j in zip(probs, masses, u):
+        if not u_j * mass < p:
             break
         accepted += 1
     return accepted

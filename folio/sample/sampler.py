@@ -57,34 +57,62 @@ class Sampler:
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """The full path over the metadata's full rows (logits holds just those): raw logprobs, logits
         processors, greedy or random choice."""
-        # A private float32 copy: processors work in place and the caller's tensor stays untouched.
-        logits = logits.to(torch.float32, copy=True)
-        device = logits.device
+        rows = process_full_rows(logits, metadata)
         requests = metadata.subset(metadata.full_rows)
-
-        # vLLM V1 reports logprobs of the model's raw distribution, so take them before any processing.
-        lp_rows = metadata.logprob_rows
-        if lp_rows:
-            lp_index = torch.tensor(lp_rows, dtype=torch.long, device=device)
-            raw_logprobs = torch.log_softmax(logits[lp_index], dim=-1)
-
-        process_logits(logits, metadata)
-
         random_rows = metadata.random_rows
-        if len(random_rows) == len(requests):
-            sampled = _sample_random(logits, requests)  # logits is private: modified in place, no copy
+        if rows.argmax is None:
+            sampled = draw(rows.weights, requests)
         else:
-            sampled = argmax_rows(logits)  # the answer for greedy rows; random rows are overwritten below
+            sampled = rows.argmax  # the answer for greedy rows; random rows are overwritten below
             if random_rows:
-                index = torch.tensor(random_rows, dtype=torch.long, device=device)
-                sampled[index] = _sample_random(logits[index], [requests[i] for i in random_rows])
+                index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+                sampled[index] = draw(rows.weights, [requests[i] for i in random_rows])
 
+        lp_rows = metadata.logprob_rows
         logprobs: list[Optional[SampledLogprobs]] = [None] * len(requests)
         if lp_rows:
-            gathered = gather_logprobs(raw_logprobs, sampled[lp_index], [requests[i].params.logprobs for i in lp_rows])
+            lp_index = torch.tensor(lp_rows, dtype=torch.long, device=logits.device)
+            gathered = gather_logprobs(rows.raw_logprobs, sampled[lp_index],
+                                       [requests[i].params.logprobs for i in lp_rows])
             for i, entry in zip(lp_rows, gathered):
                 logprobs[i] = entry
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+@dataclass
+class FullRows:
+    """A step's full rows after processing, split by how each chooses its token: what the Sampler draws from
+    and what the RejectionSampler verifies drafts against."""
+
+    raw_logprobs: Optional[torch.Tensor]  # [len(logprob_rows), V]: the raw distribution, before any processing
+    argmax: Optional[torch.Tensor]  # [len(full_rows)]: the greedy rows' tokens; None when every row is random
+    weights: Optional[torch.Tensor]  # [len(random_rows), V]: the random rows' weights (random_weights), or None
+
+
+def process_full_rows(logits: torch.Tensor, metadata: SamplingMetadata) -> FullRows:
+    """Raw logprobs, logits processors, then greedy argmax or random weights, over the metadata's full rows
+    (logits holds just those, and is left untouched)."""
+    # A private float32 copy: processors work in place and the caller's tensor stays untouched.
+    logits = logits.to(torch.float32, copy=True)
+    device = logits.device
+    # vLLM V1 reports logprobs of the model's raw distribution, so take them before any processing.
+    lp_rows = metadata.logprob_rows
+    raw_logprobs = None
+    if lp_rows:
+        raw_logprobs = torch.log_softmax(logits[torch.tensor(lp_rows, dtype=torch.long, device=device)], dim=-1)
+
+    process_logits(logits, metadata)
+
+    requests = metadata.subset(metadata.full_rows)
+    random_rows = metadata.random_rows
+    if len(random_rows) == len(requests):
+        return FullRows(raw_logprobs, None, random_weights(logits, requests))  # logits is private: no copy
+    argmax = argmax_rows(logits)
+    weights = None
+    if random_rows:
+        index = torch.tensor(random_rows, dtype=torch.long, device=device)
+        weights = random_weights(logits[index], [requests[i] for i in random_rows])
+    return FullRows(raw_logprobs, argmax, weights)
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -102,11 +130,6 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int],
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = torch.tensor(target_token_ids, dtype=torch.long, device=logits.device)
     return gather_logprobs(logprobs, targets, [num_logprobs] * len(target_token_ids))
-
-
-def _sample_random(logits: torch.Tensor, rows: list[RequestState]) -> torch.Tensor:
-    """Sample one token per (non-greedy) row; logits is a private [R, V] tensor, modified in place."""
-    return draw(random_weights(logits, rows), rows)
 
 
 def random_weights(logits: torch.Tensor, rows: list[RequestState]) -> torch.Tensor:

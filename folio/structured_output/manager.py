@@ -1,6 +1,8 @@
 """StructuredOutputManager: the engine core's side of structured outputs.
 
-- `validate` checks a constraint when its request is added, so a bad one fails before anything is queued.
+- `validate` checks a constraint when its request is added, so a bad one fails before anything is queued. The
+  server checks it first (to name the field that carried it), then the engine as the request is added: the
+  manager remembers the constraints found valid, so each is validated once on its way in.
 - `add_requests` starts compiling on a worker thread (llguidance releases the GIL), through a cache keyed by the
   constraint: requests with the same schema (the n samples of one request, or clients repeating a schema) share
   one compile and each copies the result. The scheduler skips a request whose grammar is still compiling and
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +34,7 @@ from folio.tokenizer import Tokenizer
 
 logger = logging.getLogger("folio")
 
-CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+CACHE_SIZE = 256  # compiled grammars, and keys of valid constraints, kept (least recently used dropped first)
 
 
 @dataclass
@@ -64,17 +67,29 @@ class StructuredOutputManager:
         # One thread: compiles are rare next to steps, and one thread makes the lazily built tokenizer safe.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="folio-grammar")
         self._cache: OrderedDict[tuple[str, str], Future[Grammar]] = OrderedDict()
+        # Keys of constraints found valid. The server validates on its event loop, the engine on its thread.
+        self._valid: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._valid_lock = threading.Lock()
         self.stats = StructuredOutputStats()
 
     def validate(self, params: Optional[StructuredOutputsParams], field: Optional[str] = None) -> None:
         """ValueError naming `field` (default: structured_outputs.<kind>) if the constraint is invalid."""
         if params is None:
             return
+        key = params.key()
+        with self._valid_lock:
+            if key in self._valid:
+                self._valid.move_to_end(key)
+                return
         try:
             self.backend.validate(params)
         except ValueError as e:
             raise ValueError(f"{field or 'structured_outputs.' + params.kind} is not a valid "
                              f"{DESCRIPTIONS[params.kind]}: {e}") from None
+        with self._valid_lock:
+            self._valid[key] = None
+            if len(self._valid) > CACHE_SIZE:
+                self._valid.popitem(last=False)
 
     def add_requests(self, requests: list[Request]) -> None:
         """Start compiling the (validated) grammars of new requests."""

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from folio.core.scheduler import SchedulerStats
 from folio.engine.stats import IterationStats
+from folio.entrypoints.openai.counter_totals import CounterTotals
 from folio.spec_decode.stats import SpecDecodingStats
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -48,17 +49,17 @@ class PrometheusStatLogger:
             "prefix_cache_queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             "prefix_cache_hits": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
         }
-        self._seen = dict.fromkeys(self.since_start, 0)
+        self._since_start_totals = CounterTotals(self.since_start.__getitem__)
         self.spec_decode = {
             "num_drafts": counter("spec_decode_num_drafts", "Verification steps that checked draft tokens."),
             "num_draft_tokens": counter("spec_decode_num_draft_tokens", "Draft tokens verified."),
             "num_accepted_tokens": counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
         }
-        self._spec_seen = dict.fromkeys(self.spec_decode, 0)
+        self._spec_decode_totals = CounterTotals(self.spec_decode.__getitem__)
         self.accepted_per_pos = Counter("folio:spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by their position among a step's drafts.",
                                         labels + ["position"], registry=registry)
-        self._per_pos_seen: list[int] = []
+        self._per_pos_totals = CounterTotals(lambda pos: self.accepted_per_pos.labels(model_name, str(pos)))
         self.success = Counter("folio:request_success", "Count of finished requests by finish reason.",
                                labels + ["finished_reason"], registry=registry)
         for reason in FINISH_REASONS:  # each series exists (at 0) before the first request, so rate() works at once
@@ -74,10 +75,7 @@ class PrometheusStatLogger:
         self.running.set(scheduler_stats.num_running)
         self.waiting.set(scheduler_stats.num_waiting)
         self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
-        for name, counter in self.since_start.items():
-            total = getattr(scheduler_stats, name)
-            counter.inc(max(total - self._seen[name], 0))
-            self._seen[name] = total
+        self._since_start_totals.advance((name, getattr(scheduler_stats, name)) for name in self.since_start)
         self._record_spec_decoding(scheduler_stats.spec_decoding)
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.inc(iteration_stats.num_generation_tokens)
@@ -93,13 +91,5 @@ class PrometheusStatLogger:
                 self.queue_time.observe(finished.queue_time)
 
     def _record_spec_decoding(self, stats: SpecDecodingStats) -> None:
-        for name, counter in self.spec_decode.items():
-            total = getattr(stats, name)
-            counter.inc(max(total - self._spec_seen[name], 0))
-            self._spec_seen[name] = total
-        per_pos = stats.num_accepted_tokens_per_pos
-        self._per_pos_seen += [0] * (len(per_pos) - len(self._per_pos_seen))
-        for pos, total in enumerate(per_pos):
-            if total > self._per_pos_seen[pos]:
-                self.accepted_per_pos.labels(self.model_name, str(pos)).inc(total - self._per_pos_seen[pos])
-                self._per_pos_seen[pos] = total
+        self._spec_decode_totals.advance((name, getattr(stats, name)) for name in self.spec_decode)
+        self._per_pos_totals.advance(enumerate(stats.num_accepted_tokens_per_pos))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from folio.engine.input_processor import check_prompt_fits
 from folio.entrypoints.openai.server_options import ServerOptions
 from folio.tokenizer import Tokenizer
 
@@ -40,9 +41,7 @@ class RequestLimits:
                              f"could fit in this model's maximum context length of {self.max_model_len} tokens")
 
     def token_ids(self, ids: Sequence[int], field: str = "prompt") -> None:
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{field} is {len(ids)} tokens long, but this model's maximum context length is "
-                             f"{self.max_model_len} tokens (the prompt and at least one generated token must fit)")
+        check_prompt_fits(len(ids), self.max_model_len, field)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{field} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")

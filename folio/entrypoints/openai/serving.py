@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
+from folio.engine.input_processor import check_prompt_fits
 from folio.entrypoints.openai.errors import OpenAIError, engine_error_status, error_body
 from folio.entrypoints.openai.protocol import DeltaToolCall, PromptTokensDetails, SamplingRequest, UsageInfo
 from folio.entrypoints.openai.request_limits import RequestLimits
@@ -100,12 +101,6 @@ def check_model(requested: Optional[str], served: str) -> None:
     """404 for a model this server does not serve (a request may leave the model out)."""
     if requested is not None and requested != served:
         raise OpenAIError(404, f"The model `{requested}` does not exist.", "model")
-
-
-def check_prompt_fits(prompt_len: int, max_model_len: int, field: str = "prompt") -> None:
-    if prompt_len >= max_model_len:
-        raise ValueError(f"{field} is {prompt_len} tokens long, but this model's maximum context length is "
-                         f"{max_model_len} tokens (the prompt and at least one generated token must fit)")
 
 
 def check_context(prompt_len: int, max_tokens: int, max_model_len: int, field: str = "max_tokens") -> None:

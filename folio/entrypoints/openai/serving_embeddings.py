@@ -18,12 +18,13 @@ from fastapi import Request
 from starlette.responses import Response
 
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
+from folio.engine.input_processor import check_prompt_fits
 from folio.engine.output_processor import OutputKind
 from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.protocol_embeddings import (EmbeddingData, EmbeddingRequest, EmbeddingResponse,
                                                           EmbeddingUsage)
 from folio.entrypoints.openai.request_limits import RequestLimits
-from folio.entrypoints.openai.serving import cancel_on_disconnect, check_model, check_prompt_fits
+from folio.entrypoints.openai.serving import cancel_on_disconnect, check_model
 from folio.pooling_params import PoolingParams
 
 

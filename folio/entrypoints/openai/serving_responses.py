@@ -24,6 +24,7 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
+from folio.engine.input_processor import check_prompt_fits
 from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.protocol import ChatMessage, FunctionCallRequest, TextPart, ToolCallRequest
 from folio.entrypoints.openai.request_limits import RequestLimits
@@ -32,7 +33,7 @@ from folio.entrypoints.openai.protocol_responses import (DeletedResponse, Functi
                                                          OutputText, ResponseError, ResponseObject, ResponsesRequest,
                                                          ResponseUsage)
 from folio.entrypoints.openai.responses_store import ResponseStore
-from folio.entrypoints.openai.serving import cancel_on_disconnect, check_context, check_model, check_prompt_fits
+from folio.entrypoints.openai.serving import cancel_on_disconnect, check_context, check_model
 from folio.entrypoints.openai.serving_chat import chat_prompt_ids
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from folio.core.scheduler import SchedulerStats
 from folio.engine.stats import IterationStats
+from folio.entrypoints.openai.counter_totals import CounterTotals
 from folio.structured_output.manager import StructuredOutputStats
 
 _COUNTERS = {  # field of StructuredOutputStats -> (metric name, help)
@@ -25,10 +26,7 @@ class StructuredOutputStatLogger:
         self.stats = stats
         self.counters = {field: Counter(f"folio:{name}", doc, ["model_name"], registry=registry).labels(model_name)
                          for field, (name, doc) in _COUNTERS.items()}
-        self._seen = dict.fromkeys(_COUNTERS, 0.0)
+        self._totals = CounterTotals(self.counters.__getitem__)
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        for field, counter in self.counters.items():
-            total = getattr(self.stats, field)
-            counter.inc(max(total - self._seen[field], 0))
-            self._seen[field] = total
+        self._totals.advance((field, getattr(self.stats, field)) for field in self.counters)
