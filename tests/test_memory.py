@@ -23,6 +23,9 @@ def test_user_malloc_settings_are_left_alone(monkeypatch):
 
 # In a fresh process: glibc serves a thread from another arena when the main one is busy, and a 64 MiB block
 # never fits there, so threads left running by other tests (servers, engines) would make this measure them.
+# Now and then a small allocation takes the head of the freed block and the next one grows the heap instead
+# (measured: one allocation in three or four, until the heap holds two such blocks), so the median of eight
+# is what is asserted: a fresh mapping per allocation would fault every page in every time.
 _FAULTS_OF_A_REUSED_BLOCK = """
 import resource, torch
 from folio import memory
@@ -34,7 +37,7 @@ def faults_of_a_64mib_tensor():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 faults_of_a_64mib_tensor()  # the heap grows once
-print(faults_of_a_64mib_tensor())
+print(sorted(faults_of_a_64mib_tensor() for _ in range(8))[4])
 """
 
 
