@@ -64,13 +64,13 @@ def check_step(batch: InputBatch, reqs: list[FakeRequest], num_tokens: list[int]
     ids, pos, slots = naive(reqs, scheduled)
     assert step.input_ids.tolist() == ids
     assert step.positions.tolist() == pos
-    assert step.layout.slot_mapping.tolist() == slots
-    assert step.layout.query_lens.tolist() == num_tokens
-    assert step.layout.seq_lens.tolist() == [r.num_computed_tokens + n for r, n in zip(reqs, num_tokens)]
+    assert step.layouts[0].slot_mapping.tolist() == slots
+    assert step.layouts[0].query_lens.tolist() == num_tokens
+    assert step.layouts[0].seq_lens.tolist() == [r.num_computed_tokens + n for r, n in zip(reqs, num_tokens)]
     for i, (r, n) in enumerate(zip(reqs, num_tokens)):
         blocks = -(-(r.num_computed_tokens + n) // BLOCK)
-        assert step.layout.block_tables[i, :blocks].tolist() == r.blocks[:blocks]
-    assert step.input_ids.dtype == step.positions.dtype == step.layout.slot_mapping.dtype == torch.int64
+        assert step.layouts[0].block_tables[i, :blocks].tolist() == r.blocks[:blocks]
+    assert step.input_ids.dtype == step.positions.dtype == step.layouts[0].slot_mapping.dtype == torch.int64
 
 
 @settings(max_examples=60, deadline=None)

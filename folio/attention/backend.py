@@ -16,7 +16,8 @@ window of the step's first query are unspecified (the KV cache manager frees tho
 KV cache groups (models with sliding-window layers, folio.worker.kv_cache): the layers are grouped by their
 window, each group has block tables of its own, and layers of different groups share cache tensors (a block
 id holds different tokens in each group). A layer's cache is then a `LayerKVCache` naming its group, and the
-step's metadata a `GroupedMetadata` with each group's; a backend's forward takes its group's part first.
+step has metadata per group, built from that group's layout; the caller (folio.models.llama.StepContext) hands
+each layer's forward its group's.
 """
 
 from __future__ import annotations
@@ -87,16 +88,6 @@ class LayerKVCache(tuple):
         self = super().__new__(cls, (k_cache, v_cache))
         self.group = group
         return self
-
-
-@dataclass
-class GroupedMetadata:
-    """A step's metadata when the KV cache has several groups: each group's, built from its own layout."""
-
-    groups: list[Any]
-
-    def of(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        return self.groups[getattr(kv_cache, "group", 0)]
 
 
 class AttentionBackend(ABC):

@@ -42,7 +42,7 @@ import torch
 from folio.attention import flash_prefill as flash_prefill_module
 from folio.attention import gemm_prefill as gemm_prefill_module
 from folio.attention import kv_quant
-from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout, GroupedMetadata
+from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout
 from folio.attention.long_query import LongQueryPath
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
@@ -147,8 +147,6 @@ class CPUPagedAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: CPUPagedMetadata,
                 params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
-        if isinstance(metadata, GroupedMetadata):
-            metadata = metadata.of(kv_cache)
         k_cache, v_cache = kv_cache
         dtype = q.dtype
         cache_ok = k_cache.dtype == dtype or kv_quant.of_cache(k_cache) is not None

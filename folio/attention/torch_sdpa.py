@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from folio.attention import kv_quant
-from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout, GroupedMetadata
+from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout
 
 
 @dataclass
@@ -114,8 +114,6 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: TorchSDPAMetadata,
                 params: AttentionParams = FULL_ATTENTION) -> torch.Tensor:
-        if isinstance(metadata, GroupedMetadata):
-            metadata = metadata.of(kv_cache)
         k_cache, v_cache = kv_cache
         quant = kv_quant.of_cache(k_cache)
         num_kv_heads, row = k_cache.shape[-2:]

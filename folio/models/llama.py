@@ -23,11 +23,17 @@ from folio.models.weight_loader import ShardId
 
 @dataclass
 class StepContext:
-    """What every attention layer needs for one step: the backend, its per-step metadata, the paged cache."""
+    """What every attention layer needs for one step: the backend, its per-step metadata (one per KV cache group:
+    a layer's cache names its group, folio.attention.backend.LayerKVCache), the paged cache."""
 
     backend: AttentionBackend
-    metadata: Any
+    metadata: list[Any]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               params: AttentionParams) -> torch.Tensor:
+        kv_cache = self.kv_caches[layer_idx]
+        return self.backend.forward(q, k, v, kv_cache, self.metadata[getattr(kv_cache, "group", 0)], params)
 
 
 class LlamaAttention(nn.Module):
@@ -53,7 +59,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.normalize_qk(q, k)
         q, k = self.rotary(positions, q, k)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.attn_params)
+        out = ctx.attend(self.layer_idx, q, k, v, self.attn_params)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -133,7 +133,7 @@ class DraftModelProposer(Proposer):
         slots = table[token_rows, flat // bs].astype(np.int64) * bs + flat % bs
         tables = torch.from_numpy(table[rows, :cdiv(int(seq_lens.max()), bs)])
         layout = BatchLayout(qlens, seq_lens, tables.to(self.device), torch.from_numpy(slots).to(self.device), bs)
-        ctx = StepContext(self.backend, self.backend.build_metadata(layout), self.kv_caches)
+        ctx = StepContext(self.backend, [self.backend.build_metadata(layout)], self.kv_caches)
         ids = torch.from_numpy(np.concatenate(token_ids).astype(np.int64)).to(self.device)
         hidden = self.model(ids, torch.from_numpy(flat).to(self.device), ctx)
         return argmax_rows(self.model.compute_logits(hidden[torch.from_numpy(np.cumsum(qlens) - 1)])).tolist()

@@ -32,10 +32,6 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     layouts: list[BatchLayout]  # per KV cache group: the same requests, the group's tables and slots
 
-    @property
-    def layout(self) -> BatchLayout:
-        return self.layouts[0]
-
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from folio.attention.backend import AttentionBackend, GroupedMetadata
+from folio.attention.backend import AttentionBackend
 from folio.core.step_contract import ModelRunnerOutput, SampledTokens, ScheduledRequestData, SchedulerOutput
 from folio.models import fused_ops
 from folio.models.llama import StepContext
@@ -78,10 +78,8 @@ class ModelRunner:
             return output
         start_time = time.perf_counter()
         step = self.inputs.prepare(sched.scheduled, self.requests)
-        if len(step.layouts) == 1:
-            metadata = self.backend.build_metadata(step.layout)
-        else:  # KV cache groups (sliding-window layers): each group's tables
-            metadata = GroupedMetadata([self.backend.build_metadata(layout) for layout in step.layouts])
+        # one per KV cache group (sliding-window layers have groups of their own), each from the group's tables
+        metadata = [self.backend.build_metadata(layout) for layout in step.layouts]
         ctx = StepContext(self.backend, metadata, self.kv_caches)
         hidden = self.model(step.input_ids, step.positions, ctx)
 
