@@ -100,7 +100,7 @@ def test_a_16k_request_holds_about_a_sixth(name, layers, window):
 
 
 @pytest.mark.parametrize("k", [0, 3], ids=["alone", "beside-a-draft-model"])
-def test_engine_frees_out_of_window_blocks(tmp_path, k):
+def test_engine_frees_out_of_window_blocks(tmp_path, k, steps_cost_the_prior):
     # the tiny Gemma 3 (window 8, five local layers to one global): a long request's held blocks grow with the
     # global layer only, and greedy output is Transformers'. Beside a draft model too (the target itself, k guesses
     # a step): it uses the global group's tables, so its global layer's KV is the target's at the same blocks
@@ -196,7 +196,7 @@ def test_speculative_decoding_with_sliding_windows(tmp_path):
         assert llm.llm_engine.scheduler.spec_decoding_stats.snapshot().num_draft_tokens > 0
 
 
-def test_a_draft_model_beside_layers_that_all_slide_keeps_one_group(tmp_path):
+def test_a_draft_model_beside_layers_that_all_slide_keeps_one_group(tmp_path, steps_cost_the_prior):
     # Mistral's layers all slide: no group holds a whole context for the draft model's catch-ups to read, so beside
     # one the cache keeps a single group of every layer (windows still apply)
     from conftest import build_tiny_model
