@@ -72,7 +72,7 @@ struct Scalar {
   static F set1(float v) { return v; }
   static F load(const float* p) { return *p; }
   static F fma(F a, F b, F c) { return a * b + c; }
-  static F add(F a, F b) { return a + b; }
+  static F mul(F a, F b) { return a * b; }
   static float hsum(F a) { return a; }
   static void i8_block(const int8_t* p, F* out) {
     for (int j = 0; j < BLOCK; ++j) out[j] = static_cast<float>(p[j]);
@@ -96,7 +96,12 @@ struct Scalar {
     for (int j = 0; j < BLOCK / 2; ++j) acc += (w[j] & 15) * x[j] + (w[j] >> 4) * x[j + BLOCK / 2];
     return acc;
   }
-  static F cvt(I a) { return static_cast<float>(a); }
+  // the float sums of W consecutive blocks' products (one block here) for MR rows of x, ldx apart; the
+  // weight blocks are unpacked once for all rows
+  template <int MR>
+  static void u4dots(const uint8_t* w, const int8_t* x, int64_t ldx, F* out) {
+    for (int i = 0; i < MR; ++i) out[i] = static_cast<float>(u4dot(w, x + i * ldx));
+  }
 };
 
 #if FOLIO_AVX2
@@ -109,7 +114,7 @@ struct Avx2 {
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static float hsum(F a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -142,14 +147,15 @@ struct Avx2 {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
   }
-  // an int4 block of 32 values as 32 bytes in x's order, and 8 partial int32 sums of its products with 32
-  // int8 values of x (the nibbles are the unsigned operand; |sum of a pair| <= 2 * 15 * 127: no saturation)
+  // an int4 block of 32 values as 32 bytes in x's order: the 16 bytes in both 128-bit lanes, the high lane
+  // shifted right by 4, so the low lane holds values 0..15 (low nibbles) and the high one 16..31
   using Q = __m256i;
   static Q u4load(const uint8_t* w) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-    const __m128i m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
   }
+  // 8 partial int32 sums of a block's products with 32 int8 values of x (the nibbles are the unsigned
+  // operand; |sum of a pair| <= 2 * 15 * 128: no saturation)
   static I u4dot(Q q, const int8_t* x) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -158,7 +164,23 @@ struct Avx2 {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), _mm256_set1_epi16(1));
 #endif
   }
-  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  // The sums of 8 blocks' partial sums, one block per lane: two rounds of hadd leave blocks 0-3 (s0123) and
+  // 4-7 (s4567) with their first and second halves in the low and high 128-bit lanes, which one add joins.
+  static F block_sums(const I* s) {
+    const __m256i s0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i s4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                                               _mm256_permute2x128_si256(s0123, s4567, 0x31)));
+  }
+  template <int MR>
+  static void u4dots(const uint8_t* w, const int8_t* x, int64_t ldx, F* out) {
+    I s[MR][W];
+    for (int j = 0; j < W; ++j) {
+      const Q q = u4load(w + j * (BLOCK / 2));
+      for (int i = 0; i < MR; ++i) s[i][j] = u4dot(q, x + i * ldx + j * BLOCK);
+    }
+    for (int i = 0; i < MR; ++i) out[i] = block_sums(s[i]);
+  }
 };
 #endif
 
@@ -172,7 +194,7 @@ struct Avx512 {
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static float hsum(F a) { return _mm512_reduce_add_ps(a); }
   static void i8_block(const int8_t* p, F* out) {
     for (int j = 0; j < 2; ++j)
@@ -197,6 +219,17 @@ struct Avx512 {
   static int32_t ihsum(I a) { return _mm512_reduce_add_epi32(a); }
 };
 #endif
+
+// sum_k a[k] b[k] over n floats: V::W at a time, then one by one
+template <class V>
+float dot(const float* a, const float* b, int64_t n) {
+  typename V::F acc = V::zero();
+  int64_t k = 0;
+  for (; k + V::W <= n; k += V::W) acc = V::fma(V::load(a + k), V::load(b + k), acc);
+  float v = V::hsum(acc);
+  for (; k < n; ++k) v += a[k] * b[k];
+  return v;
+}
 
 // ------------------------------------------------------------------------------------- weight formats
 // Fmt::block<V>(row, k, out): W[n, k .. k + 32) as BLOCK / V::W float vectors (before scales), k % 32 == 0.
@@ -342,36 +375,52 @@ struct W4A8 {
   int64_t M, N, K, G, ng;
 };
 
-// Rows m0 .. m0 + MR of y, columns n0 .. n1; each weight block is unpacked once for the MR rows. CH chains per
-// row (blocks alternate between them) hide the FMA's latency when the rows are few.
+// Rows m0 .. m0 + MR of y, columns n0 .. n1. Blocks go V::W at a time (a chunk): their exact int32 sums
+// become one float vector, scaled lane by lane by the x block's and the weight group's scales (ws: one weight
+// scale per block). The blocks past the last whole chunk are copied into a zero-padded chunk: zero x values
+// and scales add nothing.
 template <class V, int MR>
 void w4a8_tile(const W4A8& a, int64_t m0, int64_t n0, int64_t n1) {
   using F = typename V::F;
-  constexpr int CH = MR <= 2 ? 2 : 1;
-  const int64_t nb = a.K / BLOCK, per_group = a.G / BLOCK;
+  const int64_t nb = a.K / BLOCK, per_group = a.G / BLOCK, tail = nb % V::W, whole = nb - tail;
+  alignas(64) int8_t x_tail[MR][V::W * BLOCK] = {};
+  alignas(64) float xs_tail[MR][V::W] = {};
+  alignas(64) uint8_t w_tail[V::W * BLOCK / 2] = {};
+  alignas(64) float ws_tail[V::W] = {};
+  for (int i = 0; i < MR; ++i) {
+    std::memcpy(x_tail[i], a.xq + (m0 + i) * a.K + whole * BLOCK, tail * BLOCK);
+    std::memcpy(xs_tail[i], a.xs + (m0 + i) * nb + whole, tail * sizeof(float));
+  }
+  std::vector<float> expanded(per_group == 1 ? 0 : nb);
+  F acc[MR];
+  // acc[i] += the chunk's block sums for row i, scaled; x rows ldx apart, their block scales ldxs apart
+  const auto chunk = [&](const uint8_t* w, const float* ws, const int8_t* x, int64_t ldx, const float* xs,
+                         int64_t ldxs) {
+    F sums[MR];
+    V::template u4dots<MR>(w, x, ldx, sums);
+    const F w_scale = V::load(ws);
+    for (int i = 0; i < MR; ++i) acc[i] = V::fma(sums[i], V::mul(w_scale, V::load(xs + i * ldxs)), acc[i]);
+  };
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = a.w + n * (a.K / 2);
     const float* sc = a.scales + n * a.ng;
-    F acc[MR][CH];
-    for (int i = 0; i < MR; ++i)
-      for (int c = 0; c < CH; ++c) acc[i][c] = V::zero();
-    for (int64_t b = 0; b < nb; ++b) {
-      const typename V::Q q = V::u4load(row + b * (BLOCK / 2));
-      const float sw = sc[b / per_group];
-      for (int i = 0; i < MR; ++i) {
-        const int64_t m = m0 + i;
-        acc[i][b % CH] = V::fma(V::cvt(V::u4dot(q, a.xq + m * a.K + b * BLOCK)), V::set1(sw * a.xs[m * nb + b]),
-                                acc[i][b % CH]);
-      }
+    const float* ws = sc;
+    if (per_group != 1) {
+      for (int64_t b = 0; b < nb; ++b) expanded[b] = sc[b / per_group];
+      ws = expanded.data();
     }
-    const float* o = a.offsets + n * a.ng;
+    for (int i = 0; i < MR; ++i) acc[i] = V::zero();
+    for (int64_t b = 0; b < whole; b += V::W)
+      chunk(row + b * (BLOCK / 2), ws + b, a.xq + m0 * a.K + b * BLOCK, a.K, a.xs + m0 * nb + b, nb);
+    if (tail) {
+      std::memcpy(w_tail, row + whole * (BLOCK / 2), tail * (BLOCK / 2));
+      std::memcpy(ws_tail, ws + whole, tail * sizeof(float));
+      chunk(w_tail, ws_tail, x_tail[0], V::W * BLOCK, xs_tail[0], V::W);
+    }
     for (int i = 0; i < MR; ++i) {
-      F t = acc[i][0];
-      for (int c = 1; c < CH; ++c) t = V::add(t, acc[i][c]);
-      float v = V::hsum(t);
-      const float* xs = a.xsum + (m0 + i) * a.ng;
-      for (int64_t g = 0; g < a.ng; ++g) v += o[g] * xs[g];
-      a.y[(m0 + i) * a.N + n] = a.bias ? v + a.bias[n] : v;
+      const int64_t m = m0 + i;
+      const float v = V::hsum(acc[i]) + dot<V>(a.offsets + n * a.ng, a.xsum + m * a.ng, a.ng);
+      a.y[m * a.N + n] = a.bias ? v + a.bias[n] : v;
     }
   }
 }
