@@ -25,6 +25,7 @@ import logging
 import math
 import mmap
 import os
+import resource
 
 import torch
 
@@ -43,6 +44,11 @@ def available_memory_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def keep_freed_memory() -> bool:

@@ -16,6 +16,7 @@ from folio.bench.make_model import ARCHITECTURES, weight_shapes
 from folio.bench.report import summarize
 from folio.bench.step_profile import PHASES
 from folio.cli import main
+from folio.memory import peak_resident_bytes
 from server_fixture import MODEL_NAME, running_server
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4MiB", "--num-threads", "1"]
@@ -51,6 +52,8 @@ def test_throughput_reports_rates_and_a_breakdown_that_adds_up(llama_dir, tmp_pa
     assert report["requests_per_s"] == pytest.approx(6 / report["elapsed_s"])
     assert set(report["ttft"]) == SUMMARY_FIELDS and report["ttft"]["count"] == 6
     assert report["other_cores"] >= 0
+    # the peak of this process when the run ended: positive, and not above its peak now
+    assert 0 < report["peak_rss_bytes"] <= peak_resident_bytes()
     b = report["breakdown"]
     assert set(b["phases"]) == set(PHASES)
     assert all(p["total_s"] >= 0 for name, p in b["phases"].items() if name != "other")
@@ -69,6 +72,7 @@ def test_throughput_reports_rates_and_a_breakdown_that_adds_up(llama_dir, tmp_pa
         assert sum(kind["phase_ms"].values()) == pytest.approx(kind["mean_ms"])
     text = capsys.readouterr().out
     assert "output tokens/s" in text and "step breakdown" in text and "attention" in text
+    assert "peak resident memory" in text
 
 
 def test_throughput_with_random_sampling(llama_dir, tmp_path):

@@ -48,3 +48,33 @@ def test_large_blocks_are_reused_without_page_faults():
     out = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_REUSED_BLOCK], env=env, capture_output=True, text=True,
                          check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert int(out.stdout.split()[-1]) < 1000  # a fresh mapping would fault all 16384 of its 4 KiB pages in again
+
+
+# A checkpoint of eight 8 MiB tensors read as the loader reads it, each tensor used and dropped: the most the
+# process's resident memory grows by meanwhile. One handle for the whole file kept every page read resident
+# until the end (64 MiB); a handle per tensor keeps only the tensor in use.
+_RESIDENT_GROWTH_WHILE_READING = """
+import sys, torch
+from safetensors.torch import save_file
+from folio.loader.model_loader import _iter_safetensors
+
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+path = sys.argv[1]
+save_file({f"t{i}": torch.full((2 << 20,), float(i)) for i in range(8)}, path)
+start, most = resident(), 0
+for name, tensor in _iter_safetensors([path]):
+    assert float(tensor[-1]) == float(name[1:])
+    tensor.sum()  # reads every page
+    del tensor
+    most = max(most, resident() - start)
+print(most)
+"""
+
+
+def test_reading_a_checkpoint_keeps_only_the_tensor_in_use_resident(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _RESIDENT_GROWTH_WHILE_READING, str(tmp_path / "w.safetensors")],
+                         capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert int(out.stdout.split()[-1]) < 24 << 20  # one tensor (8 MiB) and change; the whole file is 64 MiB

@@ -25,6 +25,7 @@ from folio.bench.workload import BenchRequest, add_workload_arguments, describe,
 from folio.config import EngineConfig, SpeculativeOptions
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
+from folio.memory import peak_resident_bytes
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.spec_decode.stats import SpecDecodingStats
@@ -51,6 +52,7 @@ class ThroughputResult:
     e2e_latency: Optional[Summary]
     breakdown: Optional[StepBreakdown]
     other_cores: float  # CPU other processes used meanwhile (folio.bench.noise); >= 0.1: not a clean figure
+    peak_rss_bytes: int  # this process's peak resident memory at the end of the run, engine start included
     spec_decoding: Optional[SpecDecodingStats] = None  # over the measured run, when speculation is on
 
 
@@ -176,6 +178,7 @@ def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, brea
                         if n > 1]),
         e2e_latency=summarize([m.finished_time - m.arrival_time for m in metrics]),
         breakdown=profile.breakdown() if profile else None, other_cores=other_cores,
+        peak_rss_bytes=peak_resident_bytes(),
         spec_decoding=(engine.get_stats().spec_decoding.since(spec_before)
                        if config.speculative.speculative_config else None))
 
@@ -207,6 +210,7 @@ def print_result(result: ThroughputResult) -> None:
     if result.tpot:
         print(f"  TPOT {result.tpot.line(1e3, 'ms')}")
     print(f"  E2E  {result.e2e_latency.line(1e3, 'ms')}")
+    print(f"  peak resident memory {result.peak_rss_bytes / 1e9:.2f} GB (the process so far, engine start included)")
     print(f"  {note(result.other_cores)}")
     spec = result.spec_decoding
     if spec is not None:
