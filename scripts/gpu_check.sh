@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The device check: run it whenever a session is lent the device machine, whatever issue it works on, and put
+# its figures in the closing note.
+#
+# That machine is an H200 whose host CPU is a Xeon with AMX-BF16/INT8. folio has no CUDA code yet, so this
+# checks the host: the C++ kernels' AVX-512 paths against their references (a development machine may have
+# AVX2 only, CI's CPU varies), then the figures of issues 13 and 15 on two pinned physical cores, the slice
+# those issues measure: the roofline, W1 with its peak memory, long-query attention, batch-1 decode and W1 of
+# the weight schemes. Every part has a time limit and parts that would not fit are skipped (said in the log),
+# so the whole ends within DEADLINE_S.
+#
+# Before the call, here, once per session (nothing can be installed there, and the device lacks gguf):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
+# The call: device `run` with command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 590. The log
+# also comes back as $OUT/gpu_check.log.
+set -uo pipefail
+DEADLINE_S=${DEADLINE_S:-560}
+PY=${PYTHON:-python3}
+WORK=${WORK:-/tmp/folio-check}
+mkdir -p "$WORK"
+exec > >(tee "${OUT:-$WORK}/gpu_check.log") 2>&1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE
+export FOLIO_CACHE_DIR=${FOLIO_CACHE_DIR:-$WORK/cache}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:$WORK/site
+fi
+
+section() { echo; echo "=== $* (at ${SECONDS} s)"; }
+# part CAP_S COMMAND...: the command under a time limit, or a note that it would not fit before the deadline
+part() {
+  local cap=$1; shift
+  if (( SECONDS + cap > DEADLINE_S )); then echo "skipped, ${cap} s would pass the deadline: $*"; return; fi
+  timeout "$cap" "$@" || echo "(exit $? after at most ${cap} s: $*)"
+}
+
+section machine
+grep -m1 "model name" /proc/cpuinfo
+echo "logical CPUs: $(nproc)"
+for flag in avx512f avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8; do
+  grep -qw "$flag" /proc/cpuinfo && echo "  $flag: yes" || echo "  $flag: no"
+done
+command -v nvidia-smi >/dev/null && nvidia-smi -L
+$PY -c "import torch; print('torch', torch.__version__, '- ATen CPU capability', torch.backends.cpu.get_cpu_capability())"
+# the first logical CPU of each of two distinct physical cores
+CORES=$(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | head -2 | cut -d, -f1 | paste -sd,)
+PIN=(taskset -c "$CORES")
+echo "figures pinned to CPUs $CORES"
+
+section "kernels: built side by side on every core"
+builds=()
+for module in folio.attention.cpu_paged folio.attention.flash_prefill folio.models.quant_kernels \
+    folio.models.small_batch_gemm folio.models.fused_moe folio.models.fused_ops folio.sample.sampling_ops \
+    folio.structured_output.token_mask; do
+  part 240 $PY -c "import $module as m; k = m.KERNEL; print('$module:', 'built' if k.load() else k.error)" &
+  builds+=($!)
+done
+wait "${builds[@]}"  # (a bare wait would wait for the log's tee too)
+
+section "kernel tests against their references"
+$PY -c "import xdist" 2>/dev/null && SPREAD=(-n 8) || SPREAD=()
+part 150 $PY -m pytest -q -p no:cacheprovider "${SPREAD[@]}" tests/test_quant_kernels.py tests/test_small_batch_gemm.py \
+  tests/test_cpu_paged_attention.py tests/test_sliding_window.py tests/test_flash_prefill.py \
+  tests/test_gemm_prefill.py tests/test_fused_moe.py tests/test_fused_ops.py tests/test_kv_cache_8bit.py
+
+section "W1 on the 0.5B Qwen2 (default settings): the roofline, throughput and peak memory"
+MODEL=$WORK/qwen2-0.5b
+part 60 $PY -m folio bench make-model --arch qwen2-0.5b --out "$MODEL"
+W1=(--num-prompts 64 --input-len 256 --output-len 128)
+part 60 "${PIN[@]}" $PY -m folio bench roofline --model "$MODEL" "${W1[@]}"
+part 150 "${PIN[@]}" $PY -m folio bench throughput --model "$MODEL" "${W1[@]}" --no-breakdown
+
+section "long-query (prefill) attention, one Qwen2-0.5B layer"
+part 90 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --shapes Qwen2-0.5B
+
+section "batch-1 decode of the 0.5B Qwen2, weight schemes against bf16 (issue 13: int8 1.7x, int4 2.5x)"
+part 120 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" --max-num-seqs 1 --num-prompts 2 \
+  --input-len 32 --output-len 64 --kv-cache-memory 268435456 \
+  --runs bfloat16 bfloat16:int8 bfloat16:w8a8 bfloat16:int4 bfloat16:w4a8 bfloat16
+
+section "W1 of the int8 schemes against bf16 (issue 13: int8 1.3x)"
+part 200 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" "${W1[@]}" \
+  --runs bfloat16 bfloat16:int8 bfloat16:w8a8
+
+section "done"
