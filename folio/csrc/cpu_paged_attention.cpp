@@ -50,6 +50,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -128,19 +129,17 @@ struct Cache<int8_t> : QuantizedCache<int8_t> {
   static float value(int8_t x) { return static_cast<float>(x); }
   static int8_t encode(float x) { return static_cast<int8_t>(std::min(MAX, std::max(-MAX, std::nearbyint(x)))); }
 };
+// the float of every fp8 e4m3 code, filled as the library loads (no initialisation guard in the read loops)
+const std::array<float, 256> FP8_E4M3_VALUES = [] {
+  std::array<float, 256> v{};
+  for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  return v;
+}();
 template <>
 struct Cache<uint8_t> : QuantizedCache<uint8_t> {
   static constexpr float MAX = 448.f;
-  static float value(uint8_t x) { return table()[x]; }
+  static float value(uint8_t x) { return FP8_E4M3_VALUES[x]; }
   static uint8_t encode(float x) { return c10::Float8_e4m3fn(x).x; }  // round to nearest even, as torch
-  static const float* table() {
-    static const std::vector<float> t = [] {
-      std::vector<float> v(256);
-      for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-      return v;
-    }();
-    return t.data();
-  }
 };
 
 // Scratch memory of one thread, grown on demand and reused across calls.
