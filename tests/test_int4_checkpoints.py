@@ -96,13 +96,14 @@ def _write(src: str, dest: str, tensors: dict, quantization_config: dict | None)
     return dest
 
 
-def _prequantize(src: str, dest: str, fmt: str, group_size: int,
-                 linears: tuple[str, ...] = LINEARS) -> tuple[str, str, dict[str, torch.Tensor]]:
-    """(the quantised folder, a float folder of its dequantised weights, {checkpoint name: dequantised})."""
+def _prequantize(src: str, dest: str, fmt: str, group_size: int, linears: tuple[str, ...] = LINEARS,
+                 keep_float: tuple[str, ...] = ()) -> tuple[str, str, dict[str, torch.Tensor]]:
+    """(the quantised folder, a float folder of its dequantised weights, {checkpoint name: dequantised});
+    keep_float: checkpoint names of weights left in float."""
     tensors = load_file(os.path.join(src, "model.safetensors"))
     quantised, dequantised, deq = {}, {}, {}
     for name, tensor in tensors.items():
-        if any(f".{p}.weight" in name for p in linears):
+        if any(f".{p}.weight" in name for p in linears) and name not in keep_float:
             packed, deq[name] = _checkpoint_tensors(fmt, name, tensor, group_size)
             quantised.update(packed)
             dequantised[name] = deq[name]
@@ -130,9 +131,10 @@ def wide_llama(tmp_path_factory) -> str:
     ("gptq_v2", -1, "qwen2"),   # one group per row: K = 64 and 128
     ("gptq", 128, "wide"),
     ("awq", 64, "qwen2"),
+    ("gptq_v2", 64, "llama-tied"),  # the lm_head is the embedding's: dense
 ])
 def test_checkpoint_loads_exactly(tiny_model_factory, wide_llama, tmp_path, fmt, group_size, model):
-    src = wide_llama if model == "wide" else tiny_model_factory(model, False)
+    src = wide_llama if model == "wide" else tiny_model_factory(model.removesuffix("-tied"), model.endswith("-tied"))
     folder, float_folder, deq = _prequantize(src, str(tmp_path / fmt), fmt, group_size)
     llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22)
     net = llm.llm_engine.runner.model
@@ -146,6 +148,20 @@ def test_checkpoint_loads_exactly(tiny_model_factory, wide_llama, tmp_path, fmt,
             expected = torch.cat([deq[f"model.layers.{i}.{block}.{p}.weight"] for p in parts])
             assert torch.equal(dequantize(fused.weight, fused.weight_scale, fused.weight_offset), expected)
     assert net.lm_head.weight.dtype == torch.float32  # kept as a plain weight by the checkpoint: dense
+    reference = LLM(float_folder, dtype="float32", kv_cache_memory=1 << 22)
+    torch.testing.assert_close(_logprobs(llm), _logprobs(reference), atol=1e-4, rtol=0)
+
+
+def test_layers_the_checkpoint_keeps_in_float_run_dense(tiny_model_factory, tmp_path):
+    """A layer the checkpoint stores as a plain weight (AWQ's modules_to_not_convert) runs as any float layer."""
+    kept = "model.layers.1.mlp.down_proj.weight"
+    folder, float_folder, _ = _prequantize(tiny_model_factory("llama", False), str(tmp_path / "awq"), "awq", 32,
+                                           keep_float=(kept,))
+    llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22)
+    net = llm.llm_engine.runner.model
+    assert not isinstance(net.layers[1].mlp.down_proj.method, Int4CheckpointMethod)
+    assert net.layers[1].mlp.down_proj.weight.dtype == torch.float32
+    assert isinstance(net.layers[0].mlp.down_proj.method, Int4CheckpointMethod)
     reference = LLM(float_folder, dtype="float32", kv_cache_memory=1 << 22)
     torch.testing.assert_close(_logprobs(llm), _logprobs(reference), atol=1e-4, rtol=0)
 

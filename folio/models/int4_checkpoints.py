@@ -76,9 +76,12 @@ def _check(condition: bool, what: str) -> None:
 
 
 def _unpack_words(words: torch.Tensor) -> torch.Tensor:
-    """int32 [..., W] -> uint8 [..., W, 8]: the 8 nibbles of each word, lowest bits first."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return ((words.unsqueeze(-1) >> shifts) & 15).to(torch.uint8)
+    """int32 [..., W] -> uint8 [..., W, 8]: the 8 nibbles of each word, lowest bits first (a nibble at a time:
+    the int32 temporaries stay the size of the words, not 8 times it)."""
+    nibbles = torch.empty(*words.shape, PACK, dtype=torch.uint8)
+    for i in range(PACK):
+        nibbles[..., i] = (words >> (4 * i)) & 15
+    return nibbles
 
 
 class Int4CheckpointMethod(Int4LinearMethod):
