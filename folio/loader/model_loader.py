@@ -20,9 +20,11 @@ from safetensors import safe_open
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import iter_gguf_tensors, load_gguf_cached, read_gguf, tensor_types
 from folio.loader.gguf_native import native_chooser, native_layers
-from folio.models.compressed_tensors import compressed_tensors_chooser
 from folio.loader.weights import load_weights
-from folio.models.linear import LinearMethods, as_chooser, bind_linear_methods, process_weights_after_loading
+from folio.models.compressed_tensors import compressed_tensors_chooser
+from folio.models.int4_checkpoints import int4_checkpoint_chooser, quantized_layers
+from folio.models.linear import (LinearMethodChooser, LinearMethods, as_chooser, bind_linear_methods,
+                                 process_weights_after_loading)
 from folio.models.model_config import ModelConfig
 from folio.models.registry import build_model, check_supported
 from folio.platforms import current_platform
@@ -89,6 +91,28 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read weights from {path}: {e}") from e
 
 
+def _tensor_names(files: list[str]) -> list[str]:
+    names = []
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def _prequantized_chooser(quantization_config: dict, folder: str, model: torch.nn.Module,
+                          otherwise: LinearMethodChooser) -> LinearMethodChooser:
+    """The linear methods of a pre-quantised Hugging Face folder, by its quant_method: its quantised layers
+    load as stored (repacked, for GPTQ and AWQ), the others with `otherwise`."""
+    quant_method = quantization_config.get("quant_method")
+    if quant_method == "compressed-tensors":
+        return compressed_tensors_chooser(quantization_config, otherwise)
+    if quant_method in ("gptq", "awq"):
+        layers = quantized_layers(_tensor_names(_safetensors_files(folder)), model.map_checkpoint_name)
+        return int4_checkpoint_chooser(quantization_config, layers, otherwise)
+    raise ValueError(f"quantization_config: quant_method {quant_method!r} is not supported; folio loads "
+                     f"\"compressed-tensors\" (int8), \"gptq\" and \"awq\" (int4)")
+
+
 def eos_token_ids(hf_config: dict, generation_config: dict, tokenizer: Tokenizer) -> frozenset[int]:
     """The ids that end a request, worked out here only: the eos_token_id (an id or a list) of config.json
     and of generation_config.json, where instruct models list their end-of-turn ids (Llama 3's <|eot_id|>),
@@ -116,8 +140,8 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     the dense one does. None: the current platform's (folio.platforms). device: where the weights live.
     gguf_native: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K linear layers keep their blocks and run on the
     int8 / int4 kernels (folio.loader.gguf_native); its other tensors are dequantised. A Hugging Face folder
-    whose config.json has a quantization_config (compressed-tensors int8, folio.models.compressed_tensors)
-    loads its quantised layers as stored.
+    whose config.json has a quantization_config (compressed-tensors int8, folio.models.compressed_tensors;
+    GPTQ or AWQ int4, folio.models.int4_checkpoints) loads its quantised layers as stored.
     """
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
@@ -149,7 +173,7 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         net = build_model(cfg, max_positions)
         methods = (linear_method or current_platform().linear_method)(net)
         if "quantization_config" in hf_config:  # pre-quantised: its layers load as stored, the rest as asked
-            methods = compressed_tensors_chooser(hf_config["quantization_config"], as_chooser(methods))
+            methods = _prequantized_chooser(hf_config["quantization_config"], path, net, as_chooser(methods))
         if gguf_native:
             layers, quantized_tensors = native_layers(tensor_types(path, hf_config), net)
             methods = native_chooser(layers, as_chooser(methods))

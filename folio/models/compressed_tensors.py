@@ -4,8 +4,9 @@ preset, as vLLM loads them): int8 weights with one symmetric scale per output ch
 load as stored, with no conversion, and run on the int8 kernels (folio.models.int8_linear).
 
 config.json's quantization_config names one config group that targets Linear layers and an `ignore` list
-(layer names, or "re:" regular expressions) of layers kept in floating point, typically the lm_head. Any
-other format (GPTQ, AWQ, other compressed-tensors schemes) is a ValueError naming what is supported.
+(layer names, or "re:" regular expressions) of layers kept in floating point, typically the lm_head. Other
+compressed-tensors schemes are a ValueError naming what is supported (GPTQ and AWQ int4 checkpoints load
+through folio.models.int4_checkpoints).
 """
 
 from __future__ import annotations
