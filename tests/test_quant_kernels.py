@@ -142,3 +142,22 @@ def test_bad_shapes_are_refused():
     with pytest.raises(RuntimeError, match=r"x must be \[M, 64\]"):
         quant_kernels.weight_only_linear(torch.randn(1, 32), torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1),
                                          None, None)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_dequantize_equals_the_reference_to_one_rounding(n, k):
+    """q * scale (+ offset) as the reference computes it; the kernel may fuse the multiply and the add (one
+    rounding fewer), so each value lies within a float32 rounding of |q * scale| + |offset| of it."""
+    _, w, _ = _data(1, n, k, seed=11 * n + k)
+    for packed, scales, offsets in (ref.quantize_int8(w, k) + (None,), ref.quantize_int8(w, 32) + (None,),
+                                    ref.quantize_int4(w, 32), ref.quantize_int4(w, 128 if k % 128 == 0 else 32)):
+        want = ref.dequantize(packed, scales, offsets)
+        group = k // scales.shape[1]
+        codes = (packed if offsets is None else ref.unpack_int4(packed)).float()
+        size = codes.abs() * scales.repeat_interleave(group, dim=1)
+        if offsets is not None:
+            size += offsets.abs().repeat_interleave(group, dim=1)
+        for isa in ISAS:
+            got = quant_kernels.dequantize(packed, scales, offsets, isa)
+            assert got.dtype == torch.float32 and got.shape == (n, k)
+            assert bool(((got - want).abs() <= 2 ** -23 * size).all()), isa

@@ -71,6 +71,8 @@ struct Scalar {
   static F zero() { return 0.f; }
   static F set1(float v) { return v; }
   static F load(const float* p) { return *p; }
+  static void store(float* p, F v) { *p = v; }
+  static F add(F a, F b) { return a + b; }
   static F fma(F a, F b, F c) { return a * b + c; }
   static F mul(F a, F b) { return a * b; }
   static float hsum(F a) { return a; }
@@ -113,6 +115,8 @@ struct Avx2 {
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static float hsum(F a) {
@@ -193,6 +197,8 @@ struct Avx512 {
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static float hsum(F a) { return _mm512_reduce_add_ps(a); }
@@ -326,6 +332,30 @@ template <class V, class Fmt>
 void weight_only(const WeightOnly& a) {
   over_tiles(a.M, a.N, a.row_bytes, [&](int64_t m0, int64_t mr, int64_t n0, int64_t n1) {
     by_rows(mr, [&](auto rows) { weight_only_tile<V, Fmt, decltype(rows)::value>(a, m0, n0, n1); });
+  });
+}
+
+// ------------------------------------------------------------------------------------------ dequantize
+// W as float32 [N, K], for prefill-sized batches, which run the dense GEMM on it: q * scale (+ offset) per
+// group, the reference's operations (the compiler may fuse the multiply and add: one rounding fewer).
+template <class V, class Fmt>
+void dequantize_rows(const WeightOnly& a, float* out) {
+  using F = typename V::F;
+  constexpr int SUB = BLOCK / V::W;
+  at::parallel_for(0, a.N, std::max<int64_t>(1, MIN_BYTES_PER_TASK / a.row_bytes), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = a.w + n * a.row_bytes;
+      for (int64_t g = 0; g < a.ng; ++g) {
+        const F s = V::set1(a.scales[n * a.ng + g]);
+        const F o = V::set1(a.offsets ? a.offsets[n * a.ng + g] : 0.f);
+        for (int64_t kb = g * a.G; kb < (g + 1) * a.G; kb += BLOCK) {
+          F q[SUB];
+          Fmt::template block<V>(row, kb, q);
+          for (int j = 0; j < SUB; ++j)
+            V::store(out + n * a.K + kb + j * V::W, a.offsets ? V::add(V::mul(q[j], s), o) : V::mul(q[j], s));
+        }
+      }
+    }
   });
 }
 
@@ -517,9 +547,9 @@ at::Tensor as_input_dtype(at::Tensor y, const at::Tensor& x) {
 
 }  // namespace
 
-// x [M, K] float32 or bf16; w int8 [N, K] or uint8 [N, K / 2] (int4 when offsets are given).
-at::Tensor weight_only_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets,
-                              c10::optional<at::Tensor> bias, int64_t isa) {
+namespace {
+// The weight fields of WeightOnly, checked: w int8 [N, K] or uint8 [N, K / 2] (int4 when offsets are given).
+WeightOnly weight_fields(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets) {
   const bool int4 = offsets.has_value();
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == (int4 ? at::kByte : at::kChar),
               "w must be contiguous ", int4 ? "uint8 [N, K / 2]" : "int8 [N, K]");
@@ -528,26 +558,47 @@ at::Tensor weight_only_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10
               "scales must be float32 [N, K / G]");
   const int64_t ng = scales.size(1);
   TORCH_CHECK(ng >= 1 && K % ng == 0 && (K / ng) % BLOCK == 0, "K (", K, ") must be split in groups of a multiple of 32");
-  at::Tensor xf = float_rows(x, K);
-  const int64_t M = xf.size(0), G = K / ng;
-  at::Tensor y = at::empty({M, N}, xf.options());
-  at::Tensor xsum;
-  WeightOnly a{xf.data_ptr<float>(), static_cast<const uint8_t*>(w.data_ptr()), scales.data_ptr<float>(), nullptr,
-               nullptr, optional_f32(bias, N, "bias"), y.data_ptr<float>(), M, N, K, G, ng,
-               int4 ? Int4Fmt::row_bytes(K) : Int8Fmt::row_bytes(K)};
-  if (int4) {
+  if (int4)
     TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat && offsets->is_contiguous(),
                 "offsets must be float32 shaped like scales");
-    a.offsets = offsets->data_ptr<float>();
-    xsum = at::empty({M, ng}, xf.options());
-    group_sums(xf.data_ptr<float>(), M, K, G, xsum.data_ptr<float>());
+  return WeightOnly{nullptr, static_cast<const uint8_t*>(w.data_ptr()), scales.data_ptr<float>(),
+                    int4 ? offsets->data_ptr<float>() : nullptr, nullptr, nullptr, nullptr, 0, N, K, K / ng, ng,
+                    int4 ? Int4Fmt::row_bytes(K) : Int8Fmt::row_bytes(K)};
+}
+}  // namespace
+
+// x [M, K] float32 or bf16 times the weight of weight_fields.
+at::Tensor weight_only_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets,
+                              c10::optional<at::Tensor> bias, int64_t isa) {
+  WeightOnly a = weight_fields(w, scales, offsets);
+  at::Tensor xf = float_rows(x, a.K);
+  a.M = xf.size(0);
+  at::Tensor y = at::empty({a.M, a.N}, xf.options());
+  a.x = xf.data_ptr<float>();
+  a.y = y.data_ptr<float>();
+  a.bias = optional_f32(bias, a.N, "bias");
+  at::Tensor xsum;
+  if (a.offsets) {
+    xsum = at::empty({a.M, a.ng}, xf.options());
+    group_sums(a.x, a.M, a.K, a.G, xsum.data_ptr<float>());
     a.xsum = xsum.data_ptr<float>();
   }
   by_isa(isa, [&](auto v) {
     using V = decltype(v);
-    int4 ? weight_only<V, Int4Fmt>(a) : weight_only<V, Int8Fmt>(a);
+    a.offsets ? weight_only<V, Int4Fmt>(a) : weight_only<V, Int8Fmt>(a);
   });
   return as_input_dtype(y, x);
+}
+
+// The float32 weight [N, K] of weight_fields.
+at::Tensor dequantize(at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets, int64_t isa) {
+  const WeightOnly a = weight_fields(w, scales, offsets);
+  at::Tensor out = at::empty({a.N, a.K}, scales.options());
+  by_isa(isa, [&](auto v) {
+    using V = decltype(v);
+    a.offsets ? dequantize_rows<V, Int4Fmt>(a, out.data_ptr<float>()) : dequantize_rows<V, Int8Fmt>(a, out.data_ptr<float>());
+  });
+  return out;
 }
 
 at::Tensor w4a8_linear(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor offsets, c10::optional<at::Tensor> bias,
@@ -604,6 +655,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_only_linear", &weight_only_linear, "x W^T (+ b) with int8 or int4 weights, float x",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"), pybind11::arg("offsets"),
         pybind11::arg("bias"), pybind11::arg("isa") = best_isa(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("dequantize", &dequantize, "the float32 weight of an int8 or int4 layer", pybind11::arg("w"),
+        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("isa") = best_isa(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("w4a8_linear", &w4a8_linear, "x W^T (+ b) with int4 weights and x quantised to int8 per block of 32",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"), pybind11::arg("offsets"),
         pybind11::arg("bias"), pybind11::arg("isa") = best_isa(), pybind11::call_guard<pybind11::gil_scoped_release>());

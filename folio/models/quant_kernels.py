@@ -42,6 +42,12 @@ def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, o
     return _run("weight_only_linear", quant_reference.weight_only_linear, x, w, scales, offsets, bias, isa=isa)
 
 
+def dequantize(w: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor],
+               isa: Optional[int] = None) -> torch.Tensor:
+    """The float32 weight [N, K] of an int8 (offsets None) or int4 layer (folio.models.quant_reference)."""
+    return _run("dequantize", quant_reference.dequantize, w, scales, offsets, isa=isa)
+
+
 def w4a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                 bias: Optional[torch.Tensor], isa: Optional[int] = None) -> torch.Tensor:
     """x [M, K] quantised to int8 per block of 32, times packed int4 W, (+ bias), in x's dtype."""

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from folio.models import quant_kernels, quant_reference
+from folio.models import quant_kernels
 from folio.models.linear import Linear, LinearMethod
 from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader
 
@@ -26,7 +26,7 @@ from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader
 _ROWS_PER_CHUNK = 4096
 # From this many rows of x (prefill), a weight-only layer dequantises its weight and runs the dense GEMM:
 # measured on AVX2 (one 9728 x 896 layer, one thread), MKL's float32 GEMM takes 200 ms at 256 rows where the
-# weight-only kernel takes 269 (int8) and 644 (int4), and dequantising costs a few ms, once per call.
+# weight-only kernel takes 269 (int8) and 644 (int4), and dequantising (quant_kernels.dequantize) 1.7 ms, once per call.
 DEQUANTIZE_MIN_ROWS = 128
 
 
@@ -100,6 +100,6 @@ class QuantizedLinearMethod(LinearMethod):
         """x times the layer's weight in x's dtype: the weight-only kernel, or for a prefill-sized x the dense
         GEMM on the dequantised weight."""
         if x.shape[0] >= DEQUANTIZE_MIN_ROWS:
-            weight = quant_reference.dequantize(layer.weight, layer.weight_scale, layer.weight_offset).to(x.dtype)
+            weight = quant_kernels.dequantize(layer.weight, layer.weight_scale, layer.weight_offset).to(x.dtype)
             return nn.functional.linear(x, weight, None if layer.bias is None else layer.bias.to(x.dtype))
         return quant_kernels.weight_only_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
