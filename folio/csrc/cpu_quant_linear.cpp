@@ -603,17 +603,11 @@ at::Tensor dequantize(at::Tensor w, at::Tensor scales, c10::optional<at::Tensor>
 
 at::Tensor w4a8_linear(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor offsets, c10::optional<at::Tensor> bias,
                        int64_t isa) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w must be contiguous uint8 [N, K / 2]");
-  const int64_t N = w.size(0), K = 2 * w.size(1);
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales must be float32 [N, K / G]");
-  TORCH_CHECK(offsets.sizes() == scales.sizes() && offsets.scalar_type() == at::kFloat && offsets.is_contiguous(),
-              "offsets must be float32 shaped like scales");
-  const int64_t ng = scales.size(1);
-  TORCH_CHECK(ng >= 1 && K % ng == 0 && (K / ng) % BLOCK == 0, "K (", K, ") must be split in groups of a multiple of 32");
+  const WeightOnly wf = weight_fields(w, scales, offsets);  // int4: offsets given
+  const int64_t N = wf.N, K = wf.K, G = wf.G, ng = wf.ng;
   if (isa == AVX512) isa = AVX2;  // a block of 32 int8 values is one 256-bit vector (with VNNI where the CPU has it)
   at::Tensor xf = float_rows(x, K);
-  const int64_t M = xf.size(0), G = K / ng;
+  const int64_t M = xf.size(0);
   at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kChar));
   at::Tensor xs = at::empty({M, K / BLOCK}, xf.options());
   at::Tensor xsum = at::empty({M, ng}, xf.options());

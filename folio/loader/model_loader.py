@@ -79,9 +79,7 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     tensors)."""
     for path in files:
         try:
-            with safe_open(path, framework="pt") as f:
-                names = list(f.keys())
-            for name in names:
+            for name in _tensor_names([path]):
                 with safe_open(path, framework="pt") as f:
                     tensor = f.get_tensor(name)
                 yield name, tensor

@@ -121,9 +121,7 @@ class Int4CheckpointMethod(Int4LinearMethod):
         param = nn.Parameter(torch.empty(rows, layer.output_size // pack, dtype=dtype), requires_grad=False)
 
         def load(param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
-            if shard_id not in layer.shards:
-                raise ValueError(f"is given as shard {shard_id!r} of a layer whose shards are {list(layer.shards)}")
-            first, count = layer.shards[shard_id]
+            first, count = layer.shard_extent(shard_id)
             if first % pack or count % pack:
                 raise ValueError(f"packs {pack} outputs per column, but its shard has {count} outputs")
             if tuple(tensor.shape) != (rows, count // pack):

@@ -102,11 +102,15 @@ class Linear(nn.Module):
         set_weight_loader(param, self.load_rows, self.shards)
         return param
 
-    def load_rows(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
-        """Weight loader of row parameters: the shard's tensor goes into the shard's rows."""
+    def shard_extent(self, shard_id: ShardId) -> tuple[int, int]:
+        """(first output row, rows) of a shard, for weight loaders: an unknown shard is a ValueError."""
         if shard_id not in self.shards:
             raise ValueError(f"is given as shard {shard_id!r} of a layer whose shards are {list(self.shards)}")
-        first, rows = self.shards[shard_id]
+        return self.shards[shard_id]
+
+    def load_rows(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
+        """Weight loader of row parameters: the shard's tensor goes into the shard's rows."""
+        first, rows = self.shard_extent(shard_id)
         copy_checked(param.data.narrow(0, first, rows), tensor)
 
 

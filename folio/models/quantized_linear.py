@@ -59,9 +59,7 @@ class QuantizedLinearMethod(LinearMethod):
 
     def _load(self, layer: Linear, tensor: torch.Tensor, shard_id: ShardId) -> None:
         """Weight loader: quantise the shard's float rows into its rows of the packed weight and scales."""
-        if shard_id not in layer.shards:
-            raise ValueError(f"is given as shard {shard_id!r} of a layer whose shards are {list(layer.shards)}")
-        first, rows = layer.shards[shard_id]
+        first, rows = layer.shard_extent(shard_id)
         if tuple(tensor.shape) != (rows, layer.input_size):
             raise ValueError(f"has shape {tuple(tensor.shape)}, expected {(rows, layer.input_size)}")
         self._quantize_into(layer, tensor, first)
