@@ -189,7 +189,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     rng = random.Random(0)
     torch.manual_seed(0)
-    baseline = CPUPagedAttentionBackend(gemm_prefill=False, flash_prefill=False) if args.long_queries \
+    baseline = CPUPagedAttentionBackend(long_queries={}) if args.long_queries \
         else TorchSDPABackend()
     base = "kernel" if args.long_queries else "sdpa"
     backends = {"baseline": baseline, "cpu_paged": CPUPagedAttentionBackend()}

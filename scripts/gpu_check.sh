@@ -63,7 +63,7 @@ section "kernel tests against their references"
 $PY -c "import xdist" 2>/dev/null && SPREAD=(-n 8) || SPREAD=()
 part 150 $PY -m pytest -q -p no:cacheprovider "${SPREAD[@]}" tests/test_quant_kernels.py tests/test_small_batch_gemm.py \
   tests/test_cpu_paged_attention.py tests/test_sliding_window.py tests/test_flash_prefill.py \
-  tests/test_gemm_prefill.py tests/test_fused_moe.py tests/test_fused_ops.py tests/test_kv_cache_8bit.py
+  tests/test_sdpa_prefill.py tests/test_fused_moe.py tests/test_fused_ops.py tests/test_kv_cache_8bit.py
 
 section "W1 on the 0.5B Qwen2 (default settings): the roofline, throughput and peak memory"
 MODEL=$WORK/qwen2-0.5b

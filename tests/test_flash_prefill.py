@@ -1,5 +1,5 @@
 """bf16 prefill attention in tiled float32 matrix products (folio.attention.flash_prefill) against a float64
-reference, and through the backend (`flash_prefill=True` turns it on whatever the CPU).
+reference, and through the backend (given as the bf16 path, whatever the CPU).
 
 Tolerances (the inputs are bf16, the reference is float64 attention on those same values): an output is
 rounded once to bf16 (2^-9 of its size, 2^-8 allowing for the sums before it); the products and sums are
@@ -54,7 +54,7 @@ def check_close(out, exact, values):
 
 def attend_all(q, cache, layout, params):
     """Every request of the layout through the path, from a cache the reference backend has written."""
-    metadata = cpu_paged.CPUPagedAttentionBackend(flash_prefill=False).build_metadata(layout)
+    metadata = cpu_paged.CPUPagedAttentionBackend(long_queries={}).build_metadata(layout)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
     path = flash_prefill.FlashPrefill(1, 1)
     path.attend(out, q, cache[0], cache[1], metadata.reqs, metadata.block_tables, params.scale_for(q.shape[-1]),
@@ -73,7 +73,7 @@ SPECS = [(300, 300), (37, 1000), (129, 129), (1, 50), (2, 2), (200, 333)]
 def test_matches_the_reference(flash_kernel, block_size, group, head_dim):
     q, k, v, cache, layout = make_step(SPECS, block_size, 2, group, head_dim, torch.bfloat16,
                                        seed=block_size * 100 + group * 10 + head_dim)
-    _, written = run(cpu_paged.CPUPagedAttentionBackend(flash_prefill=False), q, k, v, cache, layout)
+    _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
     out = attend_all(q, written, layout, AttentionParams())
     check_close(out, reference(q, written, layout, AttentionParams()), written[1])
 
@@ -86,14 +86,14 @@ def test_windows_and_soft_capping(flash_kernel, params):
     # blocks wholly before a request's window hold NaN: reading one makes the output NaN
     specs = [(300, 300), (37, 1000), (64, 200), (3, 500)]
     q, k, v, cache, layout = make_windowed_step(specs, 16, 2, 3, 64, torch.bfloat16, params.sliding_window, seed=7)
-    _, written = run(cpu_paged.CPUPagedAttentionBackend(flash_prefill=False), q, k, v, cache, layout)
+    _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
     out = attend_all(q, written, layout, params)
     check_close(out, reference(q, written, layout, params), torch.nan_to_num(written[1]))
 
 
 def test_backend_takes_long_bf16_queries_there(flash_kernel):
     # the path this CPU picks, through the backend: long requests to it, decodes and short chunks to the kernel
-    backend = cpu_paged.CPUPagedAttentionBackend(flash_prefill=True)
+    backend = cpu_paged.CPUPagedAttentionBackend(long_queries={torch.bfloat16: flash_prefill.FlashPrefill})
     path = backend.long_query_path(torch.bfloat16)
     long_len = max(path.min_query_len, int(path.min_query_key_pairs ** 0.5) + 1)
     specs = [(long_len + 37, long_len + 37), (1, 50), (long_len, 3 * long_len + 5), (1, 9)]
@@ -101,19 +101,9 @@ def test_backend_takes_long_bf16_queries_there(flash_kernel):
     split = backend.build_metadata(layout).split_for(torch.bfloat16, path)
     assert split.long_reqs[:, 1].tolist() == [long_len + 37, long_len]
     out, written = run(backend, q, k, v, cache, layout)
-    _, ref_cache = run(cpu_paged.CPUPagedAttentionBackend(flash_prefill=False), q, k, v, cache, layout)
+    _, ref_cache = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
     assert torch.equal(written[0], ref_cache[0]) and torch.equal(written[1], ref_cache[1])
     check_close(out, reference(q, written, layout, AttentionParams()), written[1])
-
-
-def test_default_dispatch_follows_the_cpu(flash_kernel):
-    backend = cpu_paged.CPUPagedAttentionBackend()
-    path = backend.long_query_path(torch.bfloat16)
-    if backend.ext.has_avx512():  # the paged kernel's AVX-512 bf16 code stays
-        assert path is None
-    else:  # measured faster there
-        assert isinstance(path, flash_prefill.FlashPrefill)
-    assert cpu_paged.CPUPagedAttentionBackend(flash_prefill=False).long_query_path(torch.bfloat16) is None
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -131,17 +121,17 @@ def _greedy_bf16(folder, **kwargs) -> list[list[int]]:
 
 
 def test_engine_greedy_equal_with_the_path_on_and_off(flash_kernel, llama_dir, monkeypatch):
-    monkeypatch.setattr(flash_prefill, "for_cpu", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cpu_paged, "long_query_paths", lambda has_avx512: {})
     off = _greedy_bf16(llama_dir)
     taken = []
 
-    def on(*args, **kwargs):  # every prompt and prefill chunk of 2 tokens or more; decodes stay on the kernel
+    def on():  # every prompt and prefill chunk of 2 tokens or more; decodes stay on the kernel
         path = flash_prefill.FlashPrefill(2, 1)
         attend = path.attend
         path.attend = lambda out, q, *rest: (taken.append(q.shape[0]), attend(out, q, *rest))
         return path
 
-    monkeypatch.setattr(flash_prefill, "for_cpu", on)
+    monkeypatch.setattr(cpu_paged, "long_query_paths", lambda has_avx512: {torch.bfloat16: on})
     # float32 products differ from the kernel's float32 loop only in the order of sums: the same tokens
     for kwargs in ({}, {"max_num_batched_tokens": 7, "block_size": 4}):  # whole prompts; chunked prefill
         assert _greedy_bf16(llama_dir, **kwargs) == off

@@ -25,9 +25,10 @@ scalar loop otherwise), and 8-bit caches (folio.attention.kv_quant: int8 or fp8 
 written and read by the scalar loop). Anything else (float16 caches, q/k/v in another dtype than the cache) goes to the
 reference backend for that call.
 
-Long queries (prompts, prefill chunks) go, where measured faster, to a matrix-product path for the cache's
-dtype (folio.attention.long_query): MKL GEMMs for float32 caches (gemm_prefill), brgemm tiles for bf16 ones
-(flash_prefill); the kernel still writes their K/V rows and attends the rest of the step.
+Long queries (prompts, prefill chunks) go to a matrix-product path for the cache's dtype
+(folio.attention.long_query) where the kernel is slower (`long_query_paths`): PyTorch's flash attention
+(sdpa_prefill) for float32 caches without AVX-512 and bf16 ones on AMX, float32 brgemm tiles (flash_prefill) for
+bf16 caches without AVX-512; the kernel still writes their K/V rows and attends the rest of the step.
 """
 
 from __future__ import annotations
@@ -39,13 +40,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from folio.attention import flash_prefill as flash_prefill_module
-from folio.attention import gemm_prefill as gemm_prefill_module
-from folio.attention import kv_quant
+from folio.attention import flash_prefill, kv_quant, sdpa_prefill
 from folio.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionParams, BatchLayout
 from folio.attention.long_query import LongQueryPath
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CSRC, CppKernel
+from folio.platforms.cpu_features import has_amx
 from folio.utils.math_utils import cdiv
 
 KERNEL = CppKernel("folio_cpu_paged_attention", CSRC / "cpu_paged_attention.cpp",
@@ -65,6 +65,21 @@ def load_extension(verbose: bool = False):
 
 def extension_error() -> Optional[str]:
     return KERNEL.error
+
+
+PathMaker = Callable[[], Optional[LongQueryPath]]
+
+
+def long_query_paths(kernel_has_avx512: bool) -> dict[torch.dtype, PathMaker]:
+    """Where long queries go on this CPU instead of the kernel, by cache dtype (each path made at first use; None
+    or no entry: the kernel). Without AVX-512 the kernel's loops are scalar, and both matrix-product paths beat
+    it; with AVX-512 its vector bf16 code stays, except on AMX, whose tiles only oneDNN's GEMMs reach."""
+    if not kernel_has_avx512:
+        return {torch.float32: functools.partial(sdpa_prefill.SdpaPrefill, *sdpa_prefill.FLOAT32_WITHOUT_AVX512),
+                torch.bfloat16: flash_prefill.if_built}
+    if has_amx():
+        return {torch.bfloat16: functools.partial(sdpa_prefill.SdpaPrefill, *sdpa_prefill.BF16_ON_AMX)}
+    return {}
 
 
 @dataclass
@@ -104,23 +119,15 @@ class CPUPagedAttentionBackend(AttentionBackend):
     """Paged attention on the CPU through the C++ kernel; raises RuntimeError if the kernel cannot be built."""
 
     def __init__(self, min_split_keys: int = MIN_SPLIT_KEYS, min_parallel_work: int = MIN_PARALLEL_WORK,
-                 gemm_prefill: Optional[bool] = None, flash_prefill: Optional[bool] = None) -> None:
-        """Long queries (folio.attention.long_query) in matrix products, by default where that measured faster:
-        gemm_prefill: float32 caches in MKL GEMMs (gemm_prefill.py), by default where the kernel has no vector
-        code (no AVX-512); flash_prefill: bf16 caches through brgemm (flash_prefill.py), by default without AVX-512
-        (its kernel is built when a bf16 cache first needs it)."""
+                 long_queries: Optional[dict[torch.dtype, PathMaker]] = None) -> None:
+        """long_queries: the long-query path of each cache dtype (default: `long_query_paths` for this CPU; {}:
+        the kernel attends everything)."""
         self.ext = load_extension()
         if self.ext is None:
             raise RuntimeError(f"CPU paged attention kernel unavailable: {KERNEL.error}")
         self.min_split_keys = min_split_keys
         self.min_parallel_work = min_parallel_work
-        has_avx512 = self.ext.has_avx512()
-        self._path_makers: dict[torch.dtype, Callable[[], Optional[LongQueryPath]]] = {}
-        if not has_avx512 if gemm_prefill is None else gemm_prefill:
-            self._path_makers[torch.float32] = gemm_prefill_module.GemmPrefill
-        if flash_prefill is not False:
-            self._path_makers[torch.bfloat16] = functools.partial(flash_prefill_module.for_cpu, has_avx512,
-                                                                  always=bool(flash_prefill))
+        self._path_makers = long_query_paths(self.ext.has_avx512()) if long_queries is None else long_queries
         self._paths: dict[torch.dtype, Optional[LongQueryPath]] = {}
         self.reference = TorchSDPABackend()
 

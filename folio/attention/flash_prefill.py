@@ -11,9 +11,9 @@ packed once per request and kv head). Every layer kind is handled: causal, slidi
 Measured with benchmarks/attention_bench.py --long-queries on an AVX2 EPYC, 2 threads, one Qwen2-0.5B layer:
 13.6x on an 1852-token prompt (3242 ms to 238 ms), 12.8x on a 256-token chunk after 1000 of context, 5.6x on a
 64-token prompt, 2.5x on a step of a 16-token chunk and 15 decodes; bf16 products through brgemm's fallback
-GEMM were no faster there. CPUs with AVX-512 keep the paged kernel's vector bf16 code: the AMX version (bf16
-products on tiles, K and V packed in pairs) waits for a measurement on an AMX machine (tag
-amx-flash-prefill-wip).
+GEMM were no faster there, nor was PyTorch's flash attention (folio.attention.sdpa_prefill: 153 against 110 ms
+on the 1852-token prompt, 6.7 against 3.7 ms on a 256-token one). CPUs with AVX-512 keep the paged kernel's
+vector bf16 code, and AMX ones send long bf16 queries to sdpa_prefill (oneDNN's GEMMs on AMX tiles).
 
 The kernel is built when a bf16 cache first needs it (about 60 s on two cores, once per machine: CPUBlas.h
 brings in oneDNN's headers).
@@ -49,9 +49,6 @@ class FlashPrefill(LongQueryPath):
                                params.logit_softcap or 0.0)
 
 
-def for_cpu(paged_kernel_has_avx512: bool, always: bool = False) -> Optional[FlashPrefill]:
-    """The path this CPU uses for long bf16 queries, or None where the paged kernel keeps them (AVX-512, or,
-    unless always, where this kernel does not build). always: on any CPU (tests), raising if it does not build."""
-    if always or (not paged_kernel_has_avx512 and KERNEL.load() is not None):
-        return FlashPrefill()
-    return None
+def if_built() -> Optional[FlashPrefill]:
+    """The path, or None (the paged kernel keeps long bf16 queries) where its kernel does not build."""
+    return FlashPrefill() if KERNEL.load() is not None else None

@@ -23,3 +23,8 @@ def cpu_flags() -> str:
 def has_fast_bf16() -> bool:
     """AMX or AVX512-BF16 make bf16 matmuls fast; without them bf16 is emulated and slower than fp32."""
     return not {"amx_bf16", "avx512_bf16"}.isdisjoint(cpu_flags().split())
+
+
+def has_amx() -> bool:
+    """AMX-BF16 tiles, which oneDNN's bf16 GEMMs use."""
+    return "amx_bf16" in cpu_flags().split()
