@@ -63,7 +63,8 @@ section "kernel tests against their references"
 $PY -c "import xdist" 2>/dev/null && SPREAD=(-n 8) || SPREAD=()
 part 150 $PY -m pytest -q -p no:cacheprovider "${SPREAD[@]}" tests/test_quant_kernels.py tests/test_small_batch_gemm.py \
   tests/test_cpu_paged_attention.py tests/test_sliding_window.py tests/test_flash_prefill.py \
-  tests/test_sdpa_prefill.py tests/test_fused_moe.py tests/test_fused_ops.py tests/test_kv_cache_8bit.py
+  tests/test_sdpa_prefill.py tests/test_onednn_int8.py tests/test_fused_moe.py tests/test_fused_ops.py \
+  tests/test_kv_cache_8bit.py
 
 section "W1 on the 0.5B Qwen2 (default settings): the roofline, throughput and peak memory"
 MODEL=$WORK/qwen2-0.5b
@@ -74,6 +75,9 @@ part 150 "${PIN[@]}" $PY -m folio bench throughput --model "$MODEL" "${W1[@]}" -
 
 section "long-query (prefill) attention, one Qwen2-0.5B layer"
 part 90 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --shapes Qwen2-0.5B
+
+section "one layer's matmul: bf16, the W8A8 kernel, oneDNN's int8 GEMM (AMX-INT8)"
+part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --rounds 3 --round-s 0.1
 
 section "batch-1 decode of the 0.5B Qwen2, weight schemes against bf16 (issue 13: int8 1.7x, int4 2.5x)"
 part 120 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" --max-num-seqs 1 --num-prompts 2 \

@@ -28,3 +28,8 @@ def has_fast_bf16() -> bool:
 def has_amx() -> bool:
     """AMX-BF16 tiles, which oneDNN's bf16 GEMMs use."""
     return "amx_bf16" in cpu_flags().split()
+
+
+def has_amx_int8() -> bool:
+    """AMX-INT8 tiles, which oneDNN's int8 GEMMs use."""
+    return "amx_int8" in cpu_flags().split()

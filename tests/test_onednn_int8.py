@@ -1,0 +1,77 @@
+"""W8A8 in oneDNN's int8 GEMM (folio.models.onednn_int8) against the torch reference (quant_reference.w8a8_linear),
+and its use by int8 layers.
+
+The int32 sums are exact on both sides; the result differs from the reference only by the order of the two
+float32 scalings (a couple of float32 roundings), then once more by the output's rounding to bf16. Without VNNI,
+oneDNN pairs products in int16 with saturation, so there the weights are kept within 7 bits; CPUs with VNNI or
+AMX (where the path is used) run the full range too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from folio.models import onednn_int8
+from folio.models import quant_reference as ref
+from folio.models.int8_linear import Int8LinearMethod
+from folio.models.linear import Linear
+from folio.platforms.cpu_features import cpu_flags
+
+pytestmark = pytest.mark.skipif(not onednn_int8.available(), reason="this PyTorch has no oneDNN int8 linear")
+EXACT_PAIRS = not {"avx512_vnni", "avx_vnni", "amx_int8"}.isdisjoint(cpu_flags().split())
+WEIGHT_RANGES = [63, pytest.param(127, marks=pytest.mark.skipif(not EXACT_PAIRS, reason="int16 pairs saturate"))]
+
+
+def check_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    rtol = 2 ** -7 if out.dtype == torch.bfloat16 else 2 ** -21
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("weight_range", WEIGHT_RANGES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,n,k", [(16, 64, 64), (37, 151, 896), (300, 896, 4864), (64, 4864, 896)])
+def test_matches_the_reference(m, n, k, dtype, weight_range):
+    gen = torch.Generator().manual_seed(m + n + k)
+    weight = torch.randint(-weight_range, weight_range + 1, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) * 0.01 + 1e-3
+    bias = torch.randn(n, generator=gen)
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    x[0] = 0  # a zero row (scale 1)
+    packed = onednn_int8.prepack(weight, scales)
+    check_close(onednn_int8.linear(x, packed, bias), ref.w8a8_linear(x, weight, scales, bias))
+    check_close(onednn_int8.linear(x, packed, None), ref.w8a8_linear(x, weight, scales, None))
+
+
+def _w8a8_layer(onednn: bool) -> Linear:
+    layer = Linear(64, {"q": 64, "k": 32, "v": 32}, bias=True, params_dtype=torch.float32)
+    method = Int8LinearMethod(int8_activations=True, onednn=onednn)
+    layer.bind(method)
+    gen = torch.Generator().manual_seed(0)
+    for shard_id, (_, rows) in layer.shards.items():
+        layer.weight.weight_loader(layer.weight, torch.randn(rows, 64, generator=gen), shard_id)
+        layer.bias.weight_loader(layer.bias, torch.randn(rows, generator=gen), shard_id)
+    if not EXACT_PAIRS:  # within 7 bits (see the module docstring)
+        layer.weight.data.copy_(torch.randint(-63, 64, layer.weight.shape, generator=gen, dtype=torch.int8))
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+def test_w8a8_layers_send_many_rows_to_onednn_and_few_to_the_kernel(monkeypatch):
+    layer = _w8a8_layer(onednn=True)
+    assert layer.onednn_weight is not None
+    calls = []
+    linear = onednn_int8.linear
+    monkeypatch.setattr(onednn_int8, "linear", lambda x, *rest: (calls.append(x.shape[0]), linear(x, *rest))[1])
+    for rows in (onednn_int8.MIN_ROWS - 1, onednn_int8.MIN_ROWS, 100):
+        x = torch.randn(rows, 64)
+        expected = ref.w8a8_linear(x, layer.weight, layer.weight_scale.view(-1), layer.bias)
+        check_close(layer(x), expected)
+    assert calls == [onednn_int8.MIN_ROWS, 100]
+
+
+def test_default_follows_the_cpu():
+    assert Int8LinearMethod(int8_activations=True).onednn == onednn_int8.usable()
+    assert not Int8LinearMethod(int8_activations=False, onednn=True).onednn  # weight-only: no int8 activations
+    assert _w8a8_layer(onednn=False).onednn_weight is None
