@@ -6,9 +6,9 @@ products go to PyTorch's CPU GEMMs: MKL for float32, oneDNN for bf16, which uses
 them, the matrix unit the paged kernel's dot-product loops never reach. A request's context is gathered from its
 blocks once per layer (from its first query's window on), then:
 - a whole prompt without a window takes one call with `is_causal` (the kernel skips the tiles above the diagonal);
-- a chunk after context, or a windowed layer, takes calls over tiles of queries, each with a boolean mask of
-  the keys its rows see (causal from the chunk's position, and the window); a tile's mask stays within
-  MASK_ELEMENTS, whatever the context.
+- a chunk after context, or a windowed layer, takes calls over tiles of queries, each over the keys its rows see
+  (from its first row's window) with a boolean mask (causal from the chunk's position, and the window); a tile's
+  mask stays within MASK_ELEMENTS, whatever the context.
 Grouped-query heads read their kv head through `enable_gqa` (no copy of K/V per query head). Soft-capped scores
 (Gemma 2) are not expressible there: such layers keep their long queries on the paged kernel.
 
@@ -79,12 +79,15 @@ def attend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     tile = max(MIN_TILE_QUERIES, MASK_ELEMENTS // keys.shape[2])
     for start in range(0, query_len, tile):
         stop = min(query_len, start + tile)
-        visible = first_pos + stop - first_key  # keys the tile's last row sees
-        positions = torch.arange(first_pos + start, first_pos + stop)[:, None]
-        key_positions = torch.arange(first_key, first_key + visible)[None, :]
+        # the keys the tile's rows see: from its first row's window (or the context's start) to its last row
+        lo = max(first_key, first_pos + start - window + 1) if window else 0
+        hi = first_pos + stop
+        positions = torch.arange(first_pos + start, hi)[:, None]
+        key_positions = torch.arange(lo, hi)[None, :]
         mask = key_positions <= positions
         if window:
             mask &= key_positions > positions - window
-        result = F.scaled_dot_product_attention(queries[:, :, start:stop], keys[:, :, :visible],
-                                                values[:, :, :visible], attn_mask=mask, scale=scale, enable_gqa=gqa)
+        result = F.scaled_dot_product_attention(queries[:, :, start:stop], keys[:, :, lo - first_key:hi - first_key],
+                                                values[:, :, lo - first_key:hi - first_key], attn_mask=mask,
+                                                scale=scale, enable_gqa=gqa)
         out[first_token + start:first_token + stop] = result[0].transpose(0, 1)
