@@ -1,12 +1,13 @@
 """One layer's matmul at decode and prefill batch sizes, side by side in one process: the dense bf16 GEMM (oneDNN
 on the prepacked weight, as the dense linear method runs it), folio's W8A8 kernel and oneDNN's int8 GEMM
-(folio.models.onednn_int8). The calls alternate round by round; the median over rounds is reported, with the
-ratios to bf16. It picks onednn_int8.MIN_ROWS on a CPU with AMX-INT8.
+(folio.models.onednn_int8), both as the int8 scheme runs them (rotated activations, the quantisation of the rows
+and the scaling of the result included). The calls alternate round by round; the median over rounds is
+reported, with the ratios to bf16. It picks onednn_int8.MIN_ROWS_VNNI and MIN_ROWS_AMX.
 
     python benchmarks/int8_gemm_bench.py                   # Qwen2-0.5B's gate/up and down shapes
     python benchmarks/int8_gemm_bench.py --rows 1,16,64 --shapes 4864x896
 
-Without VNNI, oneDNN's int8 sums saturate for 8-bit weights (its timing still stands).
+Without VNNI or AMX, oneDNN's int8 sums saturate for 8-bit weights (its timing still stands).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--round-s", type=float, default=0.2)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per call, median of {args.rounds} "
-          f"rounds; AMX-INT8 here: {onednn_int8.usable()}")
+          f"rounds; oneDNN's int8 GEMM used here: {onednn_int8.usable()}, from {onednn_int8.min_rows()} rows")
     print(f"{'N x K':>11} {'rows':>5} {'bf16':>9} {'w8a8 kernel':>12} {'oneDNN int8':>12}   {'ratios to bf16':>16}")
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -57,9 +58,9 @@ def main() -> None:
             x = torch.randn(rows, k)
             x16 = x.bfloat16()
             calls = {"bf16": lambda: dense(x16),
-                     "kernel": lambda: quant_kernels.w8a8_linear(x16, codes, scales, None)}
+                     "kernel": lambda: quant_kernels.w8a8_linear(x16, codes, scales, None, True)}
             if packed is not None:
-                calls["onednn"] = lambda: onednn_int8.linear(x16, packed, None)
+                calls["onednn"] = lambda: onednn_int8.linear(x16, packed, None, True)
             times: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(args.rounds):
                 for name, fn in calls.items():

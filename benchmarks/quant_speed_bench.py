@@ -5,7 +5,7 @@ the first. Engines are built one after the other (one resident at a time), each 
     python benchmarks/quant_speed_bench.py --model M --runs bfloat16 float32 float32:int8 float32:int4 \\
         --max-num-seqs 1 --num-prompts 2 --input-len 32 --output-len 64
     # W1
-    python benchmarks/quant_speed_bench.py --model M --runs float32 float32:int8 float32:w8a8
+    python benchmarks/quant_speed_bench.py --model M --runs bfloat16 bfloat16:int8 bfloat16:int8 bfloat16
 
 A run is DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]], e.g. bfloat16:int4:int8.
 """

@@ -44,7 +44,7 @@ def parse_memory_size(text: str) -> Union[int, float]:
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
-QUANTIZATION_SCHEMES = ("int8", "w8a8", "int4", "int4-g128", "w4a8", "gguf")  # folio.models.quantization
+QUANTIZATION_SCHEMES = ("int8", "w8a16", "int4", "int4-g128", "w4a8", "gguf")  # folio.models.quantization
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # folio.attention.kv_quant
 
 
@@ -64,8 +64,8 @@ class ModelOptions:
         None, "attention kernel: cpu_paged (C++, reads the paged cache in place) or torch_sdpa (reference)",
         default_means="$FOLIO_ATTENTION_BACKEND, else the fastest that builds here")
     quantization: Optional[str] = option(
-        None, "low-precision weights, quantised as they load: int8 (per-channel, float activations), w8a8 (int8 "
-              "and dynamic per-token int8 activations), int4 / int4-g128 (groups of 32 / 128, float "
+        None, "low-precision weights, quantised as they load: int8 (per-channel, rotated, with dynamic per-token "
+              "int8 activations), w8a16 (int8 per-channel, float activations), int4 / int4-g128 (groups of 32 / 128, float "
               "activations; the lm_head in int8), w4a8 (int4 in groups of 32 and int8 activations per block of "
               "32); gguf: a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K layers as stored",
         default_means="none: the weights run in dtype (GGUF types dequantised)", choices=QUANTIZATION_SCHEMES)

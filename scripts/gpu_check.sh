@@ -76,16 +76,16 @@ part 150 "${PIN[@]}" $PY -m folio bench throughput --model "$MODEL" "${W1[@]}" -
 section "long-query (prefill) attention, one Qwen2-0.5B layer"
 part 90 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --shapes Qwen2-0.5B
 
-section "one layer's matmul: bf16, the W8A8 kernel, oneDNN's int8 GEMM (AMX-INT8)"
+section "one layer's matmul: bf16, the W8A8 kernel, oneDNN's int8 GEMM (AMX-INT8; sets MIN_ROWS_AMX)"
 part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --rounds 3 --round-s 0.1
 
 section "batch-1 decode of the 0.5B Qwen2, weight schemes against bf16 (issue 13: int8 1.7x, int4 2.5x)"
 part 120 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" --max-num-seqs 1 --num-prompts 2 \
   --input-len 32 --output-len 64 --kv-cache-memory 268435456 \
-  --runs bfloat16 bfloat16:int8 bfloat16:w8a8 bfloat16:int4 bfloat16:w4a8 bfloat16
+  --runs bfloat16 bfloat16:int8 bfloat16:w8a16 bfloat16:int4 bfloat16:w4a8 bfloat16
 
 section "W1 of the int8 schemes against bf16 (issue 13: int8 1.3x)"
 part 200 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" "${W1[@]}" \
-  --runs bfloat16 bfloat16:int8 bfloat16:w8a8
+  --runs bfloat16 bfloat16:int8 bfloat16:int8 bfloat16
 
 section "done"

@@ -3,8 +3,8 @@ and its use by int8 layers.
 
 The int32 sums are exact on both sides; the result differs from the reference only by the order of the two
 float32 scalings (a couple of float32 roundings), then once more by the output's rounding to bf16. Without VNNI,
-oneDNN pairs products in int16 with saturation, so there the weights are kept within 7 bits; CPUs with VNNI or
-AMX (where the path is used) run the full range too.
+oneDNN pairs products in int16 with saturation, so there the weights are kept within 6 bits (the source is
+unsigned, up to 255); CPUs with VNNI or AMX (where the path is used) run the full range too.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from folio.platforms.cpu_features import cpu_flags
 pytestmark = pytest.mark.skipif(not onednn_int8.available(), reason="this PyTorch has no oneDNN int8 linear")
 EXACT_PAIRS = not {"avx512_vnni", "avx_vnni", "amx_int8"}.isdisjoint(cpu_flags().split())
 WEIGHT_RANGES = [63, pytest.param(127, marks=pytest.mark.skipif(not EXACT_PAIRS, reason="int16 pairs saturate"))]
+CHUNKED = onednn_int8.CHUNK_ROWS + 44  # two oneDNN calls, the second of a partial chunk
 
 
 def check_close(out: torch.Tensor, expected: torch.Tensor) -> None:
@@ -31,8 +32,9 @@ def check_close(out: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("weight_range", WEIGHT_RANGES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("m,n,k", [(16, 64, 64), (37, 151, 896), (300, 896, 4864), (64, 4864, 896)])
-def test_matches_the_reference(m, n, k, dtype, weight_range):
+@pytest.mark.parametrize("rotated", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("m,n,k", [(16, 64, 64), (37, 151, 896), (CHUNKED, 896, 4864), (64, 4864, 896)])
+def test_matches_the_reference(m, n, k, dtype, weight_range, rotated):
     gen = torch.Generator().manual_seed(m + n + k)
     weight = torch.randint(-weight_range, weight_range + 1, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, generator=gen) * 0.01 + 1e-3
@@ -40,13 +42,13 @@ def test_matches_the_reference(m, n, k, dtype, weight_range):
     x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
     x[0] = 0  # a zero row (scale 1)
     packed = onednn_int8.prepack(weight, scales)
-    check_close(onednn_int8.linear(x, packed, bias), ref.w8a8_linear(x, weight, scales, bias))
-    check_close(onednn_int8.linear(x, packed, None), ref.w8a8_linear(x, weight, scales, None))
+    check_close(onednn_int8.linear(x, packed, bias, rotated), ref.w8a8_linear(x, weight, scales, bias, rotated))
+    check_close(onednn_int8.linear(x, packed, None, rotated), ref.w8a8_linear(x, weight, scales, None, rotated))
 
 
 def _w8a8_layer(onednn: bool) -> Linear:
     layer = Linear(64, {"q": 64, "k": 32, "v": 32}, bias=True, params_dtype=torch.float32)
-    method = Int8LinearMethod(int8_activations=True, onednn=onednn)
+    method = Int8LinearMethod(int8_activations=True, rotated=True, onednn=onednn)
     layer.bind(method)
     gen = torch.Generator().manual_seed(0)
     for shard_id, (_, rows) in layer.shards.items():
@@ -64,14 +66,17 @@ def test_w8a8_layers_send_many_rows_to_onednn_and_few_to_the_kernel(monkeypatch)
     calls = []
     linear = onednn_int8.linear
     monkeypatch.setattr(onednn_int8, "linear", lambda x, *rest: (calls.append(x.shape[0]), linear(x, *rest))[1])
-    for rows in (onednn_int8.MIN_ROWS - 1, onednn_int8.MIN_ROWS, 100):
+    min_rows = onednn_int8.min_rows()
+    for rows in (min_rows - 1, min_rows, 100):
         x = torch.randn(rows, 64)
-        expected = ref.w8a8_linear(x, layer.weight, layer.weight_scale.view(-1), layer.bias)
+        expected = ref.w8a8_linear(x, layer.weight, layer.weight_scale.view(-1), layer.bias, True)
         check_close(layer(x), expected)
-    assert calls == [onednn_int8.MIN_ROWS, 100]
+    assert calls == [min_rows, 100]
 
 
 def test_default_follows_the_cpu():
     assert Int8LinearMethod(int8_activations=True).onednn == onednn_int8.usable()
+    assert onednn_int8.usable() == (onednn_int8.available() and not {"avx512_vnni", "amx_int8"}.isdisjoint(
+        cpu_flags().split()))
     assert not Int8LinearMethod(int8_activations=False, onednn=True).onednn  # weight-only: no int8 activations
     assert _w8a8_layer(onednn=False).onednn_weight is None

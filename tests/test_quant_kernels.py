@@ -66,11 +66,38 @@ def test_w8a8_equals_the_reference_bit_for_bit(n, k):
     x, w, bias = _data(max(ROWS), n, k, seed=3 * n + k)
     x[1] = 0  # a zero row: scale 1, all products 0
     q, scales = ref.quantize_int8(w, k)
-    for b in (None, bias):
-        want = ref.w8a8_linear(x, q, scales.view(-1), b)
+    for b, rotated in ((None, False), (bias, False), (bias, True)):
+        want = ref.w8a8_linear(x, q, scales.view(-1), b, rotated)
         for isa in ISAS:
             for m in ROWS:
-                assert torch.equal(quant_kernels.w8a8_linear(x[:m], q, scales.view(-1), b, isa), want[:m]), (isa, m)
+                got = quant_kernels.w8a8_linear(x[:m], q, scales.view(-1), b, rotated, isa=isa)
+                assert torch.equal(got, want[:m]), (isa, m, rotated)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_unsigned_row_quantiser_equals_the_reference_bit_for_bit(n, k, dtype):
+    """The oneDNN path's activations: the reference's codes (rotated or not) + 128, and its scales."""
+    x, _, _ = _data(max(ROWS), n, k, seed=11 * n + k)
+    x = x.to(dtype)
+    x[1] = 0
+    for rotated in (False, True):
+        codes, scales = quant_kernels.quantize_rows_unsigned(x, rotated)
+        want_codes, want_scales = ref.quantize_rows(ref.rotate(x) if rotated else x)
+        assert codes.dtype == torch.uint8 and torch.equal(codes.int() - 128, want_codes.int())
+        assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 151, 4864])
+def test_scale_rows_equals_torch(n):
+    gen = torch.Generator().manual_seed(n)
+    y, row_scales, bias = torch.randn(9, n, generator=gen), torch.rand(9, generator=gen), torch.randn(n, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        for b in (None, bias):
+            out = torch.empty(9, n, dtype=dtype)
+            quant_kernels.scale_rows(y, row_scales, b, out)
+            want = y * row_scales[:, None]
+            assert torch.equal(out, (want if b is None else want + b).to(dtype)), (dtype, b is None)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -112,7 +139,8 @@ def test_bf16_activations_round_the_float32_result_once(isa):
     packed, s4, o4 = ref.quantize_int4(w, 32)
     pairs = [(lambda a: quant_kernels.weight_only_linear(a, q, scales, None, bias, isa)),
              (lambda a: quant_kernels.weight_only_linear(a, packed, s4, o4, None, isa)),
-             (lambda a: quant_kernels.w8a8_linear(a, q, scales.view(-1), bias, isa)),
+             (lambda a: quant_kernels.w8a8_linear(a, q, scales.view(-1), bias, isa=isa)),
+             (lambda a: quant_kernels.w8a8_linear(a, q, scales.view(-1), bias, True, isa=isa)),
              (lambda a: quant_kernels.w4a8_linear(a, packed, s4, o4, bias, isa))]
     for run in pairs:
         got = run(xb)

@@ -1,12 +1,20 @@
 """int8 weights: one symmetric scale per output channel, quantised on the fly (folio.models.quantized_linear).
 
-Scheme "int8" multiplies the int8 weight with float activations (W8A16): reading the weight is the cost of
-decode, and 8 bits halve it against bf16. Scheme "w8a8" also quantises each activation row to int8 at run
-time (dynamic, per token) and sums int8 products exactly in int32: four times the multiply-adds per
-instruction of float32 FMAs, at the cost of the activations' rounding. Measured on AVX2 (README,
-"Quantisation"), W8A8 is faster at every batch size, one row included (W8A16 there is bound by widening int8
-to float32, not by memory), so w8a8 uses it throughout and int8 is the scheme for accuracy. On a CPU with
-AMX-INT8, W8A8 batches of many rows go to oneDNN's int8 GEMM on its tiles instead (folio.models.onednn_int8).
+Scheme "int8" (W8A8) also quantises each activation row to int8 at run time (dynamic, per token) and sums int8
+products exactly in int32: twice bf16's multiply-adds per instruction with VNNI, four times float32 FMAs' on
+AVX2, at the cost of the activations' rounding. It is the faster way at every batch size measured (README,
+"Low precision"), one row included, so it runs throughout: folio's kernel for a row or two, oneDNN's int8 GEMM
+for more where the CPU has VNNI or AMX-INT8 (folio.models.onednn_int8), the kernel again elsewhere.
+
+Per-token scales let one outlier channel of a row (LLMs have a few, hundreds of times the others) set the whole
+row's scale, and perplexity suffered (+3.3 % on the default model). So on-the-fly W8A8 layers are rotated, as
+QuaRot does: the weight is stored as rotate(W) / 32 (folio.models.quant_reference.rotate: each block of 32 input
+channels times the Walsh-Hadamard matrix) and each activation row is rotated the same way before it is
+quantised, which leaves x W^T unchanged and spreads an outlier over its block (+0.4 %). Pre-quantised checkpoints
+(compressed-tensors) run as stored, unrotated.
+
+Scheme "w8a16" multiplies the int8 weight with float activations: the most accurate (+0.1 %), bound on the CPUs
+measured by widening int8 to float rather than by memory, and slower than W8A8 at every batch size.
 """
 
 from __future__ import annotations
@@ -17,16 +25,21 @@ import torch
 
 from folio.models import onednn_int8, quant_kernels
 from folio.models.linear import Linear
-from folio.models.quant_reference import quantize_int8
+from folio.models.quant_reference import BLOCK, quantize_int8, rotate
 from folio.models.quantized_linear import QuantizedLinearMethod
 
 
 class Int8LinearMethod(QuantizedLinearMethod):
-    def __init__(self, int8_activations: bool = False, onednn: Optional[bool] = None) -> None:
-        """onednn: W8A8 batches of onednn_int8.MIN_ROWS rows or more in oneDNN's int8 GEMM (default: where the
-        CPU has AMX-INT8)."""
+    def __init__(self, int8_activations: bool = False, rotated: bool = False, onednn: Optional[bool] = None) -> None:
+        """int8_activations: W8A8 (else W8A16); rotated: quantise rotate(W) / 32 and rotate x (W8A8 only);
+        onednn: W8A8 batches of onednn_int8.min_rows() rows or more in oneDNN's int8 GEMM (default: where the CPU
+        has VNNI or AMX-INT8)."""
+        if rotated and not int8_activations:
+            raise ValueError("a rotated int8 layer quantises its activations (int8_activations=True)")
         self.int8_activations = int8_activations
+        self.rotated = rotated
         self.onednn = int8_activations and (onednn_int8.usable() if onednn is None else onednn)
+        self.onednn_min_rows = onednn_int8.min_rows()
 
     def create_weights(self, layer: Linear) -> None:
         super().create_weights(layer)
@@ -41,12 +54,12 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return (rows, input_size), torch.int8, 1
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        q, scales = quantize_int8(w, w.shape[1])
+        q, scales = quantize_int8(rotate(w) / BLOCK if self.rotated else w, w.shape[1])
         return q, scales, None
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.onednn_weight is not None and x.shape[0] >= onednn_int8.MIN_ROWS:
-            return onednn_int8.linear(x, layer.onednn_weight, layer.bias)
+        if layer.onednn_weight is not None and x.shape[0] >= self.onednn_min_rows:
+            return onednn_int8.linear(x, layer.onednn_weight, layer.bias, self.rotated)
         if self.int8_activations:
-            return quant_kernels.w8a8_linear(x, layer.weight, layer.weight_scale.view(-1), layer.bias)
+            return quant_kernels.w8a8_linear(x, layer.weight, layer.weight_scale.view(-1), layer.bias, self.rotated)
         return self.weight_only(layer, x)

@@ -1,20 +1,26 @@
-"""W8A8 matmuls of many rows in oneDNN's int8 GEMM: the path to AMX-INT8 tiles.
+"""W8A8 matmuls of many rows in oneDNN's int8 GEMM, on CPUs with AVX512-VNNI or AMX-INT8.
 
-folio's own W8A8 kernel (folio/csrc/cpu_quant_linear.cpp) sums int8 products with VNNI's vpdpbusd (or AVX2's
-vpmaddubsw): 64 products per instruction, a quarter of what AMX-BF16 tiles do for bf16, so on an AMX machine a
-prefill in int8 would lose to the same prefill in bf16. oneDNN's int8 GEMM (PyTorch's `onednn::qlinear_pointwise`,
-the x86 quantisation backend's op) runs the products on AMX-INT8 tiles there, twice AMX-BF16's rate.
+folio's own W8A8 kernel (folio/csrc/cpu_quant_linear.cpp) reads each weight row once per few rows of x: the
+fastest at one row, but it does not block for cache or registers, so from a few rows on a real GEMM wins. oneDNN's
+int8 GEMM (PyTorch's `onednn::qlinear_pointwise`, the x86 quantisation backend's op) is that GEMM: its VNNI
+kernels (vpdpbusd, 64 products an instruction, twice vdpbf16ps's) on AVX512-VNNI, AMX-INT8 tiles (twice AMX-BF16's
+rate) on Intel's newer Xeons. Measured on a Zen 4 EPYC (AVX512-VNNI, 2 cores, benchmarks/int8_gemm_bench.py):
+a 9728 x 896 layer at 64 rows 0.69 ms against bf16's 1.11 and the kernel's 2.18, at 2 rows level with the
+kernel and at 1 row 1.4x slower than it.
 
-The arithmetic is the one of folio.models.quant_reference.w8a8_linear: the activation rows are quantised per
-token as the kernel does (`quantize_rows`), oneDNN takes their int8 codes with a scale of 1 and the weight with
-its per-channel scales, so its float32 result is each exact int32 sum times the weight's scale; each row is then
-multiplied by its own token scale (oneDNN has one activation scale per tensor) and the bias added.
+Its VNNI kernels take an unsigned source (vpdpbusd multiplies unsigned by signed bytes): the activations are
+quantised per token as the kernel quantises them (rotated first for rotated layers), shifted to q + 128 and
+given oneDNN with a zero point of 128, which it takes back exactly (it subtracts 128 times the weight's column
+sums), so the int32 sums are exact and equal the reference's. oneDNN multiplies them by the weight's per-channel
+scales; each row is then multiplied by its own token's scale (oneDNN has one activation scale per tensor) and the
+bias added, in one pass (quant_kernels.scale_rows). The result differs from the reference only by the order of
+the two float32 scalings.
 
-Only where the CPU has AMX-INT8 (`usable`): without VNNI, oneDNN's int8 GEMM pairs products in int16 with
-saturation (vpmaddubsw), exact only for weights within 7 bits, and with VNNI alone folio's kernel does the same
-products. Batches of fewer than MIN_ROWS rows stay on folio's kernel, which reads the weight once per call.
-Tests run this path on any CPU with weights within 7 bits. Not yet measured on an AMX machine (the rule is a
-first guess): scripts/gpu_check.sh times W1 in w8a8 against bf16 there.
+Only where the CPU has VNNI or AMX-INT8 (`usable`): without them oneDNN pairs products in int16 with saturation
+(vpmaddubsw), exact only for weights within 6 bits. Batches of fewer than `min_rows()` rows stay on folio's
+kernel. The layer keeps oneDNN's packed copy of its weight besides its own (the kernel's), so an int8 model
+holds its linear weights twice. Tests run this path on any CPU with weights within 6 bits. Not yet measured on an
+AMX machine (its row threshold is a guess): scripts/gpu_check.sh times W1 in int8 against bf16 there.
 """
 
 from __future__ import annotations
@@ -24,12 +30,17 @@ from typing import Optional
 
 import torch
 
-from folio.models.quant_reference import quantize_rows
-from folio.platforms.cpu_features import has_amx_int8
+from folio.models import quant_kernels
+from folio.platforms.cpu_features import has_amx_int8, has_avx512_vnni
 
 # the weight is packed for a batch of this many rows (prefill chunks and decode batches of tens of requests)
 _PACK_FOR_ROWS = 64
-MIN_ROWS = 16
+# from this many rows oneDNN beats the kernel: measured on Zen 4 with VNNI (see above); on AMX a guess
+MIN_ROWS_VNNI = 2
+MIN_ROWS_AMX = 16
+# rows of one oneDNN call: its float32 result (256 x 9728 x 4 bytes = 10 MB for Qwen2-0.5B's gate/up) stays in
+# the last-level cache for the scaling pass; a 2048-row chunk wrote 80 MB to memory and read it back
+CHUNK_ROWS = 256
 
 
 def available() -> bool:
@@ -38,8 +49,13 @@ def available() -> bool:
 
 
 def usable() -> bool:
-    """Whether W8A8 layers should use it here: a CPU with AMX-INT8 tiles (see the module's docstring)."""
-    return has_amx_int8() and available()
+    """Whether W8A8 layers should use it here: a CPU with AVX512-VNNI or AMX-INT8 (see the module's docstring)."""
+    return (has_amx_int8() or has_avx512_vnni()) and available()
+
+
+def min_rows() -> int:
+    """Batches of this many rows or more go to oneDNN on this CPU."""
+    return MIN_ROWS_AMX if has_amx_int8() else MIN_ROWS_VNNI
 
 
 @dataclass
@@ -57,12 +73,14 @@ def prepack(weight: torch.Tensor, scales: torch.Tensor) -> PackedInt8Weight:
     return PackedInt8Weight(packed, scales.contiguous(), torch.zeros(weight.shape[0], dtype=torch.int64))
 
 
-def linear(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, K] quantised per row to int8, times the weight, (+ bias float32), in x's dtype."""
-    codes, row_scales = quantize_rows(x)
-    y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, weight.packed, weight.scales, weight.zero_points, None,
-                                           1.0, 0, torch.float32, "none", [], "")
-    y.mul_(row_scales[:, None])
-    if bias is not None:
-        y.add_(bias)
-    return y.to(x.dtype)
+def linear(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tensor], rotated: bool) -> torch.Tensor:
+    """x [M, K] (rotated first if the weight is) quantised per row to int8, times the weight, (+ bias float32),
+    in x's dtype. Chunks of CHUNK_ROWS rows, so that oneDNN's float32 result is still in cache when it is scaled."""
+    codes, row_scales = quant_kernels.quantize_rows_unsigned(x, rotated)
+    out = torch.empty(x.shape[0], weight.scales.shape[0], dtype=x.dtype)
+    for start in range(0, x.shape[0], CHUNK_ROWS):
+        stop = start + CHUNK_ROWS
+        y = torch.ops.onednn.qlinear_pointwise(codes[start:stop], 1.0, 128, weight.packed, weight.scales,
+                                               weight.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+        quant_kernels.scale_rows(y, row_scales[start:stop], bias, out[start:stop])
+    return out

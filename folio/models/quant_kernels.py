@@ -55,6 +55,27 @@ def w4a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets:
 
 
 def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
-                isa: Optional[int] = None) -> torch.Tensor:
-    """x [M, K] quantised per row to int8, times int8 W [N, K] with one scale per row, (+ bias), in x's dtype."""
-    return _run("w8a8_linear", quant_reference.w8a8_linear, x, w, scales, bias, isa=isa)
+                rotated: bool = False, isa: Optional[int] = None) -> torch.Tensor:
+    """x [M, K] (rotated first if the weight is) quantised per row to int8, times int8 W [N, K] with one scale
+    per row, (+ bias), in x's dtype."""
+    return _run("w8a8_linear", quant_reference.w8a8_linear, x, w, scales, bias, rotated, isa=isa)
+
+
+def quantize_rows_unsigned(x: torch.Tensor, rotated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows quantised as w8a8_linear quantises them: (codes + 128 as uint8 [M, K], float32 scales [M])."""
+    ext = KERNEL.load()
+    if ext is not None:
+        codes, scales = ext.quantize_rows_unsigned(x, rotated)
+        return codes, scales
+    codes, scales = quant_reference.quantize_rows(quant_reference.rotate(x) if rotated else x)
+    return (codes.to(torch.int16) + 128).to(torch.uint8), scales
+
+
+def scale_rows(y: torch.Tensor, row_scales: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out [M, N] (float32 or bf16, contiguous) = float32 y [M, N] times each row's scale (+ bias float32 [N])."""
+    ext = KERNEL.load()
+    if ext is not None:
+        ext.scale_rows(y, row_scales, bias, out)
+        return
+    y = y * row_scales[:, None]
+    out.copy_(y if bias is None else y + bias)

@@ -1,13 +1,13 @@
 """The `quantization` engine option: which weight scheme each linear layer of a model gets.
 
 A scheme is a chooser (folio.models.linear): given a layer's name and declared shapes, its linear method.
-- int8: every layer in int8 with per-channel scales and float activations, the lm_head too (at batch 1 it
-  is a quarter of the 0.5B Qwen2's weight reads); w8a8: the same weights with dynamic per-token int8
-  activations (folio.models.int8_linear).
+- int8: every layer in int8 with per-channel scales, rotated, times activations quantised to int8 per token
+  (W8A8, folio.models.int8_linear), the lm_head too (at batch 1 it is a quarter of the 0.5B Qwen2's weight
+  reads); w8a16: the same weights unrotated, times float activations.
 - int4, int4-g128: every layer in int4 (groups of 32 / 128, folio.models.int4_linear), but the lm_head in
-  int8: logits lose more to 4 bits than any other layer, and llama.cpp's 4-bit types keep it wider too;
-  w4a8: int4 in groups of 32 with activations quantised to int8 per block of 32 (llama.cpp's Q4 x Q8 recipe),
-  the lm_head in w8a8.
+  int8 weight-only: logits lose more to 4 bits than any other layer, and llama.cpp's 4-bit types keep it wider
+  too; w4a8: int4 in groups of 32 with activations quantised to int8 per block of 32 (llama.cpp's Q4 x Q8
+  recipe), the lm_head in int8 (W8A8).
 - gguf: the dense method here; the GGUF loader binds the layers it keeps quantised (folio.loader.gguf_native).
 Layers whose input size is not a multiple of 32 (the kernels' block) stay on the dense method.
 """
@@ -27,8 +27,9 @@ def quantization_chooser(scheme: str, dense: LinearMethod) -> LinearMethodChoose
     layers the kernels cannot take."""
     if scheme == "gguf":
         return lambda name, layer: dense
-    int8 = Int8LinearMethod(int8_activations=scheme in ("w8a8", "w4a8"))
-    if scheme in ("int8", "w8a8"):
+    w8a8 = scheme in ("int8", "w4a8")
+    int8 = Int8LinearMethod(int8_activations=w8a8, rotated=w8a8)
+    if scheme in ("int8", "w8a16"):
         body: LinearMethod = int8
     else:
         body = Int4LinearMethod(128 if scheme == "int4-g128" else BLOCK, int8_activations=scheme == "w4a8")

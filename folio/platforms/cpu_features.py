@@ -33,3 +33,8 @@ def has_amx() -> bool:
 def has_amx_int8() -> bool:
     """AMX-INT8 tiles, which oneDNN's int8 GEMMs use."""
     return "amx_int8" in cpu_flags().split()
+
+
+def has_avx512_vnni() -> bool:
+    """AVX512-VNNI (vpdpbusd: 64 int8 products an instruction), which oneDNN's int8 GEMMs use without AMX."""
+    return "avx512_vnni" in cpu_flags().split()
