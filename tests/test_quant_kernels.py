@@ -186,6 +186,8 @@ def test_dequantize_equals_the_reference_to_one_rounding(n, k):
         if offsets is not None:
             size += offsets.abs().repeat_interleave(group, dim=1)
         for isa in ISAS:
-            got = quant_kernels.dequantize(packed, scales, offsets, isa)
+            got = quant_kernels.dequantize(packed, scales, offsets, isa=isa)
             assert got.dtype == torch.float32 and got.shape == (n, k)
             assert bool(((got - want).abs() <= 2 ** -23 * size).all()), isa
+            # bf16: the kernel's float32 values, rounded once to nearest even
+            assert torch.equal(quant_kernels.dequantize(packed, scales, offsets, torch.bfloat16, isa), got.bfloat16())

@@ -15,7 +15,7 @@ from folio.models.int4_linear import Int4LinearMethod
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear
 from folio.models.quantization import quantization_chooser
-from folio.models.quantized_linear import DEQUANTIZE_MIN_ROWS
+from folio.models.quantized_linear import dequantize_min_rows
 from tests.conftest import hf_logprobs
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
@@ -88,9 +88,11 @@ def test_a_rotated_layer_computes_x_times_the_unrotated_weight():
 @pytest.mark.parametrize("method", [Int8LinearMethod(), Int4LinearMethod()], ids=["w8a16", "int4"])
 def test_prefill_sized_batches_run_the_dense_gemm_on_the_dequantised_weight(method):
     layer, _ = _fused_layer(method, bias=True)
-    x = torch.randn(DEQUANTIZE_MIN_ROWS, 64)
     weight = ref.dequantize(layer.weight, layer.weight_scale, layer.weight_offset)
-    assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(dequantize_min_rows(dtype), 64, dtype=dtype)
+        want = torch.nn.functional.linear(x, weight.to(dtype), layer.bias.to(dtype))
+        assert torch.equal(layer(x), want), dtype
 
 
 def test_a_wrong_shard_or_shape_is_a_value_error():

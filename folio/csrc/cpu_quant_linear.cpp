@@ -345,16 +345,35 @@ void weight_only(const WeightOnly& a) {
   });
 }
 
+// float32 -> bf16, rounding to nearest even as c10::BFloat16 does for finite values (16 lanes at a time with
+// AVX-512).
+void store_bf16(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#if FOLIO_AVX512
+  for (; i + 16 <= n; i += 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(rounded));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
 // ------------------------------------------------------------------------------------------ dequantize
-// W as float32 [N, K], for prefill-sized batches, which run the dense GEMM on it: q * scale (+ offset) per
-// group, the reference's operations (the compiler may fuse the multiply and add: one rounding fewer).
-template <class V, class Fmt>
-void dequantize_rows(const WeightOnly& a, float* out) {
+// W as float32 or bf16 [N, K], for batches that run the dense GEMM on it: q * scale (+ offset) per group, the
+// reference's operations (the compiler may fuse the multiply and add: one rounding fewer), then for bf16 one
+// rounding of each value, row by row through a buffer in cache.
+template <class V, class Fmt, class Out>
+void dequantize_rows(const WeightOnly& a, Out* out) {
   using F = typename V::F;
   constexpr int SUB = BLOCK / V::W;
+  constexpr bool to_float = std::is_same<Out, float>::value;
   at::parallel_for(0, a.N, std::max<int64_t>(1, MIN_BYTES_PER_TASK / a.row_bytes), [&](int64_t n0, int64_t n1) {
+    std::vector<float> buf(to_float ? 0 : a.K);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = a.w + n * a.row_bytes;
+      float* dst = to_float ? reinterpret_cast<float*>(out) + n * a.K : buf.data();
       for (int64_t g = 0; g < a.ng; ++g) {
         const F s = V::set1(a.scales[n * a.ng + g]);
         const F o = V::set1(a.offsets ? a.offsets[n * a.ng + g] : 0.f);
@@ -362,9 +381,10 @@ void dequantize_rows(const WeightOnly& a, float* out) {
           F q[SUB];
           Fmt::template block<V>(row, kb, q);
           for (int j = 0; j < SUB; ++j)
-            V::store(out + n * a.K + kb + j * V::W, a.offsets ? V::add(V::mul(q[j], s), o) : V::mul(q[j], s));
+            V::store(dst + kb + j * V::W, a.offsets ? V::add(V::mul(q[j], s), o) : V::mul(q[j], s));
         }
       }
+      if constexpr (!to_float) store_bf16(buf.data(), reinterpret_cast<at::BFloat16*>(out) + n * a.K, a.K);
     }
   });
 }
@@ -704,13 +724,18 @@ at::Tensor weight_only_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10
   return as_input_dtype(y, x);
 }
 
-// The float32 weight [N, K] of weight_fields.
-at::Tensor dequantize(at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets, int64_t isa) {
+// The weight [N, K] of weight_fields in dtype (float32, or bf16: the float32 values rounded once).
+at::Tensor dequantize(at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets, at::ScalarType dtype,
+                      int64_t isa) {
   const WeightOnly a = weight_fields(w, scales, offsets);
-  at::Tensor out = at::empty({a.N, a.K}, scales.options());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  at::Tensor out = at::empty({a.N, a.K}, scales.options().dtype(dtype));
   by_isa(isa, [&](auto v) {
     using V = decltype(v);
-    a.offsets ? dequantize_rows<V, Int4Fmt>(a, out.data_ptr<float>()) : dequantize_rows<V, Int8Fmt>(a, out.data_ptr<float>());
+    auto run = [&](auto* o) {
+      a.offsets ? dequantize_rows<V, Int4Fmt>(a, o) : dequantize_rows<V, Int8Fmt>(a, o);
+    };
+    dtype == at::kFloat ? run(out.data_ptr<float>()) : run(out.data_ptr<at::BFloat16>());
   });
   return out;
 }
@@ -798,15 +823,13 @@ void scale_rows(at::Tensor y, at::Tensor row_scales, c10::optional<at::Tensor> b
       for (; n + 16 <= N; n += 16) {
         __m512 v = _mm512_mul_ps(_mm512_loadu_ps(r + n), s);
         if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + n));
-        if (!bf16) {
+        if (bf16) {
+          alignas(64) float tmp[16];
+          _mm512_store_ps(tmp, v);
+          store_bf16(tmp, ob + m * N + n, 16);
+        } else {
           _mm512_storeu_ps(of + m * N + n, v);
-          continue;
         }
-        // float32 -> bf16 rounding to nearest even, as c10::BFloat16 does for finite values
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + m * N + n), _mm512_cvtepi32_epi16(rounded));
       }
 #endif
       for (; n < N; ++n) {
@@ -823,8 +846,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_only_linear", &weight_only_linear, "x W^T (+ b) with int8 or int4 weights, float x",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"), pybind11::arg("offsets"),
         pybind11::arg("bias"), pybind11::arg("isa") = best_isa(), pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("dequantize", &dequantize, "the float32 weight of an int8 or int4 layer", pybind11::arg("w"),
-        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("isa") = best_isa(),
+  m.def("dequantize", &dequantize, "the weight of an int8 or int4 layer in dtype", pybind11::arg("w"),
+        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("dtype"), pybind11::arg("isa") = best_isa(),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("w4a8_linear", &w4a8_linear, "x W^T (+ b) with int4 weights and x quantised to int8 per block of 32",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"), pybind11::arg("offsets"),

@@ -20,7 +20,7 @@ import torch
 from folio.models import quant_kernels
 from folio.models.linear import Linear
 from folio.models.quant_reference import BLOCK, quantize_int4
-from folio.models.quantized_linear import DEQUANTIZE_MIN_ROWS, QuantizedLinearMethod
+from folio.models.quantized_linear import QuantizedLinearMethod, dequantize_min_rows
 
 class Int4LinearMethod(QuantizedLinearMethod):
     asymmetric = True
@@ -40,6 +40,6 @@ class Int4LinearMethod(QuantizedLinearMethod):
         return quantize_int4(w, self.group_size(w.shape[1]))
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.int8_activations and x.shape[0] < DEQUANTIZE_MIN_ROWS:
+        if self.int8_activations and x.shape[0] < dequantize_min_rows(x.dtype):
             return quant_kernels.w4a8_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
         return self.weight_only(layer, x)

@@ -43,9 +43,11 @@ def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, o
 
 
 def dequantize(w: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor],
-               isa: Optional[int] = None) -> torch.Tensor:
-    """The float32 weight [N, K] of an int8 (offsets None) or int4 layer (folio.models.quant_reference)."""
-    return _run("dequantize", quant_reference.dequantize, w, scales, offsets, isa=isa)
+               dtype: torch.dtype = torch.float32, isa: Optional[int] = None) -> torch.Tensor:
+    """The weight [N, K] of an int8 (offsets None) or int4 layer (folio.models.quant_reference) in dtype (float32,
+    or bf16: the float32 values rounded once)."""
+    return _run("dequantize", lambda *args: quant_reference.dequantize(*args[:3]).to(dtype), w, scales, offsets,
+                dtype, isa=isa)
 
 
 def w4a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
