@@ -38,11 +38,13 @@ def test_each_chosen_expert_runs_once_per_step(tiny_model_factory, arch):
     torch.testing.assert_close(out, alone, rtol=1e-4, atol=1e-5)
 
 
-def test_moe_quantised_stays_close(tiny_model_factory):
+# mean |logprob error| bounds of test_quantization's tiny models: int8 quantises the activations too
+@pytest.mark.parametrize("scheme,bound", [("w8a16", 0.05), ("int8", 0.12)])
+def test_moe_quantised_stays_close(tiny_model_factory, scheme, bound):
     from folio.models.experts_method import PerExpertMethod
 
     folder = tiny_model_factory("qwen2_moe")
-    llm = LLM(folder, dtype="float32", quantization="int8", kv_cache_memory=1 << 22)
+    llm = LLM(folder, dtype="float32", quantization=scheme, kv_cache_memory=1 << 22)
     experts = llm.llm_engine.runner.model.layers[0].mlp.experts
     assert experts[0].down_proj.weight.dtype == torch.int8 and isinstance(experts.method, PerExpertMethod)
     prompt = list(range(30, 60))
@@ -50,7 +52,7 @@ def test_moe_quantised_stays_close(tiny_model_factory):
                        use_tqdm=False)[0]
     got = torch.tensor([e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
     want = hf_logprobs(folder, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert float((got - want).abs().mean()) < 0.05
+    assert float((got - want).abs().mean()) < bound
 
 
 def test_step_profile_shows_each_expert_read_once_per_step(tiny_model_factory):
