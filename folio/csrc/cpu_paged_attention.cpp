@@ -28,9 +28,9 @@
 //
 // 8-bit caches (folio.attention.kv_quant): a row is D codes, int8 (int8 cache) or fp8 e4m3 bits (uint8
 // cache), followed by the 4 bytes of its float32 scale (max |value| / 127 or / 448); the new K/V rows are
-// quantised here exactly as the torch reference does, and read by the scalar path, which takes each key's
-// scale out of its dot product and folds each value's into its probability. (The AVX-512 path reads float32
-// and bf16 caches only.)
+// quantised here exactly as the torch reference does. The scalar path takes each key's scale out of its dot
+// product and folds each value's into its probability; the AVX-512 path widens each tile's rows to float32
+// (codes times scale, as the reference dequantises them) and runs the float32 tile code on them.
 //
 // Sliding window W (0: none): query row at position p sees keys p - W < t <= p. An item's keys start at the
 // window of its first query token, each row masks the keys before its own window, and a block wholly before
@@ -395,19 +395,32 @@ inline void interleave_v_tile(const at::BFloat16* const* vp, int nt, uint32_t* v
 }
 #endif
 
-template <typename T, int NV>
+// 16 values of an 8-bit cache row (codes times the row's scale) as float32.
+inline __m512 load16_codes(const int8_t* p, __m512 scale) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), scale);
+}
+inline __m512 load16_codes(const uint8_t* p, __m512 scale) {  // fp8 e4m3 bits: the value table
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_mul_ps(_mm512_i32gather_ps(idx, FP8_E4M3_VALUES.data(), 4), scale);
+}
+
+// T: the dtype of q and out; C: the cache's (T, or int8 / uint8 for 8-bit caches, whose rows are widened to
+// float32 tiles as bf16 rows are where vdpbf16ps cannot take them).
+template <typename T, typename C, int NV>
 void attend_item_avx512(const Params& P, const Item& it, float* partial) {
   constexpr int D = NV * 16;
   constexpr bool BF16 = std::is_same<T, at::BFloat16>::value;
+  constexpr bool Q8 = Cache<C>::QUANTIZED;
+  constexpr int RW = Q8 ? D + 4 : D;  // elements of a cache row (8-bit: D codes and the 4 bytes of a scale)
 #if defined(__AVX512BF16__)
   // bf16 cache, head_dim a multiple of 32: q.k and P.V with vdpbf16ps straight from the cache (products of
   // bf16 are exact, sums float32; P is rounded to bf16 for P.V, as torch's CPU flash attention does). The
   // accumulator then holds each 32 values of d permuted (see interleave_v_tile) until the end.
-  constexpr bool DP = BF16 && NV % 2 == 0;
+  constexpr bool DP = BF16 && NV % 2 == 0 && !Q8;
 #else
   constexpr bool DP = false;
 #endif
-  constexpr bool WIDEN = BF16 && !DP;  // otherwise bf16 K and V rows are widened into float tile buffers
+  constexpr bool WIDEN = (BF16 && !DP) || Q8;  // K and V rows widened into float tile buffers
   constexpr int RC = NV >= 24 ? 1 : 24 / NV;  // rows whose V accumulators stay in registers together
 
   const int G = P.G;
@@ -445,10 +458,10 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
     m[r] = NEG_INF;
   }
 
-  const T* kc = static_cast<const T*>(P.k_cache);
-  const T* vc = static_cast<const T*>(P.v_cache);
+  const C* kc = static_cast<const C*>(P.k_cache);
+  const C* vc = static_cast<const C*>(P.v_cache);
   const int32_t* bt = P.block_tables + it.b * P.max_blocks;
-  const int64_t row_stride = (int64_t)P.Hkv * D;
+  const int64_t row_stride = (int64_t)P.Hkv * RW;
   const __m512 ninf = _mm512_set1_ps(NEG_INF);
   for (int t0 = it.k0; t0 < kend; t0 += TILE) {
     const int nt = std::min(TILE, kend - t0);
@@ -467,27 +480,33 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
     if (t0 + TILE < kend) {
       const int tn = t0 + TILE;
       pf.n = std::min(TILE, kend - tn);
-      pf.lines = (NH * D * (int)sizeof(T) + 63) / 64;
-      pf.k = reinterpret_cast<const char*>(kc + (int64_t)it.h0 * D);
-      pf.v = reinterpret_cast<const char*>(vc + (int64_t)it.h0 * D);
+      pf.lines = (NH * RW * (int)sizeof(C) + 63) / 64;
+      pf.k = reinterpret_cast<const char*>(kc + (int64_t)it.h0 * RW);
+      pf.v = reinterpret_cast<const char*>(vc + (int64_t)it.h0 * RW);
       int blk = tn / P.block_size, o = tn % P.block_size;
       for (int j = 0; j < pf.n; ++j) {
-        pf.rows[j] = ((int64_t)bt[blk] * P.block_size + o) * row_stride * (int64_t)sizeof(T);
+        pf.rows[j] = ((int64_t)bt[blk] * P.block_size + o) * row_stride * (int64_t)sizeof(C);
         if (++o == P.block_size) { o = 0; ++blk; }
       }
       pf.per_step = (pf.n + R - 1) / R;
     }
     for (int hh = 0; hh < NH; ++hh) {
-      const int64_t hoff = (int64_t)(it.h0 + hh) * D;
+      const int64_t hoff = (int64_t)(it.h0 + hh) * RW;
       const int rbeg = hh * RH, rend = rbeg + RH;
-      const T* kp[TILE];
-      const T* vp[TILE];
+      const C* kp[TILE];
+      const C* vp[TILE];
       const float* kr[TILE];
       const float* vr[TILE];
       for (int j = 0; j < nt; ++j) {
         kp[j] = kc + tok[j] + hoff;
         vp[j] = vc + tok[j] + hoff;
-        if constexpr (WIDEN) {
+        if constexpr (Q8) {
+          const __m512 ks = _mm512_set1_ps(Cache<C>::scale(kp[j], D)), vs = _mm512_set1_ps(Cache<C>::scale(vp[j], D));
+          for (int c = 0; c < NV; ++c) store16(kbuf + j * D + 16 * c, load16_codes(kp[j] + 16 * c, ks));
+          for (int c = 0; c < NV; ++c) store16(vbuf + j * D + 16 * c, load16_codes(vp[j] + 16 * c, vs));
+          kr[j] = kbuf + j * D;
+          vr[j] = vbuf + j * D;
+        } else if constexpr (WIDEN) {
           for (int c = 0; c < NV; ++c) store16(kbuf + j * D + 16 * c, load16(kp[j] + 16 * c));
           for (int c = 0; c < NV; ++c) store16(vbuf + j * D + 16 * c, load16(vp[j] + 16 * c));
           kr[j] = kbuf + j * D;
@@ -665,18 +684,18 @@ using ItemFn = void (*)(const Params&, const Item&, float*);
 template <typename T, typename C>
 ItemFn<T> pick_kernel(int D) {
 #if defined(__AVX512F__)
-  if (std::is_same<T, C>::value) switch (D) {
-    case 16: return attend_item_avx512<T, 1>;
-    case 32: return attend_item_avx512<T, 2>;
-    case 48: return attend_item_avx512<T, 3>;
-    case 64: return attend_item_avx512<T, 4>;
-    case 80: return attend_item_avx512<T, 5>;
-    case 96: return attend_item_avx512<T, 6>;
-    case 112: return attend_item_avx512<T, 7>;
-    case 128: return attend_item_avx512<T, 8>;
-    case 160: return attend_item_avx512<T, 10>;
-    case 192: return attend_item_avx512<T, 12>;
-    case 256: return attend_item_avx512<T, 16>;
+  if (std::is_same<T, C>::value || Cache<C>::QUANTIZED) switch (D) {
+    case 16: return attend_item_avx512<T, C, 1>;
+    case 32: return attend_item_avx512<T, C, 2>;
+    case 48: return attend_item_avx512<T, C, 3>;
+    case 64: return attend_item_avx512<T, C, 4>;
+    case 80: return attend_item_avx512<T, C, 5>;
+    case 96: return attend_item_avx512<T, C, 6>;
+    case 112: return attend_item_avx512<T, C, 7>;
+    case 128: return attend_item_avx512<T, C, 8>;
+    case 160: return attend_item_avx512<T, C, 10>;
+    case 192: return attend_item_avx512<T, C, 12>;
+    case 256: return attend_item_avx512<T, C, 16>;
     default: break;
   }
 #endif
