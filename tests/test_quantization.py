@@ -162,3 +162,19 @@ def test_a_bf16_model_keeps_float32_scales_and_biases(tiny_model_factory, scheme
     assert qkv.weight_scale.dtype == qkv.bias.dtype == torch.float32
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("method", [Int8LinearMethod(int8_activations=True, rotated=True), Int8LinearMethod(),
+                                    Int4LinearMethod()], ids=["int8", "w8a16", "int4"])
+def test_float16_activations_take_every_path(method):
+    """The kernels and the epilogue compute in float32 or bf16; float16 comes back as float16, as float32 rounded."""
+    layer = Linear(64, 48, params_dtype=torch.float16)
+    layer.bind(method)
+    weight = torch.randn(48, 64)
+    layer.weight.weight_loader(layer.weight, weight, None)
+    method.process_weights_after_loading(layer)
+    for rows in (1, 8, 200):  # the kernel, oneDNN or the bf16 threshold, the dense GEMM
+        x = torch.randn(rows, 64, dtype=torch.float16)
+        y = layer(x)
+        assert y.dtype == torch.float16 and y.shape == (rows, 48)
+        assert torch.allclose(y.float(), layer(x.float()), rtol=1e-2, atol=1e-2)  # float16 GEMMs, 11 bits

@@ -77,10 +77,11 @@ def linear(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tenso
     """x [M, K] (rotated first if the weight is) quantised per row to int8, times the weight, (+ bias float32),
     in x's dtype. Chunks of CHUNK_ROWS rows, so that oneDNN's float32 result is still in cache when it is scaled."""
     codes, row_scales = quant_kernels.quantize_rows_unsigned(x, rotated)
-    out = torch.empty(x.shape[0], weight.scales.shape[0], dtype=x.dtype)
+    out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32  # the epilogue's two
+    out = torch.empty(x.shape[0], weight.scales.shape[0], dtype=out_dtype)
     for start in range(0, x.shape[0], CHUNK_ROWS):
         stop = start + CHUNK_ROWS
         y = torch.ops.onednn.qlinear_pointwise(codes[start:stop], 1.0, 128, weight.packed, weight.scales,
                                                weight.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         quant_kernels.scale_rows(y, row_scales[start:stop], bias, out[start:stop])
-    return out
+    return out.to(x.dtype)

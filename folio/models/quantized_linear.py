@@ -107,6 +107,7 @@ class QuantizedLinearMethod(LinearMethod):
         """x times the layer's weight in x's dtype: the weight-only kernel, or for a prefill-sized x the dense
         GEMM on the dequantised weight."""
         if x.shape[0] >= dequantize_min_rows(x.dtype):
-            weight = quant_kernels.dequantize(layer.weight, layer.weight_scale, layer.weight_offset, x.dtype)
+            dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # the kernel's two
+            weight = quant_kernels.dequantize(layer.weight, layer.weight_scale, layer.weight_offset, dtype).to(x.dtype)
             return nn.functional.linear(x, weight, None if layer.bias is None else layer.bias.to(x.dtype))
         return quant_kernels.weight_only_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
