@@ -275,23 +275,40 @@ struct WeightOnly {
   int64_t M, N, K, G, ng, row_bytes;
 };
 
-// Rows m0 .. m0 + MR of y, columns n0 .. n1. CH independent accumulator chains per row hide FMA latency
-// inside a group of G values. Each group's scaled sum is one FMA into the row's total; with groups of 32
-// that FMA chain is the critical path, so TOT totals take consecutive groups in turn. (Indices into the
-// accumulator arrays are compile-time constants, so that the arrays stay in registers.)
+// Column n of rows m0 .. m0 + MR of y from a row of W, given group_dot(g, dst): dst[i] += the scaled dot
+// product of group g with row m0 + i of x. Each group's scaled sum is one FMA into the row's total; with groups
+// of 32 that FMA chain is the critical path, so TOT totals take consecutive groups in turn. Then the offsets
+// times x's group sums (a vector dot: a scalar chain of K / 32 FMAs bounded the int4 kernels at 13 GB/s) and
+// the bias. (Indices into the accumulator arrays are compile-time constants, so they stay in registers.)
+template <class V, int MR, class GroupDot>
+void weight_only_column(const WeightOnly& a, int64_t m0, int64_t n, const GroupDot& group_dot) {
+  using F = typename V::F;
+  constexpr int TOT = MR == 1 ? 4 : 2;
+  F tot[TOT][MR];
+  for (int t = 0; t < TOT; ++t)
+    for (int i = 0; i < MR; ++i) tot[t][i] = V::zero();
+  int64_t g = 0;
+  for (; g + TOT <= a.ng; g += TOT)
+    for (int t = 0; t < TOT; ++t) group_dot(g + t, tot[t]);
+  for (; g < a.ng; ++g) group_dot(g, tot[0]);
+  for (int i = 0; i < MR; ++i) {
+    for (int t = 1; t < TOT; ++t) tot[0][i] = V::add(tot[0][i], tot[t][i]);
+    float v = V::hsum(tot[0][i]);
+    if (a.offsets) v += dot<V>(a.offsets + n * a.ng, a.xsum + (m0 + i) * a.ng, a.ng);
+    a.y[(m0 + i) * a.N + n] = a.bias ? v + a.bias[n] : v;
+  }
+}
+
+// Rows m0 .. m0 + MR of y, columns n0 .. n1, x float32. CH independent accumulator chains per row hide FMA
+// latency inside a group.
 template <class V, class Fmt, int MR>
 void weight_only_tile(const WeightOnly& a, int64_t m0, int64_t n0, int64_t n1) {
   using F = typename V::F;
   constexpr int SUB = BLOCK / V::W;  // vectors per block of 32
   constexpr int CH = std::max(1, std::min(SUB, 4 / MR));
-  constexpr int TOT = MR == 1 ? 4 : 2;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = a.w + n * a.row_bytes;
-    const float* sc = a.scales + n * a.ng;
-    F tot[TOT][MR];
-    for (int t = 0; t < TOT; ++t)
-      for (int i = 0; i < MR; ++i) tot[t][i] = V::zero();
-    auto group = [&](int64_t g, F (&dst)[MR]) {
+    weight_only_column<V, MR>(a, m0, n, [&](int64_t g, F (&dst)[MR]) {
       F acc[MR][CH];
       for (int i = 0; i < MR; ++i)
         for (int c = 0; c < CH; ++c) acc[i][c] = V::zero();
@@ -302,22 +319,10 @@ void weight_only_tile(const WeightOnly& a, int64_t m0, int64_t n0, int64_t n1) {
           for (int i = 0; i < MR; ++i)
             acc[i][j % CH] = V::fma(V::load(a.x + (m0 + i) * a.K + kb + j * V::W), wv[j], acc[i][j % CH]);
       }
-      const F s = V::set1(sc[g]);
+      const F s = V::set1(a.scales[n * a.ng + g]);
       for (int i = 0; i < MR; ++i)
         for (int c = 0; c < CH; ++c) dst[i] = V::fma(acc[i][c], s, dst[i]);
-    };
-    int64_t g = 0;
-    for (; g + TOT <= a.ng; g += TOT)
-      for (int t = 0; t < TOT; ++t) group(g + t, tot[t]);
-    for (; g < a.ng; ++g) group(g, tot[0]);
-    for (int i = 0; i < MR; ++i) {
-      for (int t = 1; t < TOT; ++t) tot[0][i] = V::add(tot[0][i], tot[t][i]);
-      float v = V::hsum(tot[0][i]);
-      // the offsets times x's group sums: a vector dot product (a scalar chain of K / 32 FMAs bounded the
-      // int4 kernels at 13 GB/s)
-      if (a.offsets) v += dot<V>(a.offsets + n * a.ng, a.xsum + (m0 + i) * a.ng, a.ng);
-      a.y[(m0 + i) * a.N + n] = a.bias ? v + a.bias[n] : v;
-    }
+    });
   }
 }
 
@@ -348,49 +353,30 @@ struct Bf16Codes {
   }
 };
 
-// weight_only_tile's rows and columns and chains, x bf16 [M, K].
+// weight_only_tile with x bf16 [M, K]: CH chains of vdpbf16ps per row inside a group.
 template <class Fmt, int MR>
 void weight_only_bf16_tile(const WeightOnly& a, const at::BFloat16* x, int64_t m0, int64_t n0, int64_t n1) {
   constexpr int CH = MR == 1 ? 4 : MR == 2 ? 2 : 1;
-  constexpr int TOT = MR == 1 ? 4 : 2;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = a.w + n * a.row_bytes;
-    const float* sc = a.scales + n * a.ng;
-    __m512 tot[TOT][MR];
-    for (int t = 0; t < TOT; ++t)
-      for (int i = 0; i < MR; ++i) tot[t][i] = _mm512_setzero_ps();
-    auto group = [&](int64_t g, __m512 (&dst)[MR]) {
+    weight_only_column<Avx512, MR>(a, m0, n, [&](int64_t g, __m512 (&dst)[MR]) {
       __m512 acc[MR][CH];
       for (int i = 0; i < MR; ++i)
         for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
-      auto dot = [&](int64_t kb, __m512& into, int i, __m512bh q) {
-        into = _mm512_dpbf16_ps(into, (__m512bh)_mm512_loadu_si512(x + (m0 + i) * a.K + kb), q);
+      auto block_dots = [&](int64_t kb, int c) {
+        const __m512bh q = Bf16Codes::block(row, kb, Fmt{});
+        for (int i = 0; i < MR; ++i)
+          acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)_mm512_loadu_si512(x + (m0 + i) * a.K + kb), q);
       };
       int64_t kb = g * a.G;
       const int64_t ke = kb + a.G;
       for (; kb + CH * BLOCK <= ke; kb += CH * BLOCK)
-        for (int c = 0; c < CH; ++c) {
-          const __m512bh q = Bf16Codes::block(row, kb + c * BLOCK, Fmt{});
-          for (int i = 0; i < MR; ++i) dot(kb + c * BLOCK, acc[i][c], i, q);
-        }
-      for (; kb < ke; kb += BLOCK) {
-        const __m512bh q = Bf16Codes::block(row, kb, Fmt{});
-        for (int i = 0; i < MR; ++i) dot(kb, acc[i][0], i, q);
-      }
-      const __m512 s = _mm512_set1_ps(sc[g]);
+        for (int c = 0; c < CH; ++c) block_dots(kb + c * BLOCK, c);
+      for (; kb < ke; kb += BLOCK) block_dots(kb, 0);
+      const __m512 s = _mm512_set1_ps(a.scales[n * a.ng + g]);
       for (int i = 0; i < MR; ++i)
         for (int c = 0; c < CH; ++c) dst[i] = _mm512_fmadd_ps(acc[i][c], s, dst[i]);
-    };
-    int64_t g = 0;
-    for (; g + TOT <= a.ng; g += TOT)
-      for (int t = 0; t < TOT; ++t) group(g + t, tot[t]);
-    for (; g < a.ng; ++g) group(g, tot[0]);
-    for (int i = 0; i < MR; ++i) {
-      for (int t = 1; t < TOT; ++t) tot[0][i] = _mm512_add_ps(tot[0][i], tot[t][i]);
-      float v = _mm512_reduce_add_ps(tot[0][i]);
-      if (a.offsets) v += dot<Avx512>(a.offsets + n * a.ng, a.xsum + (m0 + i) * a.ng, a.ng);
-      a.y[(m0 + i) * a.N + n] = a.bias ? v + a.bias[n] : v;
-    }
+    });
   }
 }
 #define FOLIO_BF16_DOT 1
