@@ -579,32 +579,51 @@ void w4a8(const W4A8& a) {
   });
 }
 
-// Symmetric int8 per span of `span` consecutive values of x (W4A8's blocks of 32): s =
-// max|x| / 127 (1 for a zero span), q = round_half_even(x / s), as the reference; xa, when given, gets |q|.
-void quantize_spans(const float* x, int64_t num_spans, int64_t span, int8_t* xq, int8_t* xa, float* scales) {
+// Symmetric int8 of n consecutive values of x (a row for W8A8, a block of 32 for W4A8): s = max|x| / 127 (1
+// for a zero span), q = round_half_even(x / s) + offset (128 for an unsigned GEMM source, stored as uint8), as
+// the reference; qa, when given, gets |q| (the W8A8 kernel's sign trick). The division is IEEE's in every
+// lane, so the vector loop gives the scalar one's codes.
+void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa, float* scale) {
+  float amax = 0.f;
+  int64_t k = 0;
+#if FOLIO_AVX512
+  __m512 vmax = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(v + k)));
+  amax = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(v[k]));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  *scale = s;
+  k = 0;
+#if FOLIO_AVX512
+  const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(127.f);
+  const __m512i off = _mm512_set1_epi32(offset);
+  for (; k + 16 <= K; k += 16) {
+    __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(v + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), r)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
+    if (qa) _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + k), _mm512_cvtepi32_epi8(_mm512_abs_epi32(c)));
+  }
+#endif
+  for (; k < K; ++k) {
+    const float c = std::min(127.f, std::max(-127.f, std::nearbyint(v[k] / s)));
+    q[k] = static_cast<int8_t>(static_cast<int>(c) + offset);
+    if (qa) qa[k] = static_cast<int8_t>(std::fabs(c));
+  }
+}
+
+// quantize_span over num_spans spans of `span` values of x.
+void quantize_spans(const float* x, int64_t num_spans, int64_t span, int8_t* xq, float* scales) {
   at::parallel_for(0, num_spans, std::max<int64_t>(1, 65536 / span), [&](int64_t s0, int64_t s1) {
-    for (int64_t i = s0; i < s1; ++i) {
-      const float* r = x + i * span;
-      float amax = 0.f;
-      for (int64_t k = 0; k < span; ++k) amax = std::max(amax, std::fabs(r[k]));
-      const float s = amax > 0.f ? amax / 127.f : 1.f;
-      scales[i] = s;
-      for (int64_t k = 0; k < span; ++k) {
-        const float q = std::min(127.f, std::max(-127.f, std::nearbyint(r[k] / s)));
-        xq[i * span + k] = static_cast<int8_t>(q);
-        if (xa) xa[i * span + k] = static_cast<int8_t>(std::fabs(q));
-      }
-    }
+    for (int64_t i = s0; i < s1; ++i) quantize_span(x + i * span, span, 0, xq + i * span, nullptr, scales + i);
   });
 }
 
 // ------------------------------------------------------------------------------- W8A8's row quantiser
 // W8A8's activations: each row of x (float32 or bf16 [M, K]) widened to float32, rotated if asked (each block
 // of 32 values times the Walsh-Hadamard matrix of order 32, unnormalised: folio.models.quant_reference.rotate),
-// then quantised symmetrically as quantize_spans does, in one pass per row through a buffer in cache. The
-// rotation's butterflies (a + b, a - b) run in the reference's stage order and the division is IEEE's in
-// every lane, so codes and scales equal the reference's bit for bit. Outputs: q (codes, + `offset`: 128 for
-// an unsigned GEMM source, stored as uint8), qa (|codes|, for the kernel's sign trick; may be null), scales.
+// then quantised by quantize_span, in one pass per row through a buffer in cache. The rotation's butterflies
+// (a + b, a - b) run in the reference's stage order, so codes and scales equal the reference's bit for bit.
 struct RowQuantizer {
   bool rotate;
   int offset;
@@ -640,35 +659,6 @@ struct RowQuantizer {
   }
 #endif
 
-  void quantize_row(const float* v, int64_t K, int8_t* q, int8_t* qa, float* scale) const {
-    float amax = 0.f;
-    int64_t k = 0;
-#if FOLIO_AVX512
-    __m512 vmax = _mm512_setzero_ps();
-    for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(v + k)));
-    amax = _mm512_reduce_max_ps(vmax);
-#endif
-    for (; k < K; ++k) amax = std::max(amax, std::fabs(v[k]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f;
-    *scale = s;
-    k = 0;
-#if FOLIO_AVX512
-    const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(127.f);
-    const __m512i off = _mm512_set1_epi32(offset);
-    for (; k + 16 <= K; k += 16) {
-      __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(v + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), r)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
-      if (qa) _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + k), _mm512_cvtepi32_epi8(_mm512_abs_epi32(c)));
-    }
-#endif
-    for (; k < K; ++k) {
-      const float c = std::min(127.f, std::max(-127.f, std::nearbyint(v[k] / s)));
-      q[k] = static_cast<int8_t>(static_cast<int>(c) + offset);
-      if (qa) qa[k] = static_cast<int8_t>(std::fabs(c));
-    }
-  }
-
   void run(const at::Tensor& x, int8_t* q, int8_t* qa, float* scales) const {
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(!rotate || K % BLOCK == 0, "K (", K, ") must be a multiple of 32 to rotate");
@@ -690,17 +680,12 @@ struct RowQuantizer {
           rotate_scalar(buf.data(), K);
 #endif
         }
-        quantize_row(buf.data(), K, q + m * K, qa ? qa + m * K : nullptr, scales + m);
+        quantize_span(buf.data(), K, offset, q + m * K, qa ? qa + m * K : nullptr, scales + m);
       }
     });
   }
 };
 
-// x [M, K] as float32 or bf16, contiguous: the row quantiser's input.
-at::Tensor rows_of(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
-  return x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
-}
 
 // Sums of each row of x over each group of G values (int4's offsets multiply them). Inline for a few rows: no
 // parallel region, which costs milliseconds when another process holds a core.
@@ -749,6 +734,11 @@ at::Tensor float_rows(const at::Tensor& x, int64_t K) {
   return x.to(at::kFloat).contiguous();
 }
 
+// x [M, K] as float32 or bf16, contiguous: the row quantiser's input.
+at::Tensor rows_of(const at::Tensor& x, int64_t K) {
+  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K ? x.contiguous() : float_rows(x, K);
+}
+
 const float* optional_f32(const c10::optional<at::Tensor>& t, int64_t n, const char* what) {
   if (!t.has_value()) return nullptr;
   TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n, what, " must be float32 [", n, "]");
@@ -786,22 +776,25 @@ WeightOnly weight_fields(const at::Tensor& w, const at::Tensor& scales, const c1
 at::Tensor weight_only_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets,
                               c10::optional<at::Tensor> bias, int64_t isa) {
   WeightOnly a = weight_fields(w, scales, offsets);
-  at::Tensor xf = float_rows(x, a.K);
-  a.M = xf.size(0);
-  at::Tensor y = at::empty({a.M, a.N}, xf.options());
-  a.x = xf.data_ptr<float>();
+  // bf16 x on AVX512-BF16 is multiplied as it is; float32 x is needed otherwise, and for int4's group sums
+  const bool bf16_dot = FOLIO_BF16_DOT && isa == AVX512 && x.scalar_type() == at::kBFloat16;
+  at::Tensor xr = bf16_dot ? rows_of(x, a.K) : float_rows(x, a.K);
+  at::Tensor xf = bf16_dot && a.offsets ? xr.to(at::kFloat) : xr;
+  a.M = xr.size(0);
+  at::Tensor y = at::empty({a.M, a.N}, xr.options().dtype(at::kFloat));
+  a.x = xf.scalar_type() == at::kFloat ? xf.data_ptr<float>() : nullptr;
   a.y = y.data_ptr<float>();
   a.bias = optional_f32(bias, a.N, "bias");
   at::Tensor xsum;
   if (a.offsets) {
-    xsum = at::empty({a.M, a.ng}, xf.options());
+    xsum = at::empty({a.M, a.ng}, y.options());
     group_sums(a.x, a.M, a.K, a.G, xsum.data_ptr<float>());
     a.xsum = xsum.data_ptr<float>();
   }
 #if FOLIO_BF16_DOT
-  if (isa == AVX512 && x.scalar_type() == at::kBFloat16 && a.K % BLOCK == 0) {
-    at::Tensor xb = x.contiguous();
-    a.offsets ? weight_only_bf16<Int4Fmt>(a, xb.data_ptr<at::BFloat16>()) : weight_only_bf16<Int8Fmt>(a, xb.data_ptr<at::BFloat16>());
+  if (bf16_dot) {
+    const at::BFloat16* xb = xr.data_ptr<at::BFloat16>();
+    a.offsets ? weight_only_bf16<Int4Fmt>(a, xb) : weight_only_bf16<Int8Fmt>(a, xb);
     return as_input_dtype(y, x);
   }
 #endif
@@ -838,7 +831,7 @@ at::Tensor w4a8_linear(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor
   at::Tensor xq = at::empty({M, K}, xf.options().dtype(at::kChar));
   at::Tensor xs = at::empty({M, K / BLOCK}, xf.options());
   at::Tensor xsum = at::empty({M, ng}, xf.options());
-  quantize_spans(xf.data_ptr<float>(), M * (K / BLOCK), BLOCK, xq.data_ptr<int8_t>(), nullptr, xs.data_ptr<float>());
+  quantize_spans(xf.data_ptr<float>(), M * (K / BLOCK), BLOCK, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
   group_sums(xf.data_ptr<float>(), M, K, G, xsum.data_ptr<float>());
   at::Tensor y = at::empty({M, N}, xf.options());
   W4A8 a{xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), w.data_ptr<uint8_t>(),

@@ -12,6 +12,7 @@ and how a batch is multiplied (`apply`).
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from typing import Optional
 
@@ -34,8 +35,10 @@ _ROWS_PER_CHUNK = 4096
 DEQUANTIZE_MIN_ROWS = {torch.float32: 128, torch.bfloat16: 8}
 
 
+@functools.cache
 def dequantize_min_rows(dtype: torch.dtype) -> int:
-    """Batches of this many rows of x in dtype run the dense GEMM on the dequantised weight."""
+    """Batches of this many rows of x in dtype run the dense GEMM on the dequantised weight (decided once per
+    dtype: every quantised matmul asks)."""
     return DEQUANTIZE_MIN_ROWS[torch.bfloat16 if dtype == torch.bfloat16 and has_fast_bf16() else torch.float32]
 
 
