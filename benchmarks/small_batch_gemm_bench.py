@@ -2,7 +2,8 @@
 packed GEMM in bf16, MKL (F.linear) in float32.
 
 1. Every linear layer of a model (random weights, more bytes than the caches hold, so each pass reads them
-   from memory as a decode step does) multiplied by M = 1..MAX_ROWS rows: ms per pass, GB/s, ratio.
+   from memory as a decode step does) multiplied by M rows up to MAX_ROWS: ms per pass, GB/s, ratio. In bf16
+   both read the same packed weights.
 2. End to end: single-sequence decode of the default model with the kernel on and off, alternating, the
    median of each (ms per output token).
 
@@ -34,18 +35,21 @@ def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[flo
     xs = {k: torch.randn(m, k).to(dtype) for _, k in shapes}
     if dtype == torch.bfloat16:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+        served = [small_batch_gemm.packed_blocks(p, w) for p, w in zip(packed, weights)]
 
         def library():
             for w, p in zip(weights, packed):
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
     else:
+        served = weights
+
         def library():
             for w in weights:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 
     def kernel():
-        for w in weights:
-            small_batch_gemm.linear(xs[w.shape[1]], w, None)
+        for w, s in zip(weights, served):
+            small_batch_gemm.linear(xs[w.shape[1]], s, None)
 
     times = {library: [], kernel: []}
     for f in times:
@@ -86,6 +90,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--skip-engine", action="store_true", help="only the per-layer comparison")
+    ap.add_argument("--rows", type=int, nargs="+", help="the row counts to compare (default: up to MAX_ROWS), "
+                    "e.g. beyond MAX_ROWS to find where the library overtakes the kernel")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     if not small_batch_gemm.available(dtype):
@@ -95,7 +101,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
     load = OtherLoad()
     for model in MODELS:
-        for m in range(1, small_batch_gemm.MAX_ROWS[dtype] + 1):
+        limit = small_batch_gemm.MAX_ROWS[dtype]
+        for m in args.rows or sorted({m for m in (1, 2, 3, 4, 6, 8, 16, 32, 64) if m < limit} | {limit}):
             o, k, nbytes = layer_pass(model, m, args.rounds, dtype)
             print(f"  {model:13s} M={m}  all linear layers ({nbytes / 1e6:.0f} MB): {library} {o * 1e3:6.2f} ms "
                   f"({nbytes / o / 1e9:4.1f} GB/s)   kernel {k * 1e3:6.2f} ms ({nbytes / k / 1e9:4.1f} GB/s)   "

@@ -79,6 +79,9 @@ part 90 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --shapes Qw
 section "one layer's matmul: bf16, the W8A8 kernel, oneDNN's int8 GEMM (AMX-INT8; sets MIN_ROWS_AMX)"
 part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --rounds 3 --round-s 0.1
 
+section "decode-sized bf16 matmuls: the small-batch kernel against oneDNN (AMX: sets small_batch_gemm.MAX_ROWS_AMX)"
+part 60 "${PIN[@]}" $PY benchmarks/small_batch_gemm_bench.py --skip-engine --rounds 1 --rows 1 4 8 16 32 64
+
 section "batch-1 decode of the 0.5B Qwen2, weight schemes against bf16 (issue 13: int8 1.7x, int4 2.5x)"
 part 120 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" --max-num-seqs 1 --num-prompts 2 \
   --input-len 32 --output-len 64 --kv-cache-memory 268435456 \

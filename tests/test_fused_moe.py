@@ -36,7 +36,7 @@ def make_blocks(num_experts: int, top_k: int, intermediate: int, dtype: torch.dt
         block = SparseMoeBlock(cfg, float_weights=False)
     finally:
         torch.set_default_dtype(previous)
-    bind_linear_methods(block, DenseLinearMethod(keep_copies=False))
+    bind_linear_methods(block, DenseLinearMethod())
     g = torch.Generator().manual_seed(seed)
     for param in block.parameters():
         param.data.copy_(torch.randn(param.shape, generator=g) / param.shape[-1] ** 0.5)
@@ -110,7 +110,7 @@ def test_quantised_experts_stay_per_expert():
         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32})
     block = SparseMoeBlock(cfg, float_weights=False)
-    bind_linear_methods(block, quantization_chooser("int8", DenseLinearMethod(keep_copies=False)))
+    bind_linear_methods(block, quantization_chooser("int8", DenseLinearMethod()))
     for param in block.parameters():
         param.data.copy_(torch.randn(param.shape).to(param.dtype))
     process_weights_after_loading(block)

@@ -66,7 +66,7 @@ def test_a_plugged_in_method_generates_what_the_dense_one_does(tiny_model_factor
 
 def test_a_chooser_picks_a_method_per_layer_by_name(llama_dir):
     reference = ReferenceLinearMethod()
-    dense = DenseLinearMethod(keep_copies=False)
+    dense = DenseLinearMethod()
     net = load_model(llama_dir, torch.float32, 64,
                      linear_method=lambda model: lambda name, layer: reference if name == "lm_head" else dense).model
     assert reference.bound == [net.lm_head]
@@ -76,7 +76,7 @@ def test_a_chooser_picks_a_method_per_layer_by_name(llama_dir):
 
 def _bound_fused_layer() -> Linear:
     layer = Linear(4, {"q": 3, "k": 2, "v": 2}, bias=True, params_dtype=torch.float32)
-    bind_linear_methods(layer, DenseLinearMethod(keep_copies=False))
+    bind_linear_methods(layer, DenseLinearMethod())
     return layer
 
 
@@ -103,7 +103,7 @@ def test_linear_declarations_are_checked():
     with pytest.raises(ValueError, match=r"needs a weight of shape \(8, 4\)"):
         Linear(4, 8, tied_to=torch.nn.Parameter(torch.empty(8, 5)))
     with pytest.raises(ValueError, match="already bound to DenseLinearMethod"):
-        bind_linear_methods(_bound_fused_layer(), DenseLinearMethod(keep_copies=False))
+        bind_linear_methods(_bound_fused_layer(), DenseLinearMethod())
 
 
 def _edited_copy(src: str, dst: str, edit) -> str:

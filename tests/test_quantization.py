@@ -117,7 +117,7 @@ def test_a_tied_lm_head_gets_its_own_int8_copy_and_the_embedding_stays_float(rot
 
 
 def test_schemes_quantise_every_layer_they_can():
-    dense = DenseLinearMethod(keep_copies=False)
+    dense = DenseLinearMethod()
     layer, odd = Linear(896, 128), Linear(40, 8)
     int4 = quantization_chooser("int4", dense)
     assert isinstance(int4("layers.0.mlp.down_proj", layer), Int4LinearMethod)

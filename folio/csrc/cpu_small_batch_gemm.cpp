@@ -1,20 +1,22 @@
-// y = x W^T (+ b) for a handful of rows of x, in bf16 or float32, streaming W once at memory speed.
+// y = x W^T (+ b) for a handful to tens of rows of x, in bf16 or float32, streaming W once at memory speed.
 //
-// Decoding one to a few sequences (or verifying a few speculated tokens of one) multiplies each weight matrix
-// by a few vectors: the time is the time to read W. Each thread takes a contiguous range of output rows (one
-// sequential stream of memory), and for each row n accumulates x[m] . W[n] for the M rows of x, so W is read
-// once whatever M.
+// Decoding one to a few tens of sequences (or verifying speculated tokens) multiplies each weight matrix by a
+// few vectors: the time is the time to read W. Each thread takes a contiguous range of W (one sequential
+// stream of memory) and multiplies it by every row of x, so W is read once whatever M.
 //
-// bf16 (AVX512-BF16, K % 32 == 0, M <= MAX_M_BF16): oneDNN's bf16 GEMM reads its packed weights at 15-23 GB/s
-// on a 2-core AVX512-BF16 machine, where this kernel reads plain row-major W at 25-31 GB/s. Products of bf16
-// pairs with vdpbf16ps (exact, summed in float32), the bias added in float32, rounded to bf16 once (round to
-// nearest even), as oneDNN does; the sums run in another order than oneDNN's, so results may differ from
-// F.linear's in the last bf16 bit.
+// bf16 (AVX512-BF16, any M): W is oneDNN's packed weight, read in place (folio/models/small_batch_gemm.py
+// recognises the layout): blocks of NB = 16 * NV output columns, each [K/2][NB][2]. A pair of x's values,
+// broadcast as one 32-bit lane, times a vector of the block (two bf16 along K for each of 16 columns) adds to
+// 16 columns' sums at once with vdpbf16ps (products exact, sums in float32), so no sum is reduced across
+// lanes. Rows of x go in chunks that fit the vector registers; each block comes from memory for the first chunk
+// and from cache for the others. The bias is added in float32 and the sum rounded to bf16 once (round to
+// nearest even), as oneDNN does; the sums run in another order than oneDNN's, so results may differ from its
+// in the last bf16 bit.
 //
 // float32 (AVX2+FMA or AVX-512F, any K, M <= MAX_M_F32): MKL's sgemm packs the whole weight matrix on every
 // call with M >= 2 rows, so a 2-row product cost 2.3x a 1-row one and a 7-row one 2.9x (the 49152 x 576
-// lm_head of SmolLM2 on an AVX2 EPYC: 14 ms, 33 ms, 41 ms); here W is read once, with FMAs in float32 (sums in
-// another order than MKL's: results differ in the last bits).
+// lm_head of SmolLM2 on an AVX2 EPYC: 14 ms, 33 ms, 41 ms); here plain row-major W is read once, with FMAs in
+// float32 (sums in another order than MKL's: results differ in the last bits).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -42,34 +44,78 @@
 
 namespace {
 
-constexpr int MAX_M_BF16 = 3;
 constexpr int MAX_M_F32 = 8;
+// bf16 weight elements ahead of the current pair of K to prefetch (2 KiB): +7-10 % read rate on Zen 4
+constexpr int64_t PREFETCH = 1024;
 
 #if FOLIO_DPBF16
-template <int M>
-void rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* w, const c10::BFloat16* bias,
-          c10::BFloat16* y, int64_t y_stride, int64_t K, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const c10::BFloat16* row = w + n * K;
-    __m512 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {  // two chains per row: hides the dot product's latency
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
-      for (int m = 0; m < M; ++m) {
-        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, (__m512bh)_mm512_loadu_si512(x + m * x_stride + k));
-        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, (__m512bh)_mm512_loadu_si512(x + m * x_stride + k + 32));
-      }
+// One block of NV * 16 output columns for M rows: the block is [K/2][NV * 16][2], so each pair of x's values
+// (broadcast as one 32-bit lane) times each 32-bit lane of the weight (two bf16 along K) adds to the column's
+// sum with no horizontal reduction; NV * M independent chains.
+template <int M, int NV>
+void block(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* w, const c10::BFloat16* bias,
+           c10::BFloat16* y, int64_t y_stride, int64_t pairs, int64_t n0, int64_t width) {
+  __m512 acc[M][NV];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  const int32_t* xp[M];
+  for (int m = 0; m < M; ++m) xp[m] = reinterpret_cast<const int32_t*>(x + m * x_stride);
+  for (int64_t p = 0; p < pairs; ++p, w += NV * 32) {
+    __m512bh wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * 32);
+    for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + v * 32), _MM_HINT_T0);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[m][p]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wv[v], xv);
     }
-    if (k < K) {  // K % 64 == 32
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k);
-      for (int m = 0; m < M; ++m)
-        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, (__m512bh)_mm512_loadu_si512(x + m * x_stride + k));
-    }
-    const float b = bias ? static_cast<float>(bias[n]) : 0.f;
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t lanes = std::min<int64_t>(16, width - v * 16);
+    if (lanes <= 0) break;
+    const __mmask16 mask = lanes == 16 ? __mmask16(0xffff) : __mmask16((1u << lanes) - 1);
+    const __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + n0 + v * 16))
+                          : _mm512_setzero_ps();
     for (int m = 0; m < M; ++m)
-      y[m * y_stride + n] = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + b);
+      _mm256_mask_storeu_epi16(y + m * y_stride + n0 + v * 16, mask,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b)));
+  }
+}
+
+// The rows of x in chunks of at most CHUNK (CHUNK * NV accumulators fit the 32 vector registers with the
+// weight vectors): each block is read from memory once, by the first chunk, and from cache by the others.
+template <int NV>
+constexpr int chunk_rows() { return NV == 4 ? 6 : (NV == 3 ? 7 : 8); }
+
+template <int M, int NV>
+void chunk(int64_t m, const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, const c10::BFloat16* b,
+           c10::BFloat16* y, int64_t N, int64_t pairs, int64_t n0, int64_t width) {
+  if constexpr (M > 1) {
+    if (m < M) return chunk<M - 1, NV>(m, x, xs, w, b, y, N, pairs, n0, width);
+  }
+  block<M, NV>(x, xs, w, b, y, N, pairs, n0, width);
+}
+
+template <int NV>
+void blocks(int64_t M, const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, const c10::BFloat16* bias,
+            c10::BFloat16* y, int64_t N, int64_t pairs, int64_t block_pairs, int64_t b0, int64_t b1) {
+  constexpr int64_t NB = NV * 16;
+  constexpr int CHUNK = chunk_rows<NV>();
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NB, width = std::min(NB, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK)
+      chunk<CHUNK, NV>(std::min<int64_t>(CHUNK, M - m0), x + m0 * xs, xs, w + b * block_pairs * NB * 2, bias,
+                       y + m0 * N, N, pairs, n0, width);
+  }
+}
+
+void dispatch_bf16(int64_t M, int64_t nv, const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
+                   const c10::BFloat16* b, c10::BFloat16* y, int64_t N, int64_t pairs, int64_t block_pairs,
+                   int64_t b0, int64_t b1) {
+  switch (nv) {
+    case 1: return blocks<1>(M, x, xs, w, b, y, N, pairs, block_pairs, b0, b1);
+    case 2: return blocks<2>(M, x, xs, w, b, y, N, pairs, block_pairs, b0, b1);
+    case 3: return blocks<3>(M, x, xs, w, b, y, N, pairs, block_pairs, b0, b1);
+    default: return blocks<4>(M, x, xs, w, b, y, N, pairs, block_pairs, b0, b1);
   }
 }
 #endif
@@ -147,12 +193,16 @@ bool has_f32_kernel() { return FOLIO_F32_FMA; }
 // contiguous row ranges, at least 16 KiB of W each: one sequential stream per thread
 int64_t row_grain(int64_t row_bytes) { return std::max<int64_t>(1, 16384 / row_bytes); }
 
-at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+at::Tensor linear_bf16(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(FOLIO_DPBF16, "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be bf16 [M, K], unit stride");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "w must be contiguous bf16 [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % 32 == 0 && M >= 1 && M <= MAX_M_BF16, "shapes: x [M <= 3, K], w [N, K], K % 32 == 0");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(3) == 2 &&
+                  w.size(2) % 16 == 0 && w.size(2) <= 64,
+              "w must be contiguous bf16 blocks [N / NB, K / 2, NB, 2] with NB in 16, 32, 48, 64");
+  const int64_t M = x.size(0), K = x.size(1), NB = w.size(2), block_pairs = w.size(1);
+  TORCH_CHECK(M >= 1, "x must have rows");
+  TORCH_CHECK(K % 2 == 0 && K <= 2 * block_pairs && N >= 1 && N <= w.size(0) * NB && N > (w.size(0) - 1) * NB,
+              "shapes: x [M, K], K even, within the blocks' K; N within the last block");
   const c10::BFloat16* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N, "bias must be bf16 [N]");
@@ -164,12 +214,8 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, N, row_grain(2 * K), [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: rows<1>(xp, xs, wp, bp, yp, N, K, n0, n1); break;
-      case 2: rows<2>(xp, xs, wp, bp, yp, N, K, n0, n1); break;
-      default: rows<3>(xp, xs, wp, bp, yp, N, K, n0, n1); break;
-    }
+  at::parallel_for(0, w.size(0), 1, [&](int64_t b0, int64_t b1) {
+    dispatch_bf16(M, NB / 16, xp, xs, wp, bp, yp, N, K / 2, block_pairs, b0, b1);
   });
 #endif
   return y;
@@ -199,18 +245,16 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
   return y;
 }
 
-at::Tensor small_batch_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-  return x.scalar_type() == at::kFloat ? linear_f32(x, w, bias) : linear_bf16(x, w, bias);
-}
+
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_batch_linear", &small_batch_linear,
-        "x W^T (+ b) for bf16 x of at most MAX_M_BF16 rows or float32 x of at most MAX_M_F32",
+  m.def("linear_bf16", &linear_bf16, "x W^T (+ b) for bf16 x, W in oneDNN's packed blocks [N / NB, K / 2, NB, 2]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_f32", &linear_f32, "x W^T (+ b) for float32 x of at most MAX_M_F32 rows, W row-major",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_kernel", &has_kernel, "whether the AVX512-BF16 kernel was compiled in");
   m.def("has_f32_kernel", &has_f32_kernel, "whether the float32 FMA kernel was compiled in");
-  m.attr("MAX_M_BF16") = MAX_M_BF16;
   m.attr("MAX_M_F32") = MAX_M_F32;
 }

@@ -1,36 +1,50 @@
-"""Linear layers for a handful of rows: decode of a few sequences, or the verification of a few speculated tokens.
+"""Linear layers for a handful to tens of rows: decode of a few sequences, or the verification of speculated tokens.
 
-Such a matmul is a read of the weight matrix; the C++ kernel (folio/csrc/cpu_small_batch_gemm.cpp) streams the
-plain row-major weight once whatever the number of rows.
+Such a matmul is mostly a read of the weight matrix; the C++ kernel (folio/csrc/cpu_small_batch_gemm.cpp)
+streams the weight once whatever the number of rows.
 
-bf16 (AVX512-BF16, one to three rows): oneDNN's packed bf16 GEMM reads its weights at 15-23 GB/s on a 2-core
-AVX512-BF16 machine, the kernel at 25-31 GB/s, which made single-sequence decode of SmolLM2-135M 1.56x faster
-(19.9 -> 12.8 ms per token; benchmarks/small_batch_gemm_bench.py). Larger batches stay on oneDNN, whose packed
-layout the kernel cannot read: so a layer needs its plain weight besides the packed one. The tied lm_head keeps
-it anyway (it is the embedding); for the other layers the copies cost their size once more, so they are kept
-only while that stays under MAX_MEMORY_FRACTION of available memory (small models, where fixed per-call costs
-weigh most and memory is cheap).
+bf16 (AVX512-BF16): the kernel reads oneDNN's packed weight in place (`packed_blocks`), so a layer keeps one
+copy of its weight for every batch size. oneDNN packs a bf16 weight [N, K] as blocks of 64 output columns,
+each [K/2][64][2] (pairs along K, the layout vdpbf16ps multiplies), which needs no horizontal sums. On a 2-core
+Zen 4 EPYC all linear layers of the 0.5B Qwen2 (random weights, from memory) took 1.23x less time than oneDNN's
+GEMM at 1 row, 1.15x at 4, 1.12x at 16 and 1.04x at 64 (`benchmarks/small_batch_gemm_bench.py`): there both
+are bound by the same bf16 dot-product rate from a few tens of rows on, so the kernel serves every decode-sized
+batch. With AMX, oneDNN's tiles multiply several times faster than the kernel's vector units can: there the
+kernel takes only small batches (MAX_ROWS_AMX, not yet measured on such a CPU).
 
 float32 (AVX2+FMA or AVX-512F, one to eight rows): MKL packs the whole weight on every call of two rows or more,
 so verifying a few speculated tokens cost two to three times a one-token step (SmolLM2's lm_head on an AVX2 EPYC:
-14 ms for one row, 33 ms for two, 41 ms for seven); the kernel reads the plain weight, which a float32 layer
-keeps anyway, so it costs no memory.
+14 ms for one row, 33 ms for two, 41 ms for seven); the kernel reads the plain row-major weight, which a float32
+layer keeps anyway.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import ctypes
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
 from folio.csrc_build import CSRC, CppKernel
-from folio.memory import available_memory_bytes
+from folio.platforms.cpu_features import has_amx
 
 KERNEL = CppKernel("folio_cpu_small_batch_gemm", CSRC / "cpu_small_batch_gemm.cpp",
-                   what="CPU small-batch bf16 GEMM kernel", fallback="small batches use oneDNN")
-# measured: bf16 at 4 rows oneDNN is as fast, beyond it faster; float32 the kernel stays ahead of MKL to 8 rows
-MAX_ROWS = {torch.bfloat16: 3, torch.float32: 8}
-MAX_MEMORY_FRACTION = 0.1
+                   what="CPU small-batch GEMM kernel", fallback="small batches use oneDNN or MKL")
+# bf16: measured on Zen 4 (see above); the AMX figure is a guess until an AMX machine measures the crossover.
+MAX_ROWS_AMX = 16
+MAX_ROWS = {torch.bfloat16: MAX_ROWS_AMX if has_amx() else 64, torch.float32: 8}
+# oneDNN's packed bf16 layouts the kernel reads: blocks of this many output columns
+BLOCK_WIDTHS = (64, 48, 32, 16)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A bf16 weight [N, K] in oneDNN's packed layout, read in place: blocks [ceil(N / width), K' / 2, width, 2]
+    with K' >= K; columns past N in the last block are padding. `blocks` views oneDNN's buffer and keeps it alive."""
+
+    blocks: torch.Tensor
+    out_features: int
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -40,25 +54,55 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     return ext.has_f32_kernel() if dtype == torch.float32 else dtype == torch.bfloat16 and ext.has_kernel()
 
 
-def worth_copies(num_bytes: int) -> bool:
-    """Whether plain copies of num_bytes of weights should be kept for the kernel."""
-    return available() and num_bytes <= MAX_MEMORY_FRACTION * available_memory_bytes()
-
-
 def supports(weight: torch.Tensor) -> bool:
-    """Whether the kernel serves this weight here (bf16 needs K % 32 == 0)."""
-    if not (weight.is_cpu and weight.dim() == 2 and available(weight.dtype)):
-        return False
-    return weight.is_contiguous() and (weight.dtype == torch.float32 or weight.shape[1] % 32 == 0)
+    """Whether the kernel serves this plain float32 weight here."""
+    return (weight.is_cpu and weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous()
+            and available(torch.float32))
+
+
+def _raw_bf16(packed: torch.Tensor) -> torch.Tensor:
+    """The bytes of a oneDNN tensor as a flat bf16 tensor that holds the oneDNN tensor alive."""
+    buffer = (ctypes.c_char * torch.ops.mkldnn._nbytes(packed)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    buffer.owner = packed
+    return torch.frombuffer(buffer, dtype=torch.bfloat16)
+
+
+def _block_matches(blocks: torch.Tensor, weight: torch.Tensor, index: int) -> bool:
+    width = blocks.shape[2]
+    rows = weight[index * width:(index + 1) * width]
+    expected = rows.reshape(rows.shape[0], -1, 2).transpose(0, 1)  # [K/2, columns, 2]
+    return torch.equal(blocks[index, :expected.shape[0], :rows.shape[0]], expected)
+
+
+def packed_blocks(packed: torch.Tensor, weight: torch.Tensor) -> Optional[PackedWeight]:
+    """oneDNN's packed copy of a bf16 weight [N, K] as the kernel's blocks, or None where the kernel is missing
+    or oneDNN chose a layout it does not read. The layout is recognised by comparing the first, a middle and
+    the last block with the plain weight (oneDNN picks its layout per CPU and shape, and does not publish it)."""
+    if not (available(torch.bfloat16) and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % 2 == 0 and packed.layout == torch._mkldnn):
+        return None
+    raw = _raw_bf16(packed)
+    n, k = weight.shape
+    for width in BLOCK_WIDTHS:
+        num_blocks = -(-n // width)
+        if raw.numel() % (num_blocks * width * 2) or raw.numel() // (num_blocks * width * 2) < k // 2:
+            continue
+        blocks = raw.view(num_blocks, -1, width, 2)
+        if all(_block_matches(blocks, weight, i) for i in {0, num_blocks // 2, num_blocks - 1}):
+            return PackedWeight(blocks, n)
+    return None
 
 
 def serves(x: torch.Tensor) -> bool:
-    """Whether a batch x is small enough for the kernel (for a layer whose weight it supports)."""
+    """Whether a batch x is small enough for the kernel (for a layer whose weight it serves)."""
     return x.dim() == 2 and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M <= MAX_ROWS[dtype], K] @ weight [N, K]^T (+ bias), in x's dtype (bf16 or float32)."""
+def linear(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M <= MAX_ROWS[dtype], K] @ weight^T (+ bias), in x's dtype: bf16 x with a PackedWeight, float32 x with
+    a plain float32 weight [N, K]."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return KERNEL.load().small_batch_linear(x, weight, bias)
+    if isinstance(weight, PackedWeight):
+        return KERNEL.load().linear_bf16(x, weight.blocks, weight.out_features, bias)
+    return KERNEL.load().linear_f32(x, weight, bias)

@@ -80,7 +80,7 @@ class CpuPlatform(Platform):
         from folio.models.dense_linear import DenseLinearMethod  # its kernels' build machinery imports this module
         from folio.models.quantization import quantization_chooser
 
-        dense = DenseLinearMethod.for_model(model)
+        dense = DenseLinearMethod()
         return dense if quantization is None else quantization_chooser(quantization, dense)
 
     def kernel_build_flags(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
