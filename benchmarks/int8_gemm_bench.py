@@ -1,11 +1,14 @@
 """One layer's matmul at decode and prefill batch sizes, side by side in one process: the dense bf16 GEMM (oneDNN
-on the prepacked weight, as the dense linear method runs it), folio's W8A8 kernel and oneDNN's int8 GEMM
-(folio.models.onednn_int8), both as the int8 scheme runs them (rotated activations, the quantisation of the rows
-and the scaling of the result included). The calls alternate round by round; the median over rounds is
-reported, with the ratios to bf16. It picks onednn_int8.MIN_ROWS_VNNI and MIN_ROWS_AMX.
+on the prepacked weight, as the dense linear method runs it), folio's row-major W8A8 kernel, its kernel on
+oneDNN's packed weight (VNNI) and oneDNN's int8 GEMM (folio.models.onednn_int8), each as the int8 scheme runs it
+(rotated activations, the quantisation of the rows and the scaling of the result included). The calls alternate
+round by round; the median over rounds is reported, with the ratios to bf16. It picks onednn_int8.MIN_ROWS_VNNI,
+MIN_ROWS_VNNI_PACKED and MIN_ROWS_AMX.
 
     python benchmarks/int8_gemm_bench.py                   # Qwen2-0.5B's gate/up and down shapes
     python benchmarks/int8_gemm_bench.py --rows 1,16,64 --shapes 4864x896
+    # the weights from memory, as decode reads them: all linear layers of the 0.5B Qwen2, 24 copies of each
+    python benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,9728x896,896x4864 --copies 24 --rows 1,4,8,16
 
 Without VNNI or AMX, oneDNN's int8 sums saturate for 8-bit weights (its timing still stands).
 """
@@ -13,8 +16,10 @@ Without VNNI or AMX, oneDNN's int8 sums saturate for 8-bit weights (its timing s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -39,36 +44,68 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,64,256,1024")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--round-s", type=float, default=0.2)
+    parser.add_argument("--copies", type=int, default=1,
+                        help="distinct copies of each layer, called in turn: with enough of them the weights come "
+                             "from memory rather than cache; times are then per call of every copy of every shape")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per call, median of {args.rounds} "
-          f"rounds; oneDNN's int8 GEMM used here: {onednn_int8.usable()}, from {onednn_int8.min_rows()} rows")
-    print(f"{'N x K':>11} {'rows':>5} {'bf16':>9} {'w8a8 kernel':>12} {'oneDNN int8':>12}   {'ratios to bf16':>16}")
-    for shape in args.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
-        weight = torch.randn(n, k) * 0.05
-        dense = Linear(k, n, params_dtype=torch.bfloat16)
-        method = DenseLinearMethod(keep_copies=False)
-        dense.bind(method)
-        dense.weight.data.copy_(weight)
-        method.process_weights_after_loading(dense)
-        codes, scales = quantize_int8(weight, k)
-        scales = scales.view(-1)
-        packed = onednn_int8.prepack(codes, scales) if onednn_int8.available() else None
+          f"rounds; oneDNN's int8 GEMM used here: {onednn_int8.usable()}")
+    print(f"{'N x K':>11} {'rows':>5} {'bf16':>9} {'w8a8 kernel':>12} {'packed':>9} {'oneDNN int8':>12}   "
+          f"{'ratios to bf16':>24}")
+    layers = [layer(*(int(v) for v in shape.split("x"))) for shape in args.shapes.split(",")
+              for _ in range(args.copies)]
+    groups = [layers] if args.copies > 1 else [[one] for one in layers]
+    for group in groups:
+        name = f"{len(group)} layers" if len(group) > 1 else f"{group[0].n}x{group[0].k}"
+        print(f"{name:>11}: from {group[0].packed.min_rows if group[0].packed else '-'} rows in oneDNN here")
         for rows in (int(v) for v in args.rows.split(",")):
-            x = torch.randn(rows, k)
-            x16 = x.bfloat16()
-            calls = {"bf16": lambda: dense(x16),
-                     "kernel": lambda: quant_kernels.w8a8_linear(x16, codes, scales, None, True)}
-            if packed is not None:
-                calls["onednn"] = lambda: onednn_int8.linear(x16, packed, None, True)
+            for one in group:
+                one.x16 = torch.randn(rows, one.k).bfloat16()
+            calls = {"bf16": lambda: [one.dense(one.x16) for one in group],
+                     "kernel": lambda: [quant_kernels.w8a8_linear(one.x16, one.codes, one.scales, None, True)
+                                        for one in group]}
+            if all(one.packed is not None and one.packed.blocks is not None for one in group):
+                calls["packed"] = lambda: [quant_kernels.w8a8_packed_linear(
+                    one.x16, one.packed.blocks, one.packed.column_sums, one.scales, None, True) for one in group]
+            if all(one.packed is not None for one in group):
+                calls["onednn"] = lambda: [onednn_int8.linear(one.x16, one.onednn_only, None, True) for one in group]
             times: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(args.rounds):
-                for name, fn in calls.items():
-                    times[name].append(timed(fn, args.round_s) * 1e3)
-            ms = {name: statistics.median(t) for name, t in times.items()}
-            onednn_ms = ms.get("onednn", float("nan"))
-            print(f"{shape:>11} {rows:>5} {ms['bf16']:9.3f} {ms['kernel']:12.3f} {onednn_ms:12.3f}   "
-                  f"{ms['bf16'] / ms['kernel']:7.2f} {ms['bf16'] / onednn_ms:7.2f}", flush=True)
+                for call, fn in calls.items():
+                    times[call].append(timed(fn, args.round_s) * 1e3)
+            ms = {call: statistics.median(t) for call, t in times.items()}
+            packed_ms, onednn_ms = ms.get("packed", float("nan")), ms.get("onednn", float("nan"))
+            print(f"{name:>11} {rows:>5} {ms['bf16']:9.3f} {ms['kernel']:12.3f} {packed_ms:9.3f} {onednn_ms:12.3f}   "
+                  f"{ms['bf16'] / ms['kernel']:7.2f} {ms['bf16'] / packed_ms:7.2f} {ms['bf16'] / onednn_ms:7.2f}",
+                  flush=True)
+
+
+@dataclasses.dataclass
+class Layer:
+    """One N x K layer in bf16 (the dense method) and in int8 (folio's own copy, oneDNN's packed one)."""
+
+    n: int
+    k: int
+    dense: Linear
+    codes: torch.Tensor
+    scales: torch.Tensor
+    packed: Optional[onednn_int8.PackedInt8Weight]
+    onednn_only: Optional[onednn_int8.PackedInt8Weight]  # the packed weight without its blocks: oneDNN at any size
+    x16: Optional[torch.Tensor] = None
+
+
+def layer(n: int, k: int) -> Layer:
+    weight = torch.randn(n, k) * 0.05
+    dense = Linear(k, n, params_dtype=torch.bfloat16)
+    method = DenseLinearMethod()
+    dense.bind(method)
+    dense.weight.data.copy_(weight)
+    method.process_weights_after_loading(dense)
+    codes, scales = quantize_int8(weight, k)
+    scales = scales.view(-1)
+    packed = onednn_int8.prepack(codes, scales) if onednn_int8.available() else None
+    onednn_only = None if packed is None else dataclasses.replace(packed, blocks=None, min_rows=0)
+    return Layer(n, k, dense, codes, scales, packed, onednn_only)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from folio.models import quant_kernels, quantization
 from folio.models.compressed_tensors import CompressedTensorsW8A8Method, int8_activations
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.quant_reference import quantize_int8
+from int8_weights import int8_weight
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
 
@@ -71,7 +72,7 @@ def test_prequantised_checkpoint_equals_on_the_fly_quantisation(tiny_model_facto
     llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22)
     model = llm.llm_engine.runner.model
     assert isinstance(model.layers[0].self_attn.qkv_proj.method, CompressedTensorsW8A8Method)
-    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
+    assert int8_weight(model.layers[0].self_attn.qkv_proj).dtype == torch.int8
     assert model.lm_head.weight.dtype == torch.float32  # ignored: dense
     on_the_fly = LLM(src, dtype="float32", quantization=scheme, kv_cache_memory=1 << 22)
     on_the_fly.llm_engine.runner.model.lm_head = model.lm_head  # the scheme would quantise it too

@@ -17,6 +17,7 @@ from folio.models.linear import Linear
 from folio.models.quantization import quantization_chooser
 from folio.models.quantized_linear import dequantize_min_rows
 from tests.conftest import hf_logprobs
+from int8_weights import int8_weight
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
 
@@ -111,9 +112,9 @@ def test_a_tied_lm_head_gets_its_own_int8_copy_and_the_embedding_stays_float(rot
     method = Int8LinearMethod(int8_activations=rotated, rotated=rotated)
     head.bind(method)
     method.process_weights_after_loading(head)
-    assert head.weight.dtype == torch.int8 and embedding.dtype == torch.float32
+    assert int8_weight(head).dtype == torch.int8 and embedding.dtype == torch.float32
     stored = ref.rotate(embedding) / 32 if rotated else embedding
-    assert torch.equal(head.weight, ref.quantize_int8(stored, 64)[0])
+    assert torch.equal(int8_weight(head), ref.quantize_int8(stored, 64)[0])
 
 
 def test_schemes_quantise_every_layer_they_can():
@@ -145,8 +146,8 @@ def test_quantised_models_stay_close_to_float_transformers(tiny_model_factory, s
     llm = LLM(folder, dtype="float32", quantization=scheme, kv_cache_memory=1 << 22)
     assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight_scale.dtype == torch.float32
     model = llm.llm_engine.runner.model
-    assert model.layers[0].mlp.down_proj.weight.dtype == (torch.uint8 if scheme in ("int4", "w4a8") else torch.int8)
-    assert model.lm_head.weight.dtype == torch.int8
+    assert int8_weight(model.layers[0].mlp.down_proj).dtype == (torch.uint8 if scheme in ("int4", "w4a8") else torch.int8)
+    assert int8_weight(model.lm_head).dtype == torch.int8
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
     got = torch.tensor([e[PROMPT[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.models import small_batch_gemm
+from folio.models import onednn_layout, small_batch_gemm
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.linear import Linear
 
@@ -52,7 +52,7 @@ def test_matches_exact_product_to_one_bf16_step(m, n, k, with_bias):
 
 
 @bf16_kernel
-@pytest.mark.parametrize("width", small_batch_gemm.BLOCK_WIDTHS)
+@pytest.mark.parametrize("width", onednn_layout.BLOCK_WIDTHS)
 def test_every_block_width_and_padded_k(width):
     """Layouts oneDNN may choose on other CPUs: blocks 16 to 64 columns wide, K padded within each block."""
     n, k, padded_k = 70, 40, 64

@@ -32,14 +32,13 @@ from folio.models.quantized_linear import QuantizedLinearMethod
 class Int8LinearMethod(QuantizedLinearMethod):
     def __init__(self, int8_activations: bool = False, rotated: bool = False, onednn: Optional[bool] = None) -> None:
         """int8_activations: W8A8 (else W8A16); rotated: quantise rotate(W) / 32 and rotate x (W8A8 only);
-        onednn: W8A8 batches of onednn_int8.min_rows() rows or more in oneDNN's int8 GEMM (default: where the CPU
-        has VNNI or AMX-INT8)."""
+        onednn: W8A8 layers in oneDNN's packed layout, for its int8 GEMM from a few rows on and folio's kernel that
+        reads it below (default: where the CPU has VNNI or AMX-INT8; folio.models.onednn_int8)."""
         if rotated and not int8_activations:
             raise ValueError("a rotated int8 layer quantises its activations (int8_activations=True)")
         self.int8_activations = int8_activations
         self.rotated = rotated
         self.onednn = int8_activations and (onednn_int8.usable() if onednn is None else onednn)
-        self.onednn_min_rows = onednn_int8.min_rows()
 
     def create_weights(self, layer: Linear) -> None:
         super().create_weights(layer)
@@ -49,6 +48,8 @@ class Int8LinearMethod(QuantizedLinearMethod):
         super().process_weights_after_loading(layer)
         if self.onednn:
             layer.onednn_weight = onednn_int8.prepack(layer.weight.detach(), layer.weight_scale.view(-1))
+            if layer.onednn_weight.blocks is not None:
+                layer.weight = None  # every batch reads oneDNN's copy: the layer keeps one
 
     def packed_shape(self, rows: int, input_size: int) -> tuple[tuple[int, ...], torch.dtype, int]:
         return (rows, input_size), torch.int8, 1
@@ -58,8 +59,9 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return q, scales, None
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.onednn_weight is not None and x.shape[0] >= self.onednn_min_rows:
-            return onednn_int8.linear(x, layer.onednn_weight, layer.bias, self.rotated)
+        packed = layer.onednn_weight
+        if packed is not None and (packed.blocks is not None or x.shape[0] >= packed.min_rows):
+            return onednn_int8.linear(x, packed, layer.bias, self.rotated)
         if self.int8_activations:
             return quant_kernels.w8a8_linear(x, layer.weight, layer.weight_scale.view(-1), layer.bias, self.rotated)
         return self.weight_only(layer, x)

@@ -5,8 +5,8 @@ fastest at one row, but it does not block for cache or registers, so from a few 
 int8 GEMM (PyTorch's `onednn::qlinear_pointwise`, the x86 quantisation backend's op) is that GEMM: its VNNI
 kernels (vpdpbusd, 64 products an instruction, twice vdpbf16ps's) on AVX512-VNNI, AMX-INT8 tiles (twice AMX-BF16's
 rate) on Intel's newer Xeons. Measured on a Zen 4 EPYC (AVX512-VNNI, 2 cores, benchmarks/int8_gemm_bench.py):
-a 9728 x 896 layer at 64 rows 0.69 ms against bf16's 1.11 and the kernel's 2.18, at 2 rows level with the
-kernel and at 1 row 1.4x slower than it.
+a 9728 x 896 layer at 64 rows 0.69 ms against bf16's 1.11 and folio's row-major kernel's 2.18, at 2 rows level
+with that kernel and at 1 row 1.4x slower than it.
 
 Its VNNI kernels take an unsigned source (vpdpbusd multiplies unsigned by signed bytes): the activations are
 quantised per token as the kernel quantises them (rotated first for rotated layers), shifted to q + 128 and
@@ -17,10 +17,15 @@ bias added, in one pass (quant_kernels.scale_rows). The result differs from the 
 the two float32 scalings.
 
 Only where the CPU has VNNI or AMX-INT8 (`usable`): without them oneDNN pairs products in int16 with saturation
-(vpmaddubsw), exact only for weights within 6 bits. Batches of fewer than `min_rows()` rows stay on folio's
-kernel. The layer keeps oneDNN's packed copy of its weight besides its own (the kernel's), so an int8 model
-holds its linear weights twice. Tests run this path on any CPU with weights within 6 bits. Not yet measured on an
-AMX machine (its row threshold is a guess): scripts/gpu_check.sh times W1 in int8 against bf16 there.
+(vpmaddubsw), exact only for weights within 6 bits. Batches of fewer than `PackedInt8Weight.min_rows` rows go to a
+folio kernel instead: with VNNI the one that reads oneDNN's packed weight in place (quant_kernels.
+w8a8_packed_linear; oneDNN packs int8 weights as blocks of 64 columns, each [K/4][64][4]: folio.models.
+onednn_layout), so the layer keeps that one copy of its weight. On Zen 4, all linear layers of the 0.5B Qwen2
+from memory (`python benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,9728x896,896x4864 --copies 24`) took
+1.70x less time than in oneDNN at 1 row, 1.80x at 4, 1.31x at 8, 1.21x at 12 and 0.97x at 16 (and 1.19x less
+than folio's row-major kernel at 1 row). Where oneDNN lays the weight out otherwise, the layer keeps its own copy
+for folio's row-major kernel too. Tests run this path on any CPU with weights within 6 bits. Not yet measured on
+an AMX machine (its row threshold is a guess): scripts/gpu_check.sh times W1 in int8 against bf16 there.
 """
 
 from __future__ import annotations
@@ -30,17 +35,20 @@ from typing import Optional
 
 import torch
 
-from folio.models import quant_kernels
+from folio.models import onednn_layout, quant_kernels
 from folio.platforms.cpu_features import has_amx_int8, has_avx512_vnni
 
 # the weight is packed for a batch of this many rows (prefill chunks and decode batches of tens of requests)
 _PACK_FOR_ROWS = 64
-# from this many rows oneDNN beats the kernel: measured on Zen 4 with VNNI (see above); on AMX a guess
+# from this many rows oneDNN beats folio's kernels: measured on Zen 4 with VNNI (see above; the row-major kernel,
+# the packed one); on AMX a guess
 MIN_ROWS_VNNI = 2
+MIN_ROWS_VNNI_PACKED = 16
 MIN_ROWS_AMX = 16
 # rows of one oneDNN call: its float32 result (256 x 9728 x 4 bytes = 10 MB for Qwen2-0.5B's gate/up) stays in
 # the last-level cache for the scaling pass; a 2048-row chunk wrote 80 MB to memory and read it back
 CHUNK_ROWS = 256
+_SUM_ROWS = 4096
 
 
 def available() -> bool:
@@ -53,29 +61,44 @@ def usable() -> bool:
     return (has_amx_int8() or has_avx512_vnni()) and available()
 
 
-def min_rows() -> int:
-    """Batches of this many rows or more go to oneDNN on this CPU."""
-    return MIN_ROWS_AMX if has_amx_int8() else MIN_ROWS_VNNI
-
-
 @dataclass
 class PackedInt8Weight:
-    """An int8 weight [N, K] in oneDNN's layout, with its float32 per-channel scales [N]."""
+    """An int8 weight [N, K] in oneDNN's layout, with its float32 per-channel scales [N]; `blocks` views that
+    layout for folio's small-batch kernel where it can read it (with the weight's column sums), else None."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     zero_points: torch.Tensor  # int64 [N] of zeros: the weights are symmetric
+    blocks: Optional[torch.Tensor]
+    column_sums: Optional[torch.Tensor]
+    min_rows: int  # batches of this many rows or more go to oneDNN on this CPU, fewer to folio's kernels
+
+
+def _row_sums(weight: torch.Tensor) -> torch.Tensor:
+    """int32 [N]: the sums of weight's rows, a few thousand rows at a time (the sum widens them to int32 first:
+    a 151936 x 896 lm_head whole would take 0.5 GB)."""
+    return torch.cat([chunk.sum(dim=1, dtype=torch.int32) for chunk in weight.split(_SUM_ROWS)])
 
 
 def prepack(weight: torch.Tensor, scales: torch.Tensor) -> PackedInt8Weight:
     """weight int8 [N, K], scales float32 [N]."""
     packed = torch.ops.onednn.qlinear_prepack(weight, [_PACK_FOR_ROWS, weight.shape[1]])
-    return PackedInt8Weight(packed, scales.contiguous(), torch.zeros(weight.shape[0], dtype=torch.int64))
+    blocks = onednn_layout.vnni_blocks(packed, weight, 4) if quant_kernels.has_packed_w8a8() else None
+    if blocks is not None and blocks.shape[2] != 64:
+        blocks = None  # the kernel reads blocks of 64 columns
+    column_sums = None if blocks is None else _row_sums(weight)
+    min_rows = MIN_ROWS_AMX if has_amx_int8() else (MIN_ROWS_VNNI if blocks is None else MIN_ROWS_VNNI_PACKED)
+    return PackedInt8Weight(packed, scales.contiguous(), torch.zeros(weight.shape[0], dtype=torch.int64), blocks,
+                            column_sums, min_rows)
 
 
 def linear(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tensor], rotated: bool) -> torch.Tensor:
     """x [M, K] (rotated first if the weight is) quantised per row to int8, times the weight, (+ bias float32),
-    in x's dtype. Chunks of CHUNK_ROWS rows, so that oneDNN's float32 result is still in cache when it is scaled."""
+    in x's dtype: fewer than weight.min_rows rows on folio's kernel that reads the blocks (callers send smaller
+    batches elsewhere when there are none), more in oneDNN, in chunks of CHUNK_ROWS rows, so that oneDNN's float32
+    result is still in cache when it is scaled."""
+    if x.shape[0] < weight.min_rows and weight.blocks is not None:
+        return quant_kernels.w8a8_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias, rotated)
     codes, row_scales = quant_kernels.quantize_rows_unsigned(x, rotated)
     out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32  # the epilogue's two
     out = torch.empty(x.shape[0], weight.scales.shape[0], dtype=out_dtype)

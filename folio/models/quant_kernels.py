@@ -81,3 +81,16 @@ def scale_rows(y: torch.Tensor, row_scales: torch.Tensor, bias: Optional[torch.T
         return
     y = y * row_scales[:, None]
     out.copy_(y if bias is None else y + bias)
+
+
+def has_packed_w8a8() -> bool:
+    """Whether w8a8_packed_linear is compiled in here (it needs AVX512-VNNI)."""
+    ext = KERNEL.load()
+    return ext is not None and ext.has_packed_w8a8()
+
+
+def w8a8_packed_linear(x: torch.Tensor, blocks: torch.Tensor, column_sums: torch.Tensor, scales: torch.Tensor,
+                       bias: Optional[torch.Tensor], rotated: bool) -> torch.Tensor:
+    """w8a8_linear with the weight in oneDNN's packed int8 blocks [N / 64, K' / 4, 64, 4], its column sums int32 [N]
+    and scales [N] (folio.models.onednn_int8): the same result bit for bit. Kernel only (has_packed_w8a8)."""
+    return KERNEL.load().w8a8_packed_linear(x, blocks, column_sums, scales, bias, rotated)

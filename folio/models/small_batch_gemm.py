@@ -20,13 +20,13 @@ layer keeps anyway.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from folio.csrc_build import CSRC, CppKernel
+from folio.models import onednn_layout
 from folio.platforms.cpu_features import has_amx
 
 KERNEL = CppKernel("folio_cpu_small_batch_gemm", CSRC / "cpu_small_batch_gemm.cpp",
@@ -34,8 +34,6 @@ KERNEL = CppKernel("folio_cpu_small_batch_gemm", CSRC / "cpu_small_batch_gemm.cp
 # bf16: measured on Zen 4 (see above); the AMX figure is a guess until an AMX machine measures the crossover.
 MAX_ROWS_AMX = 16
 MAX_ROWS = {torch.bfloat16: MAX_ROWS_AMX if has_amx() else 64, torch.float32: 8}
-# oneDNN's packed bf16 layouts the kernel reads: blocks of this many output columns
-BLOCK_WIDTHS = (64, 48, 32, 16)
 
 
 @dataclass(frozen=True)
@@ -60,37 +58,13 @@ def supports(weight: torch.Tensor) -> bool:
             and available(torch.float32))
 
 
-def _raw_bf16(packed: torch.Tensor) -> torch.Tensor:
-    """The bytes of a oneDNN tensor as a flat bf16 tensor that holds the oneDNN tensor alive."""
-    buffer = (ctypes.c_char * torch.ops.mkldnn._nbytes(packed)).from_address(torch.ops.mkldnn.data_ptr(packed))
-    buffer.owner = packed
-    return torch.frombuffer(buffer, dtype=torch.bfloat16)
-
-
-def _block_matches(blocks: torch.Tensor, weight: torch.Tensor, index: int) -> bool:
-    width = blocks.shape[2]
-    rows = weight[index * width:(index + 1) * width]
-    expected = rows.reshape(rows.shape[0], -1, 2).transpose(0, 1)  # [K/2, columns, 2]
-    return torch.equal(blocks[index, :expected.shape[0], :rows.shape[0]], expected)
-
-
 def packed_blocks(packed: torch.Tensor, weight: torch.Tensor) -> Optional[PackedWeight]:
-    """oneDNN's packed copy of a bf16 weight [N, K] as the kernel's blocks, or None where the kernel is missing
-    or oneDNN chose a layout it does not read. The layout is recognised by comparing the first, a middle and
-    the last block with the plain weight (oneDNN picks its layout per CPU and shape, and does not publish it)."""
-    if not (available(torch.bfloat16) and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[1] % 2 == 0 and packed.layout == torch._mkldnn):
+    """oneDNN's packed copy of a bf16 weight [N, K] as the kernel reads it, or None where the kernel is missing
+    or oneDNN chose a layout it does not read (folio.models.onednn_layout)."""
+    if not (available(torch.bfloat16) and weight.dtype == torch.bfloat16):
         return None
-    raw = _raw_bf16(packed)
-    n, k = weight.shape
-    for width in BLOCK_WIDTHS:
-        num_blocks = -(-n // width)
-        if raw.numel() % (num_blocks * width * 2) or raw.numel() // (num_blocks * width * 2) < k // 2:
-            continue
-        blocks = raw.view(num_blocks, -1, width, 2)
-        if all(_block_matches(blocks, weight, i) for i in {0, num_blocks // 2, num_blocks - 1}):
-            return PackedWeight(blocks, n)
-    return None
+    blocks = onednn_layout.vnni_blocks(packed, weight, 2)
+    return None if blocks is None else PackedWeight(blocks, weight.shape[0])
 
 
 def serves(x: torch.Tensor) -> bool:
