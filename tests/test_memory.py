@@ -78,3 +78,34 @@ def test_reading_a_checkpoint_keeps_only_the_tensor_in_use_resident(tmp_path):
                          capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert int(out.stdout.split()[-1]) < 24 << 20  # one tensor (8 MiB) and change; the whole file is 64 MiB
+
+
+# Freed memory kept for reuse stays resident; released once (as after loading), it goes back to the kernel.
+# Many 8 MiB blocks (under the 1 GiB threshold: from the heap), freed in an order that leaves no free top alone.
+_RESIDENT_AFTER_RELEASE = """
+import torch
+from folio import memory
+
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+assert memory.keep_freed_memory() is True
+start = resident()
+blocks = [torch.ones(2 << 20) for _ in range(32)]  # 256 MiB, every page written
+keep = blocks[-1]
+del blocks
+kept = resident() - start
+assert memory.release_freed_memory() is True
+print(kept, resident() - start)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_released_memory_leaves_the_process():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", _RESIDENT_AFTER_RELEASE], env=env, capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    kept, released = (int(v) for v in out.stdout.split()[-2:])
+    assert kept > 200 << 20  # the freed blocks stayed resident
+    assert released < 64 << 20  # only the block still alive (8 MiB) and small change remain

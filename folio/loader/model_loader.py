@@ -21,6 +21,7 @@ from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import iter_gguf_tensors, load_gguf_cached, read_gguf, tensor_types
 from folio.loader.gguf_native import native_chooser, native_layers
 from folio.loader.weights import load_weights
+from folio.memory import release_freed_memory
 from folio.models.compressed_tensors import compressed_tensors_chooser
 from folio.models.int4_checkpoints import int4_checkpoint_chooser, quantized_layers
 from folio.models.linear import (LinearMethodChooser, LinearMethods, as_chooser, bind_linear_methods,
@@ -179,5 +180,6 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         bind_linear_methods(net, methods)
     load_weights(net, tensors)
     process_weights_after_loading(net)
+    release_freed_memory()  # the weights' load-time forms, freed as they were processed
     net.eval()
     return LoadedModel(path, cfg, net, tokenizer, eos_token_ids(hf_config, generation_config, tokenizer))
