@@ -41,13 +41,18 @@ print(sorted(faults_of_a_64mib_tensor() for _ in range(8))[4])
 """
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
-def test_large_blocks_are_reused_without_page_faults():
+def run_fresh(script: str) -> list[str]:
+    """The words a script prints, run in a fresh process without the user's malloc settings."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_REUSED_BLOCK], env=env, capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert int(out.stdout.split()[-1]) < 1000  # a fresh mapping would fault all 16384 of its 4 KiB pages in again
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_large_blocks_are_reused_without_page_faults():
+    assert int(run_fresh(_FAULTS_OF_A_REUSED_BLOCK)[-1]) < 1000  # a fresh mapping would fault all 16384 pages in
 
 
 # A checkpoint of eight 8 MiB tensors read as the loader reads it, each tensor used and dropped: the most the
@@ -102,10 +107,6 @@ print(kept, resident() - start)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
 def test_released_memory_leaves_the_process():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", _RESIDENT_AFTER_RELEASE], env=env, capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    kept, released = (int(v) for v in out.stdout.split()[-2:])
+    kept, released = (int(v) for v in run_fresh(_RESIDENT_AFTER_RELEASE)[-2:])
     assert kept > 200 << 20  # the freed blocks stayed resident
     assert released < 64 << 20  # only the block still alive (8 MiB) and small change remain
