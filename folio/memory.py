@@ -1,5 +1,5 @@
 """Memory the machine can give folio: what is available now (MemAvailable), the budget behind the KV cache's
-default size and behind extra weight copies for fast small batches; and how freed memory is kept.
+default size; and how freed memory is kept, and handed back once after loading.
 
 glibc hands every allocation over its mmap threshold (at most 32 MiB, adjusted as blocks are freed) its own
 mapping and unmaps it on free, and trims the heap's free top back to the kernel. A step's large
