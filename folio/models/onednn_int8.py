@@ -83,9 +83,8 @@ def _row_sums(weight: torch.Tensor) -> torch.Tensor:
 def prepack(weight: torch.Tensor, scales: torch.Tensor) -> PackedInt8Weight:
     """weight int8 [N, K], scales float32 [N]."""
     packed = torch.ops.onednn.qlinear_prepack(weight, [_PACK_FOR_ROWS, weight.shape[1]])
-    blocks = onednn_layout.vnni_blocks(packed, weight, 4) if quant_kernels.has_packed_w8a8() else None
-    if blocks is not None and blocks.shape[2] != 64:
-        blocks = None  # the kernel reads blocks of 64 columns
+    # the kernel reads blocks of 64 columns
+    blocks = onednn_layout.vnni_blocks(packed, weight, 4, widths=(64,)) if quant_kernels.has_packed_w8a8() else None
     column_sums = None if blocks is None else _row_sums(weight)
     min_rows = MIN_ROWS_AMX if has_amx_int8() else (MIN_ROWS_VNNI if blocks is None else MIN_ROWS_VNNI_PACKED)
     return PackedInt8Weight(packed, scales.contiguous(), torch.zeros(weight.shape[0], dtype=torch.int64), blocks,

@@ -38,14 +38,16 @@ def _block_matches(blocks: torch.Tensor, weight: torch.Tensor, index: int) -> bo
     return torch.equal(blocks[index, :expected.shape[0], :rows.shape[0]], expected)
 
 
-def vnni_blocks(packed: torch.Tensor, weight: torch.Tensor, group: int) -> Optional[torch.Tensor]:
+def vnni_blocks(packed: torch.Tensor, weight: torch.Tensor, group: int,
+                widths: tuple[int, ...] = BLOCK_WIDTHS) -> Optional[torch.Tensor]:
     """oneDNN's packed copy of weight [N, K] (K % group == 0) as blocks [ceil(N / width), K' / group, width, group]
-    of weight's dtype, viewing oneDNN's buffer; None if it is laid out otherwise."""
+    of weight's dtype, width one of `widths` (those the caller's kernel reads), viewing oneDNN's buffer; None if
+    it is laid out otherwise."""
     if packed.layout != torch._mkldnn or weight.dim() != 2 or weight.shape[1] % group:
         return None
     raw = raw_bytes(packed, weight.dtype)
     n, k = weight.shape
-    for width in BLOCK_WIDTHS:
+    for width in widths:
         num_blocks = -(-n // width)
         for padded_k in sorted({_round_up(k, max(p, group)) for p in K_PADDINGS}):
             size = num_blocks * width * padded_k
