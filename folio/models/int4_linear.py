@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch import nn
 
-from folio.models import quant_kernels
+from folio.models import int4_blocks, quant_kernels
 from folio.models.linear import Linear
 from folio.models.quant_reference import BLOCK, quantize_int4
 from folio.models.quantized_linear import QuantizedLinearMethod, dequantize_min_rows
@@ -39,7 +40,22 @@ class Int4LinearMethod(QuantizedLinearMethod):
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         return quantize_int4(w, self.group_size(w.shape[1]))
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """A weight-only layer of a bf16 model on AVX512-BF16 keeps its weight only as column blocks
+        (folio.models.int4_blocks), which its kernel reads four times as fast as the row-major format."""
+        super().process_weights_after_loading(layer)
+        if not self.int8_activations and layer.params_dtype == torch.bfloat16 and int4_blocks.available():
+            layer.int4_blocks = int4_blocks.pack(layer.weight.detach(), layer.weight_scale, layer.weight_offset)
+            if layer.int4_blocks is not None:
+                layer.weight = layer.weight_scale = layer.weight_offset = None
+
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        blocks: Optional[int4_blocks.Int4Blocks] = getattr(layer, "int4_blocks", None)
+        if blocks is not None:
+            if x.dtype == torch.bfloat16 and x.shape[0] <= int4_blocks.MAX_ROWS:
+                return int4_blocks.linear(x, blocks, layer.bias)
+            bias = None if layer.bias is None else layer.bias.to(x.dtype)
+            return nn.functional.linear(x, int4_blocks.dequantize(blocks).to(x.dtype), bias)
         if self.int8_activations and x.shape[0] < dequantize_min_rows(x.dtype):
             return quant_kernels.w4a8_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
         return self.weight_only(layer, x)

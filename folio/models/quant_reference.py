@@ -39,10 +39,18 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     n, k = w.shape
     groups = w.float().reshape(n, k // group_size, group_size)
     low, high = groups.amin(dim=2), groups.amax(dim=2)
-    scales = (high - low) / 15
+    # the scale and offset on float16's grid (as GGUF's Q4_1 stores them), so that the column blocks of
+    # folio.models.int4_blocks hold them exactly; the codes are chosen for the rounded pair
+    low = _on_float16_grid(low)
+    scales = _on_float16_grid((high - low) / 15)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
     return pack_int4(q.reshape(n, k)), scales, low
+
+
+def _on_float16_grid(t: torch.Tensor) -> torch.Tensor:
+    """float32 t rounded to the nearest float16 where float16 holds it (beyond its range: as it is)."""
+    return torch.where(t.abs() <= torch.finfo(torch.float16).max, t.half().float(), t)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

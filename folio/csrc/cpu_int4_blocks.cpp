@@ -1,0 +1,304 @@
+// int4 weight-only linear layers for bf16 activations on AVX512-BF16, with the weight in column blocks.
+//
+// Decode reads every weight once per token, so a 4-bit weight should take a quarter of bf16's time. The
+// row-major int4 kernel (cpu_quant_linear.cpp) did not get there: per 32 values it widened the nibbles with a
+// table permute, ran one vdpbf16ps and then an FMA for the group's scale and a horizontal sum per output, and
+// streamed 15 GB/s where bf16's small-batch kernel streams 43. Here the weight is laid out as that bf16 kernel
+// reads oneDNN's (packed once at load by `pack`, from the row-major format):
+//
+//   codes   uint8 [N / 64, K / 2, 64]: per block of 64 output columns and pair of K (k = 2p, 2p + 1), 64 bytes
+//           as 32 16-bit words; word i holds 4 nibbles, nibble v (bits 4v .. 4v + 3) the code of column
+//           16v + i / 2 at k = 2p + i % 2. Columns past N in the last block are zero.
+//   scales  float16 [N / 64, K / G, 64]: 16 times each group's scale; offsets float16 alike (the scale and
+//           offset in float16, as GGUF's Q4_0 and Q4_1 store them: 0.625 bytes per weight in groups of 32,
+//           where float32 took 0.75).
+//
+// One 64-byte load gives four vectors of 32 bf16 values, each by one shift and one ternary-logic op: the
+// bf16 with the exponent of 1 and the code in the top four bits of the mantissa is c = 1 + q / 16, exact.
+// A pair of x's values broadcast as one 32-bit lane times such a vector adds to 16 columns' sums
+// (vdpbf16ps, products exact, sums in float32), so no sum is reduced across lanes. Per group g and column,
+// W = s q + o = 16 s (c - 1) + o, so
+//     y += 16 s (sum_k x_k c_k - X_g) + o X_g,   X_g = sum of x over the group,
+// two FMAs per 16 columns per group. Rows of x go in chunks of up to 3, a block read from memory for the
+// first chunk and from cache for the others.
+//
+// `dequantize_transposed` writes the bf16 weight as W^T [K, N] (q s + o by one FMA in float32, rounded once
+// to bf16) for batches that run the dense GEMM.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define FOLIO_INT4_BLOCKS 1
+#include <immintrin.h>
+#else
+#define FOLIO_INT4_BLOCKS 0
+#endif
+
+namespace {
+
+constexpr int64_t COLUMNS = 64;      // output columns per block
+constexpr int64_t STEP_BYTES = 64;   // the codes of one pair of K for a block
+constexpr int64_t PREFETCH = 2048;   // bytes of codes ahead of the current step
+constexpr int MAX_CHUNK = 3;         // rows of x per pass over a block
+
+struct Blocks {
+  const uint8_t* codes;     // [NB, K / 2, 64]
+  const at::Half* scales;   // [NB, ng, 64], 16 x the group's scale
+  const at::Half* offsets;  // [NB, ng, 64]
+  int64_t N, K, G, ng;
+  int64_t pairs() const { return K / 2; }
+};
+
+#if FOLIO_INT4_BLOCKS
+// 16 float16 values as float32
+inline __m512 halves(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The four vectors of one step's codes as bf16 1 + q / 16 (see above).
+inline void unpack(const uint8_t* p, __m512bh (&c)[4]) {
+  const __m512i w = _mm512_loadu_si512(p);
+  const __m512i mask = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3F80);
+  // nibble v's lowest bit (4v) to bit 3, then (s & mask) | one
+  c[0] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 3), mask, one, 0xEA);
+  c[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 1), mask, one, 0xEA);
+  c[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 5), mask, one, 0xEA);
+  c[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 9), mask, one, 0xEA);
+}
+
+// Rows m .. m + MR of y for the 64 columns of block b (MR <= 3: 4 MR accumulators and as many totals fit the
+// 32 vector registers with the codes). With one row, two accumulator sets take alternate pairs, so that 8
+// chains hide vdpbf16ps's latency.
+template <int MR>
+void block(const Blocks& w, int64_t b, const c10::BFloat16* x, int64_t xs, const float* xsum, const float* bias,
+           c10::BFloat16* y, int64_t ys) {
+  constexpr int SETS = MR == 1 ? 2 : 1;
+  const int64_t gp = w.G / 2;  // pairs per group, a multiple of 16
+  const uint8_t* codes = w.codes + b * w.pairs() * STEP_BYTES;
+  const at::Half* sc = w.scales + b * w.ng * COLUMNS;
+  const at::Half* of = w.offsets + b * w.ng * COLUMNS;
+  const int32_t* xp[MR];
+  for (int m = 0; m < MR; ++m) xp[m] = reinterpret_cast<const int32_t*>(x + m * xs);
+  __m512 tot[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 4; ++v) tot[m][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.ng; ++g) {
+    __m512 acc[SETS][MR][4];
+    for (int s = 0; s < SETS; ++s)
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 4; ++v) acc[s][m][v] = _mm512_setzero_ps();
+    for (int64_t p = g * gp; p < (g + 1) * gp; p += SETS)
+      for (int s = 0; s < SETS; ++s) {
+        const uint8_t* step = codes + (p + s) * STEP_BYTES;
+        _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH), _MM_HINT_T0);
+        __m512bh c[4];
+        unpack(step, c);
+        for (int m = 0; m < MR; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[m][p + s]);
+          for (int v = 0; v < 4; ++v) acc[s][m][v] = _mm512_dpbf16_ps(acc[s][m][v], c[v], xv);
+        }
+      }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xg = _mm512_set1_ps(xsum[m * w.ng + g]);
+      for (int v = 0; v < 4; ++v) {
+        __m512 a = acc[0][m][v];
+        for (int s = 1; s < SETS; ++s) a = _mm512_add_ps(a, acc[s][m][v]);
+        tot[m][v] = _mm512_fmadd_ps(_mm512_sub_ps(a, xg), halves(sc + g * COLUMNS + v * 16), tot[m][v]);
+        tot[m][v] = _mm512_fmadd_ps(halves(of + g * COLUMNS + v * 16), xg, tot[m][v]);
+      }
+    }
+  }
+  for (int v = 0; v < 4; ++v) {
+    const int64_t n0 = b * COLUMNS + v * 16;
+    const int64_t lanes = std::min<int64_t>(16, w.N - n0);
+    if (lanes <= 0) break;
+    const __mmask16 mask = lanes == 16 ? __mmask16(0xffff) : __mmask16((1u << lanes) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      _mm256_mask_storeu_epi16(y + m * ys + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(tot[m][v], bv)));
+  }
+}
+
+void chunk(int64_t mr, const Blocks& w, int64_t b, const c10::BFloat16* x, int64_t xs, const float* xsum,
+           const float* bias, c10::BFloat16* y, int64_t ys) {
+  static_assert(MAX_CHUNK == 3, "one case per row count");
+  switch (mr) {
+    case 1: return block<1>(w, b, x, xs, xsum, bias, y, ys);
+    case 2: return block<2>(w, b, x, xs, xsum, bias, y, ys);
+    default: return block<3>(w, b, x, xs, xsum, bias, y, ys);
+  }
+}
+
+// Sums of each row of x over each group: xsum [M, ng], float32.
+void group_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, int64_t G, float* xsum) {
+  const int64_t ng = K / G;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16)
+        s = _mm512_add_ps(s, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+                                 reinterpret_cast<const __m256i*>(x + m * xs + k))));
+      xsum[m * ng + g] = _mm512_reduce_add_ps(s);
+    }
+}
+#endif
+
+bool has_kernel() { return FOLIO_INT4_BLOCKS; }
+
+Blocks checked(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t N) {
+  TORCH_CHECK(FOLIO_INT4_BLOCKS, "built without AVX512-BF16");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(2) == STEP_BYTES,
+              "codes must be contiguous uint8 [N / 64, K / 2, 64]");
+  const int64_t NB = codes.size(0), K = 2 * codes.size(1);
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.size(0) == NB && scales.size(2) == COLUMNS,
+              "scales must be contiguous float16 [N / 64, K / G, 64]");
+  TORCH_CHECK(offsets.sizes() == scales.sizes() && offsets.scalar_type() == at::kHalf && offsets.is_contiguous(),
+              "offsets must be float16 shaped like scales");
+  const int64_t ng = scales.size(1);
+  TORCH_CHECK(ng >= 1 && K % ng == 0 && (K / ng) % 32 == 0, "K (", K, ") must be split in groups of a multiple of 32");
+  TORCH_CHECK(N > (NB - 1) * COLUMNS && N <= NB * COLUMNS, "N (", N, ") must lie within the last block");
+  return Blocks{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), N, K, K / ng, ng};
+}
+
+// The blocks of a weight in the row-major int4 format (cpu_quant_linear.cpp: packed uint8 [N, K / 2], 32
+// values per 16 bytes, value j of a block in byte j's low nibble and j + 16 in its high one; scales and
+// offsets float32 [N, K / G]): (codes, 16 x scales, offsets), the last two rounded to float16 (to nearest even,
+// as torch rounds), padding columns zero.
+std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales, at::Tensor offsets) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be contiguous uint8 [N, K / 2]");
+  const int64_t N = w.size(0), K = 2 * w.size(1);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  offsets.sizes() == scales.sizes() && offsets.scalar_type() == at::kFloat && offsets.is_contiguous(),
+              "scales and offsets must be contiguous float32 [N, K / G]");
+  const int64_t ng = scales.size(1), NB = (N + COLUMNS - 1) / COLUMNS;
+  TORCH_CHECK(N >= 1 && ng >= 1 && K % ng == 0 && (K / ng) % 32 == 0, "K (", K, ") must be split in groups of a multiple of 32");
+  at::Tensor codes = at::empty({NB, K / 2, STEP_BYTES}, w.options());
+  at::Tensor s16 = at::empty({NB, ng, COLUMNS}, scales.options().dtype(at::kHalf));
+  at::Tensor o16 = at::empty({NB, ng, COLUMNS}, scales.options().dtype(at::kHalf));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* opp = offsets.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  at::Half* s16p = s16.data_ptr<at::Half>();
+  at::Half* o16p = o16.data_ptr<at::Half>();
+  const int64_t row_bytes = K / 2;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t p = 0; p < K / 2; ++p)
+        for (int64_t i = 0; i < 32; ++i) {
+          const int64_t k = 2 * p + i % 2;
+          const int64_t byte = (k / 32) * 16 + k % 16, shift = k % 32 < 16 ? 0 : 4;
+          uint32_t word = 0;
+          for (int64_t v = 0; v < 4; ++v) {
+            const int64_t col = b * COLUMNS + 16 * v + i / 2;
+            if (col < N) word |= static_cast<uint32_t>((src[col * row_bytes + byte] >> shift) & 15) << (4 * v);
+          }
+          cp[(b * (K / 2) + p) * STEP_BYTES + 2 * i] = static_cast<uint8_t>(word);
+          cp[(b * (K / 2) + p) * STEP_BYTES + 2 * i + 1] = static_cast<uint8_t>(word >> 8);
+        }
+      for (int64_t g = 0; g < ng; ++g)
+        for (int64_t c = 0; c < COLUMNS; ++c) {
+          const int64_t col = b * COLUMNS + c, at = (b * ng + g) * COLUMNS + c;
+          s16p[at] = col < N ? at::Half(16 * sp[col * ng + g]) : at::Half(0.f);
+          o16p[at] = col < N ? at::Half(opp[col * ng + g]) : at::Half(0.f);
+        }
+    }
+  });
+  return {codes, s16, o16};
+}
+
+// y = x W^T (+ bias) in bf16, x bf16 [M, K] with unit stride.
+at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N,
+                  c10::optional<at::Tensor> bias) {
+  const Blocks w = checked(codes, scales, offsets, N);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) == w.K &&
+                  x.size(0) >= 1,
+              "x must be bf16 [M, ", w.K, "] with unit stride");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0), xs = x.stride(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+#if FOLIO_INT4_BLOCKS
+  std::vector<float> xsum(M * w.ng);
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  group_sums(xp, xs, M, w.K, w.G, xsum.data());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_CHUNK)
+        chunk(std::min<int64_t>(MAX_CHUNK, M - m0), w, b, xp + m0 * xs, xs, xsum.data() + m0 * w.ng, bp,
+              yp + m0 * N, N);
+  });
+#endif
+  return y;
+}
+
+// The transposed weight [K, N] in bf16 (as W^T it feeds the GEMM without a transpose): q s + o by one float32
+// FMA per value (s the group's scale), rounded to bf16. Read as 16 32-bit lanes, a step's 64 bytes hold in lane
+// j the codes of column 16 v + j at k = 2p (nibble v of the low word) and 2p + 1 (of the high word), so each
+// row of W^T gets 16 contiguous values per vector.
+at::Tensor dequantize_transposed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N) {
+  const Blocks w = checked(codes, scales, offsets, N);
+  at::Tensor out = at::empty({w.K, N}, codes.options().dtype(at::kBFloat16));
+#if FOLIO_INT4_BLOCKS
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t gp = w.G / 2;
+  at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* codes_b = w.codes + b * w.pairs() * STEP_BYTES;
+      const int64_t nv = std::min<int64_t>(4, (N - b * COLUMNS + 15) / 16);  // vectors of columns in this block
+      for (int64_t g = 0; g < w.ng; ++g) {
+        __m512 s[4], o[4];
+        for (int v = 0; v < nv; ++v) {
+          s[v] = _mm512_mul_ps(halves(w.scales + (b * w.ng + g) * COLUMNS + v * 16), _mm512_set1_ps(1.f / 16));
+          o[v] = halves(w.offsets + (b * w.ng + g) * COLUMNS + v * 16);
+        }
+        for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
+          const __m512i codes_p = _mm512_loadu_si512(codes_b + p * STEP_BYTES);
+          for (int v = 0; v < nv; ++v) {  // 16 columns of rows 2p and 2p + 1
+            const int64_t n0 = b * COLUMNS + v * 16;
+            const __mmask16 mask = N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - n0)) - 1);
+            const __m512i d = _mm512_srli_epi32(codes_p, 4 * v);
+            const __m512i even = _mm512_and_si512(d, _mm512_set1_epi32(15));
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(d, 16), _mm512_set1_epi32(15));
+            const __m512 w_even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s[v], o[v]);
+            const __m512 w_odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s[v], o[v]);
+            _mm256_mask_storeu_epi16(op + 2 * p * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(w_even));
+            _mm256_mask_storeu_epi16(op + (2 * p + 1) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(w_odd));
+          }
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x W^T (+ b) for bf16 x, W int4 in column blocks", pybind11::arg("x"),
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
+        pybind11::arg("bias"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("dequantize_transposed", &dequantize_transposed, "the bf16 weight of int4 column blocks as [K, N]",
+        pybind11::arg("codes"),
+        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pack", &pack, "(codes, 16 x scales, offsets) of a row-major int4 weight", pybind11::arg("w"),
+        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("has_kernel", &has_kernel, "whether the AVX512-BF16 kernel was compiled in");
+}
