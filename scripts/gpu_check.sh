@@ -64,7 +64,7 @@ $PY -c "import xdist" 2>/dev/null && SPREAD=(-n 8) || SPREAD=()
 part 150 $PY -m pytest -q -p no:cacheprovider "${SPREAD[@]}" tests/test_quant_kernels.py tests/test_small_batch_gemm.py \
   tests/test_cpu_paged_attention.py tests/test_sliding_window.py tests/test_flash_prefill.py \
   tests/test_sdpa_prefill.py tests/test_onednn_int8.py tests/test_fused_moe.py tests/test_fused_ops.py \
-  tests/test_kv_cache_8bit.py
+  tests/test_kv_cache_8bit.py tests/test_int4_blocks.py
 
 section "W1 on the 0.5B Qwen2 (default settings): the roofline, throughput and peak memory"
 MODEL=$WORK/qwen2-0.5b
@@ -83,6 +83,9 @@ part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,
 
 section "decode-sized bf16 matmuls: the small-batch kernel against oneDNN (AMX: sets small_batch_gemm.MAX_ROWS_AMX)"
 part 60 "${PIN[@]}" $PY benchmarks/small_batch_gemm_bench.py --skip-engine --rounds 1 --rows 1 4 8 16 32 64
+
+section "decode-sized int4 matmuls: the column-block kernel, the row-major one, the dequantised GEMM (AMX: int4_blocks.MAX_ROWS)"
+part 60 "${PIN[@]}" $PY benchmarks/int4_blocks_bench.py --rows 1,4,16,32,64 --rounds 1 --round-s 0.3
 
 section "batch-1 decode of the 0.5B Qwen2, weight schemes against bf16 (issue 13: int8 1.7x, int4 2.5x)"
 part 120 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" --max-num-seqs 1 --num-prompts 2 \

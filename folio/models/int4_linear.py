@@ -6,9 +6,11 @@ kernel is bound by widening 4 bits to float32, and W4A8 decodes twice as fast (R
 the cost of the activations' rounding. Prefill-sized batches run the dense GEMM on the dequantised weight
 in both schemes.
 
-A weight takes half a byte per value plus 8 bytes of float32 scale and offset per group: 0.75 bytes per value
-in groups of 32, 0.5625 in groups of 128, against bf16's 2. Groups of 32 are what llama.cpp's 4-bit types use;
-on SmolLM2-135M groups of 128 cost 13% perplexity where 32 cost nothing (README, "Quantisation").
+A weight takes half a byte per value plus a scale and an offset per group, both on float16's grid: in float32
+(0.75 bytes per value in groups of 32, 0.5625 in groups of 128, against bf16's 2), or in float16 (0.625,
+0.53) where a bf16 model on AVX512-BF16 keeps the weight as column blocks (folio.models.int4_blocks; w4a8
+keeps the row-major format its kernel reads). Groups of 32 are what llama.cpp's 4-bit types use; on
+SmolLM2-135M groups of 128 cost 13% perplexity where 32 cost nothing (README, "Quantisation").
 """
 
 from __future__ import annotations

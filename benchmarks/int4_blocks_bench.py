@@ -1,0 +1,78 @@
+"""Weight-only int4 matmuls at decode batch sizes, side by side in one process: the column-block kernel
+(folio.models.int4_blocks), the row-major weight-only kernel (quant_kernels.weight_only_linear) and the dense
+GEMM on the weight dequantised from the blocks (what batches past int4_blocks.MAX_ROWS run), with bf16's
+small-batch kernel on the same shapes for reference. Every linear layer of the 0.5B Qwen2 but the lm_head, 24
+copies of each, so the weights come from memory as a decode step reads them; random weights quantised in
+groups of 32, bf16 activations. The calls alternate round by round; the best round is reported, with GB/s of
+each format's bytes (int4 blocks 0.625 bytes a weight, row-major 0.75, bf16 2).
+
+    python benchmarks/int4_blocks_bench.py [--rows 1,2,3,4,8,16,64] [--rounds 3]
+
+Needs AVX512-BF16 (the block kernel and bf16's small-batch kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from folio.models import int4_blocks, quant_kernels, small_batch_gemm
+from folio.models.quant_reference import quantize_int4
+
+SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
+COPIES = 24
+
+
+def timed(fn, round_s: float) -> float:
+    fn()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < round_s:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,2,3,4,8,16,64")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--round-s", type=float, default=0.5)
+    args = parser.parse_args()
+    if not (int4_blocks.available() and small_batch_gemm.available(torch.bfloat16)):
+        raise SystemExit("needs AVX512-BF16: the int4 block kernel or bf16's small-batch kernel is unavailable here")
+    torch.manual_seed(0)
+    layers = []
+    for n, k in SHAPES:
+        for _ in range(COPIES):
+            w = torch.randn(n, k) * 0.02
+            packed, scales, offsets = quantize_int4(w, 32)
+            bf16 = w.bfloat16()
+            plain = small_batch_gemm.packed_blocks(torch.ops.mkldnn._reorder_linear_weight(bf16, 64), bf16)
+            layers.append((k, (packed, scales, offsets), int4_blocks.pack(packed, scales, offsets), plain))
+    weights = sum(n * k for n, k in SHAPES) * COPIES
+    gb = {"blocks": weights * 0.625 / 1e9, "row-major": weights * 0.75 / 1e9, "bf16": weights * 2 / 1e9}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(layers)} layers, "
+          f"{weights / 1e6:.0f}M weights; ms per pass over all of them, best of {args.rounds} rounds (GB/s)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES}
+        runs = {
+            "blocks": lambda: [int4_blocks.linear(xs[k], b, None) for k, _, b, _ in layers],
+            "row-major": lambda: [quant_kernels.weight_only_linear(xs[k], *q, None) for k, q, _, _ in layers],
+            "dequantised GEMM": lambda: [torch.nn.functional.linear(xs[k], int4_blocks.dequantize(b))
+                                         for k, _, b, _ in layers],
+            "bf16": lambda: [small_batch_gemm.linear(xs[k], p, None) for k, _, _, p in layers],
+        }
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(args.rounds):
+            for name, fn in runs.items():
+                best[name] = min(best[name], timed(fn, args.round_s))
+        cells = [f"{name} {t * 1e3:7.2f}" + (f" ({gb[name] / t:4.1f})" if name in gb else "")
+                 for name, t in best.items()]
+        print(f"M={rows:<3} " + "   ".join(cells) + f"   blocks vs row-major {best['row-major'] / best['blocks']:.2f}x,"
+              f" vs bf16 {best['bf16'] / best['blocks']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
