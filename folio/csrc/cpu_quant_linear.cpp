@@ -522,7 +522,9 @@ struct PackedW8A8 {
   const int8_t* w;        // [N / 64, block_quads, 64, 4]
   const int32_t* colsum;  // [N] sums of w's columns
   const float* sw;        // [N]
-  float* y;               // [M, N]
+  const float* bias;      // [N] or null
+  float* y;               // [M, N] float32, or null when yb is set
+  at::BFloat16* yb;       // [M, N] bf16 (the float32 result rounded to nearest even), or null
   int64_t M, N, K, block_quads;
 };
 
@@ -551,9 +553,15 @@ void packed_w8a8_block(const PackedW8A8& a, int64_t m0, int64_t b) {
     const __mmask16 mask = lanes == 16 ? __mmask16(0xffff) : __mmask16((1u << lanes) - 1);
     const __m512i shift = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, a.colsum + n), 7);  // 128 * colsum
     const __m512 sw = _mm512_maskz_loadu_ps(mask, a.sw + n);
+    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
     for (int i = 0; i < MR; ++i) {
       const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][v], shift));
-      _mm512_mask_storeu_ps(a.y + (m0 + i) * a.N + n, mask, _mm512_mul_ps(sum, _mm512_mul_ps(_mm512_set1_ps(a.sx[m0 + i]), sw)));
+      __m512 out = _mm512_mul_ps(sum, _mm512_mul_ps(_mm512_set1_ps(a.sx[m0 + i]), sw));
+      if (a.bias) out = _mm512_add_ps(out, bias);  // the reference's float32 add, after the scaling
+      if (a.yb)
+        _mm256_mask_storeu_epi16(a.yb + (m0 + i) * a.N + n, mask, (__m256i)_mm512_cvtneps_pbh(out));
+      else
+        _mm512_mask_storeu_ps(a.y + (m0 + i) * a.N + n, mask, out);
     }
   }
 }
@@ -952,14 +960,18 @@ at::Tensor w8a8_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column
   at::Tensor xu = at::empty({M, K}, xr.options().dtype(at::kByte));
   at::Tensor sx = at::empty({M}, xr.options().dtype(at::kFloat));
   RowQuantizer{rotate, 128}.run(xr, reinterpret_cast<int8_t*>(xu.data_ptr<uint8_t>()), nullptr, sx.data_ptr<float>());
-  at::Tensor y = at::empty({M, N}, sx.options());
+  // bf16 x: y in bf16 straight from the epilogue (bias and rounding included: no extra pass over y)
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({M, N}, sx.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == N, "bias must have N values");
 #if FOLIO_PACKED_W8A8
   packed_w8a8(PackedW8A8{xu.data_ptr<uint8_t>(), sx.data_ptr<float>(), blocks.data_ptr<int8_t>(),
-                         column_sums.data_ptr<int32_t>(), scales.data_ptr<float>(), y.data_ptr<float>(), M, N, K,
-                         blocks.size(1)});
+                         column_sums.data_ptr<int32_t>(), scales.data_ptr<float>(),
+                         b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
+                         bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, N, K, blocks.size(1)});
 #endif
-  if (bias.has_value()) y.add_(bias->to(at::kFloat));
-  return as_input_dtype(y, x);
+  return bf16 ? y : as_input_dtype(y, x);
 }
 
 bool has_packed_w8a8() { return FOLIO_PACKED_W8A8; }
