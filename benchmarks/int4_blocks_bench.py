@@ -14,24 +14,15 @@ Needs AVX512-BF16 (the block kernel and bf16's small-batch kernel).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from int8_gemm_bench import timed  # the sibling script's timer: seconds per call over a round
 
 from folio.models import int4_blocks, quant_kernels, small_batch_gemm
 from folio.models.quant_reference import quantize_int4
 
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
 COPIES = 24
-
-
-def timed(fn, round_s: float) -> float:
-    fn()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < round_s:
-        fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls
 
 
 def main() -> None:
