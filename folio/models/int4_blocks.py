@@ -2,11 +2,12 @@
 
 The int4 formats of folio.models.quant_reference (row-major nibbles, float32 scales and offsets [N, K / G]) are
 what checkpoints, GGUF files and the quantiser produce; on CPUs with AVX512-BF16 a weight-only int4 layer
-serving bf16 activations repacks its weight once at load into blocks of 64 output columns (`pack`) and keeps
-only that copy (`pack`, in C++: 10 ms for the 0.5B Qwen2's largest layer). Its kernel widens nibbles to bf16 by one shift and one logic op and multiplies them with
-vdpbf16ps without horizontal sums, as bf16's small-batch kernel reads oneDNN's packed weights, where the
-row-major kernel was bound by widening (15 GB/s against bf16's 43 on Zen 4). Larger batches run the dense
-GEMM on the weight dequantised from the blocks for the call (`dequantize`).
+serving bf16 activations repacks its weight once at load into blocks of 64 output columns (`pack`, in C++:
+10 ms for the 0.5B Qwen2's largest layer) and keeps only that copy. Its kernel widens nibbles to bf16 by one
+shift and one logic op and multiplies them with vdpbf16ps without horizontal sums, as bf16's small-batch
+kernel reads oneDNN's packed weights, where the row-major kernel was bound by widening (15 GB/s against bf16's
+43 on Zen 4). Larger batches run the dense GEMM on the weight dequantised from the blocks for the call
+(`dequantize`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ KERNEL = CppKernel("folio_cpu_int4_blocks", CSRC / "cpu_int4_blocks.cpp", what="
 COLUMNS = 64  # output columns per block
 # Batches of up to this many rows run the kernel, larger ones the dense GEMM on the dequantised weight. The
 # kernel multiplies with the same vdpbf16ps as bf16's small-batch kernel and has its crossover with oneDNN:
-# on Zen 4 (all linear layers of the 0.5B Qwen2 from memory) 63 ms at 64 rows against 100 for dequantising and
-# oneDNN's GEMM, even at 128; with AMX oneDNN's tiles win sooner (not yet measured there).
+# on Zen 4 (all linear layers of the 0.5B Qwen2 from memory) 63-72 ms at 64 rows against 100-120 for
+# dequantising and oneDNN's GEMM, even at 128 rows (benchmarks/int4_blocks_bench.py); with AMX oneDNN's tiles
+# win sooner (not yet measured there).
 MAX_ROWS = small_batch_gemm.MAX_ROWS[torch.bfloat16]
 
 
