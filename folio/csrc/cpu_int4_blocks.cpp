@@ -195,18 +195,19 @@ std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales, at::Tensor offsets
   const int64_t row_bytes = K / 2;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t p = 0; p < K / 2; ++p)
-        for (int64_t i = 0; i < 32; ++i) {
-          const int64_t k = 2 * p + i % 2;
-          const int64_t byte = (k / 32) * 16 + k % 16, shift = k % 32 < 16 ? 0 : 4;
-          uint32_t word = 0;
-          for (int64_t v = 0; v < 4; ++v) {
-            const int64_t col = b * COLUMNS + 16 * v + i / 2;
-            if (col < N) word |= static_cast<uint32_t>((src[col * row_bytes + byte] >> shift) & 15) << (4 * v);
+      // each source row read once, in order; its codes or-ed into the block's words (little-endian uint16)
+      uint16_t* words = reinterpret_cast<uint16_t*>(cp + b * (K / 2) * STEP_BYTES);
+      std::fill(words, words + K * 32 / 2, uint16_t{0});
+      for (int64_t c = 0; c < std::min(COLUMNS, N - b * COLUMNS); ++c) {
+        const uint8_t* row = src + (b * COLUMNS + c) * row_bytes;
+        const int v = static_cast<int>(c / 16), i0 = static_cast<int>(2 * (c % 16));
+        for (int64_t k0 = 0; k0 < K; k0 += 32)
+          for (int64_t j = 0; j < 16; ++j) {
+            const uint8_t byte = row[k0 / 2 + j];
+            for (const int64_t k : {k0 + j, k0 + 16 + j})  // low nibble: value j of the block, high: j + 16
+              words[(k / 2) * 32 + i0 + k % 2] |= static_cast<uint16_t>(((k == k0 + j ? byte : byte >> 4) & 15) << (4 * v));
           }
-          cp[(b * (K / 2) + p) * STEP_BYTES + 2 * i] = static_cast<uint8_t>(word);
-          cp[(b * (K / 2) + p) * STEP_BYTES + 2 * i + 1] = static_cast<uint8_t>(word >> 8);
-        }
+      }
       for (int64_t g = 0; g < ng; ++g)
         for (int64_t c = 0; c < COLUMNS; ++c) {
           const int64_t col = b * COLUMNS + c, at = (b * ng + g) * COLUMNS + c;
