@@ -3,7 +3,7 @@
 The int4 formats of folio.models.quant_reference (row-major nibbles, float32 scales and offsets [N, K / G]) are
 what checkpoints, GGUF files and the quantiser produce; on CPUs with AVX512-BF16 a weight-only int4 layer
 serving bf16 activations repacks its weight once at load into blocks of 64 output columns (`pack`, in C++:
-10 ms for the 0.5B Qwen2's largest layer) and keeps only that copy. Its kernel widens nibbles to bf16 by one
+3 ms for the 0.5B Qwen2's largest layer) and keeps only that copy. Its kernel widens nibbles to bf16 by one
 shift and one logic op and multiplies them with vdpbf16ps without horizontal sums, as bf16's small-batch
 kernel reads oneDNN's packed weights, where the row-major kernel was bound by widening (15 GB/s against bf16's
 43 on Zen 4). Larger batches run the dense GEMM on the weight dequantised from the blocks for the call
