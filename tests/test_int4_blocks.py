@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from folio import LLM, SamplingParams
 from folio.models import int4_blocks
 from folio.models import quant_reference as ref
 from folio.models.int4_linear import Int4LinearMethod
@@ -127,3 +128,24 @@ def test_float32_layers_and_w4a8_keep_the_row_major_format():
         layer.weight.weight_loader(layer.weight, torch.randn(48, 64), None)
         method.process_weights_after_loading(layer)
         assert layer.weight.dtype == torch.uint8 and getattr(layer, "int4_blocks", None) is None
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False), ("phi3", False)])
+def test_a_bf16_model_in_blocks_scores_as_its_float32_twin(tiny_model_factory, arch, tie):
+    """End to end: the same int4 quantisation run in bf16 through the blocks (prompt in one chunk and in chunks
+    of 16) and in float32 through the row-major kernels. Measured 0.022-0.026 mean |logprob difference|, as
+    much as the unquantised model's bf16 against float32 (0.022-0.028); a wrong kernel is off by whole units."""
+    folder = tiny_model_factory(arch, tie)
+    prompt = [1] + list(range(5, 60))
+
+    def logprobs(dtype: str, **options) -> torch.Tensor:
+        llm = LLM(folder, dtype=dtype, quantization="int4", kv_cache_memory=1 << 22, **options)
+        blocks = getattr(llm.llm_engine.runner.model.layers[0].mlp.down_proj, "int4_blocks", None)
+        assert (blocks is not None) == (dtype == "bfloat16")
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        return torch.tensor([e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
+
+    want = logprobs("float32")
+    for options in ({}, {"max_num_batched_tokens": 16}):
+        assert float((logprobs("bfloat16", **options) - want).abs().mean()) < 0.06, options
