@@ -42,7 +42,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -327,34 +326,19 @@ void weight_only_tile(const WeightOnly& a, int64_t m0, int64_t n0, int64_t n1) {
 }
 
 #if FOLIO_AVX512 && defined(__AVX512BF16__)
-// Weight-only with bf16 x on AVX512-BF16: the weight's codes are exact in bf16 (0..15, -127..127), so each block
-// of 32 values is one vdpbf16ps with x's 32 bf16 values (products exact, sums in float32), where the float32
-// path widens both to float32 and takes two FMAs per 16 (the int4 kernel was bound by that: 20 GB/s).
-// int4 codes become bf16 through a 16-entry table (vpermw), int8 ones through float32.
-const std::array<uint16_t, 32> BF16_OF_NIBBLE = [] {
-  std::array<uint16_t, 32> t{};
-  for (int i = 0; i < 16; ++i) t[i] = c10::BFloat16(static_cast<float>(i)).x;
-  return t;
-}();
+// int8 weight-only with bf16 x on AVX512-BF16: the codes are exact in bf16 (-127..127), so each block of 32
+// values is one vdpbf16ps with x's 32 bf16 values (products exact, sums in float32), where the float32 path
+// widens both to float32 and takes two FMAs per 16. (int4 with bf16 x has its own kernel on column blocks,
+// folio/csrc/cpu_int4_blocks.cpp; a row-major int4 weight takes the float32 path.)
+inline __m512bh int8_block_bf16(const uint8_t* row, int64_t k) {
+  const int8_t* p = reinterpret_cast<const int8_t*>(row) + k;
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // lo -> values 0..15, hi -> 16..31
+}
 
-struct Bf16Codes {
-  // an int4 block in x's order: value j the low nibble of byte j, value j + 16 its high nibble
-  static __m512bh block(const uint8_t* row, int64_t k, Int4Fmt) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
-    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
-    const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
-    return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(BF16_OF_NIBBLE.data()));
-  }
-  static __m512bh block(const uint8_t* row, int64_t k, Int8Fmt) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(row) + k;
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);  // lo -> values 0..15, hi -> 16..31
-  }
-};
-
-// weight_only_tile with x bf16 [M, K]: CH chains of vdpbf16ps per row inside a group.
-template <class Fmt, int MR>
+// weight_only_tile for int8 with x bf16 [M, K]: CH chains of vdpbf16ps per row inside a group.
+template <int MR>
 void weight_only_bf16_tile(const WeightOnly& a, const at::BFloat16* x, int64_t m0, int64_t n0, int64_t n1) {
   constexpr int CH = MR == 1 ? 4 : MR == 2 ? 2 : 1;
   for (int64_t n = n0; n < n1; ++n) {
@@ -364,7 +348,7 @@ void weight_only_bf16_tile(const WeightOnly& a, const at::BFloat16* x, int64_t m
       for (int i = 0; i < MR; ++i)
         for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
       auto block_dots = [&](int64_t kb, int c) {
-        const __m512bh q = Bf16Codes::block(row, kb, Fmt{});
+        const __m512bh q = int8_block_bf16(row, kb);
         for (int i = 0; i < MR; ++i)
           acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)_mm512_loadu_si512(x + (m0 + i) * a.K + kb), q);
       };
@@ -418,10 +402,9 @@ void weight_only(const WeightOnly& a) {
 }
 
 #if FOLIO_BF16_DOT
-template <class Fmt>
 void weight_only_bf16(const WeightOnly& a, const at::BFloat16* x) {
   over_tiles(a.M, a.N, a.row_bytes, [&](int64_t m0, int64_t mr, int64_t n0, int64_t n1) {
-    by_rows(mr, [&](auto rows) { weight_only_bf16_tile<Fmt, decltype(rows)::value>(a, x, m0, n0, n1); });
+    by_rows(mr, [&](auto rows) { weight_only_bf16_tile<decltype(rows)::value>(a, x, m0, n0, n1); });
   });
 }
 #endif
@@ -850,13 +833,12 @@ WeightOnly weight_fields(const at::Tensor& w, const at::Tensor& scales, const c1
 at::Tensor weight_only_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets,
                               c10::optional<at::Tensor> bias, int64_t isa) {
   WeightOnly a = weight_fields(w, scales, offsets);
-  // bf16 x on AVX512-BF16 is multiplied as it is; float32 x is needed otherwise, and for int4's group sums
-  const bool bf16_dot = FOLIO_BF16_DOT && isa == AVX512 && x.scalar_type() == at::kBFloat16;
+  // int8 with bf16 x on AVX512-BF16 is multiplied as it is; float32 x is needed otherwise
+  const bool bf16_dot = FOLIO_BF16_DOT && isa == AVX512 && x.scalar_type() == at::kBFloat16 && !a.offsets;
   at::Tensor xr = bf16_dot ? rows_of(x, a.K) : float_rows(x, a.K);
-  at::Tensor xf = bf16_dot && a.offsets ? xr.to(at::kFloat) : xr;
   a.M = xr.size(0);
   at::Tensor y = at::empty({a.M, a.N}, xr.options().dtype(at::kFloat));
-  a.x = xf.scalar_type() == at::kFloat ? xf.data_ptr<float>() : nullptr;
+  a.x = xr.scalar_type() == at::kFloat ? xr.data_ptr<float>() : nullptr;
   a.y = y.data_ptr<float>();
   a.bias = optional_f32(bias, a.N, "bias");
   at::Tensor xsum;
@@ -867,8 +849,7 @@ at::Tensor weight_only_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10
   }
 #if FOLIO_BF16_DOT
   if (bf16_dot) {
-    const at::BFloat16* xb = xr.data_ptr<at::BFloat16>();
-    a.offsets ? weight_only_bf16<Int4Fmt>(a, xb) : weight_only_bf16<Int8Fmt>(a, xb);
+    weight_only_bf16(a, xr.data_ptr<at::BFloat16>());
     return as_input_dtype(y, x);
   }
 #endif

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 
 from folio.models import int4_blocks, quant_kernels
 from folio.models.linear import Linear
@@ -56,8 +55,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
         if blocks is not None:
             if x.dtype == torch.bfloat16 and x.shape[0] <= int4_blocks.MAX_ROWS:
                 return int4_blocks.linear(x, blocks, layer.bias)
-            bias = None if layer.bias is None else layer.bias.to(x.dtype)
-            return nn.functional.linear(x, int4_blocks.dequantize(blocks).to(x.dtype), bias)
+            return self.dense(layer, x, int4_blocks.dequantize(blocks))
         if self.int8_activations and x.shape[0] < dequantize_min_rows(x.dtype):
             return quant_kernels.w4a8_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
         return self.weight_only(layer, x)

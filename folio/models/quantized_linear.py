@@ -111,6 +111,11 @@ class QuantizedLinearMethod(LinearMethod):
         GEMM on the dequantised weight."""
         if x.shape[0] >= dequantize_min_rows(x.dtype):
             dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # the kernel's two
-            weight = quant_kernels.dequantize(layer.weight, layer.weight_scale, layer.weight_offset, dtype).to(x.dtype)
-            return nn.functional.linear(x, weight, None if layer.bias is None else layer.bias.to(x.dtype))
+            return QuantizedLinearMethod.dense(layer, x, quant_kernels.dequantize(
+                layer.weight, layer.weight_scale, layer.weight_offset, dtype))
         return quant_kernels.weight_only_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
+
+    @staticmethod
+    def dense(layer: Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x times a dequantised weight [N, K] (+ the layer's float32 bias), by the dense GEMM in x's dtype."""
+        return nn.functional.linear(x, weight.to(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
