@@ -1,12 +1,15 @@
 """One layer's matmul at decode and prefill batch sizes, side by side in one process: the dense bf16 GEMM (oneDNN
 on the prepacked weight, as the dense linear method runs it), folio's row-major W8A8 kernel, its kernel on
 oneDNN's packed weight (VNNI) and oneDNN's int8 GEMM (folio.models.onednn_int8), each as the int8 scheme runs it
-(rotated activations, the quantisation of the rows and the scaling of the result included). The calls alternate
-round by round; the median over rounds is reported, with the ratios to bf16. It picks onednn_int8.MIN_ROWS_VNNI,
-MIN_ROWS_VNNI_PACKED and MIN_ROWS_AMX.
+(rotated activations, the quantisation of the rows and the scaling of the result included); then the int8
+weight with int16 activations (the int4 schemes' lm_head: the packed kernel, oneDNN's two GEMMs) and weight-only
+(`w8a16`: its kernel, or from quantized_linear.dequantize_min_rows rows the dense GEMM on the weight dequantised
+for the call). The calls alternate round by round; the median over rounds is reported, with the ratios to bf16.
+It picks onednn_int8.MIN_ROWS_VNNI, MIN_ROWS_VNNI_PACKED and MIN_ROWS_AMX.
 
     python benchmarks/int8_gemm_bench.py                   # Qwen2-0.5B's gate/up and down shapes
     python benchmarks/int8_gemm_bench.py --rows 1,16,64 --shapes 4864x896
+    python benchmarks/int8_gemm_bench.py --rows 1,2,4,8,16,32,64 --shapes 151936x896 --rounds 3   # its lm_head
     # the weights from memory, as decode reads them: all linear layers of the 0.5B Qwen2, 24 copies of each
     python benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,9728x896,896x4864 --copies 24 --rows 1,4,8,16
 
@@ -27,6 +30,7 @@ from folio.models import onednn_int8, quant_kernels
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.linear import Linear
 from folio.models.quant_reference import quantize_int8
+from folio.models.quantized_linear import dequantize_min_rows
 
 
 def timed(fn, round_s: float) -> float:
@@ -50,8 +54,6 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per call, median of {args.rounds} "
           f"rounds; oneDNN's int8 GEMM used here: {onednn_int8.usable()}")
-    print(f"{'N x K':>11} {'rows':>5} {'bf16':>9} {'w8a8 kernel':>12} {'packed':>9} {'oneDNN int8':>12}   "
-          f"{'ratios to bf16':>24}")
     layers = [layer(*(int(v) for v in shape.split("x"))) for shape in args.shapes.split(",")
               for _ in range(args.copies)]
     groups = [layers] if args.copies > 1 else [[one] for one in layers]
@@ -69,15 +71,29 @@ def main() -> None:
                     one.x16, one.packed.blocks, one.packed.column_sums, one.scales, None, True) for one in group]
             if all(one.packed is not None for one in group):
                 calls["onednn"] = lambda: [onednn_int8.linear(one.x16, one.onednn_only, None, True) for one in group]
+            if "packed" in calls:
+                calls["int16 packed"] = lambda: [quant_kernels.w8_int16_packed_linear(
+                    one.x16, one.packed.blocks, one.packed.column_sums, one.scales, None) for one in group]
+            if "onednn" in calls:
+                calls["int16 onednn"] = lambda: [onednn_int8.linear_int16(one.x16, one.onednn_only, None)
+                                                 for one in group]
+            calls["w8a16"] = lambda: [weight_only(one) for one in group]
             times: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(args.rounds):
                 for call, fn in calls.items():
                     times[call].append(timed(fn, args.round_s) * 1e3)
             ms = {call: statistics.median(t) for call, t in times.items()}
-            packed_ms, onednn_ms = ms.get("packed", float("nan")), ms.get("onednn", float("nan"))
-            print(f"{name:>11} {rows:>5} {ms['bf16']:9.3f} {ms['kernel']:12.3f} {packed_ms:9.3f} {onednn_ms:12.3f}   "
-                  f"{ms['bf16'] / ms['kernel']:7.2f} {ms['bf16'] / packed_ms:7.2f} {ms['bf16'] / onednn_ms:7.2f}",
-                  flush=True)
+            print(f"{name:>11} {rows:>5} rows: " + "  ".join(
+                f"{call} {t:.3f}" + ("" if call == "bf16" else f" ({ms['bf16'] / t:.2f}x)") for call, t in ms.items()),
+                flush=True)
+
+
+def weight_only(one: "Layer") -> torch.Tensor:
+    """x16 times the int8 weight as w8a16 runs it (QuantizedLinearMethod.weight_only)."""
+    if one.x16.shape[0] >= dequantize_min_rows(torch.bfloat16):
+        return torch.nn.functional.linear(one.x16, quant_kernels.dequantize(one.codes, one.scales[:, None], None,
+                                                                            torch.bfloat16))
+    return quant_kernels.weight_only_linear(one.x16, one.codes, one.scales[:, None], None, None)
 
 
 @dataclasses.dataclass

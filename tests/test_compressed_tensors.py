@@ -66,7 +66,8 @@ def test_prequantised_checkpoint_equals_on_the_fly_quantisation(tiny_model_facto
                                                                  activations, scheme):
     # on the fly, int8 rotates its layers; a checkpoint runs as stored, so it is compared with int8 unrotated
     monkeypatch.setattr(quantization, "Int8LinearMethod",
-                        lambda int8_activations, rotated: Int8LinearMethod(int8_activations=int8_activations))
+                        lambda int8_activations=False, rotated=False, **_: Int8LinearMethod(
+                            int8_activations=int8_activations))
     src = tiny_model_factory("qwen2", False)
     folder = _prequantize(src, str(tmp_path / "w8a8"), activations)
     llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22)

@@ -1,5 +1,6 @@
 """W8A8 in oneDNN's int8 GEMM (folio.models.onednn_int8) against the torch reference (quant_reference.w8a8_linear),
-and its use by int8 layers.
+and its use by int8 layers; the same for int16 activations (quant_reference.w8_int16_linear: two GEMMs, one per
+byte of the codes, and folio's kernel that reads the packed weight for few rows).
 
 The int32 sums are exact on both sides; the result differs from the reference only by the order of the two
 float32 scalings (a couple of float32 roundings), then once more by the output's rounding to bf16. Without VNNI,
@@ -25,10 +26,12 @@ CHUNKED = onednn_int8.CHUNK_ROWS + 44  # two oneDNN calls, the second of a parti
 packed_kernel = pytest.mark.skipif(not quant_kernels.has_packed_w8a8(), reason="the packed W8A8 kernel needs VNNI")
 
 
-def check_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+def check_close(out: torch.Tensor, expected: torch.Tensor, atol_of_largest: float = 0.0) -> None:
+    """Within bf16's rounding, or float32's; atol_of_largest: also within that fraction of the largest value."""
     assert out.dtype == expected.dtype and out.shape == expected.shape
     rtol = 2 ** -7 if out.dtype == torch.bfloat16 else 2 ** -21
-    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=1e-6)
+    atol = max(1e-6, atol_of_largest * float(expected.abs().max()))
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("weight_range", WEIGHT_RANGES)
@@ -128,3 +131,109 @@ def test_default_follows_the_cpu():
     assert not Int8LinearMethod(int8_activations=False, onednn=True).onednn  # weight-only: no int8 activations
     layer, weight = _w8a8_layer(onednn=False)
     assert layer.onednn_weight is None and torch.equal(layer.weight, weight)
+
+
+def _int16_case(m: int, n: int, k: int, dtype: torch.dtype, weight_range: int = 127):
+    """An int8 weight with per-channel scales, a bias, and rows of x with outliers and a zero row."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    weight = torch.randint(-weight_range, weight_range + 1, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) * 0.01 + 1e-3
+    x = torch.randn(m, k, generator=gen) * 3
+    x[:, :3] *= 100  # outlier channels, as final hidden states have
+    x[-1] = 0  # a zero row (scale 1)
+    return weight, scales, torch.randn(n, generator=gen), x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int16_codes_are_within_half_a_step(dtype, monkeypatch):
+    x = _int16_case(5, 1, 896, dtype)[3]
+    codes, scales = ref.quantize_rows_int16(x)
+    assert int(codes.abs().max()) == ref.INT16_CODE_MAX and torch.equal(codes[-1], torch.zeros_like(codes[-1]))
+    assert bool(((codes * scales[:, None] - x.float()).abs() <= scales[:, None] / 2 * (1 + 2 ** -20)).all())
+    high, low = ref.split_int16(codes)
+    assert torch.equal(256 * high + low, codes)
+    assert int(high.abs().max()) <= 127 and int(low.min()) >= -128 and int(low.max()) <= 127
+    for kernel in (True, False):  # the kernel's quantiser, then the reference's where it is absent
+        if not kernel:
+            monkeypatch.setattr(quant_kernels.KERNEL, "load", lambda: None)
+        high_codes, low_codes, row_scales = quant_kernels.quantize_rows_int16_bytes(x)
+        assert high_codes.dtype == low_codes.dtype == torch.uint8 and torch.equal(row_scales, scales)
+        assert torch.equal(high_codes.int() - 128, high) and torch.equal(low_codes.int() - 128, low)
+
+
+def test_the_int16_reference_is_the_exact_product_within_its_roundings():
+    """|error| <= sum_k |w_k| * (half a step of x's codes) * weight scale, plus float32's roundings."""
+    weight, scales, _, x = _int16_case(4, 300, 896, torch.float32)
+    got = ref.w8_int16_linear(x, weight, scales, None).double()
+    exact = x.double() @ (weight.double() * scales.double()[:, None]).T
+    _, sx = ref.quantize_rows_int16(x)
+    bound = sx.double()[:, None] / 2 * (weight.double().abs().sum(dim=1) * scales.double())[None, :]
+    bound = bound + exact.abs() * 2 ** -21 + 1e-9
+    assert bool(((got - exact).abs() <= bound).all())
+    # what it is for: far closer to the float product than W8A8's int8 codes
+    w8a8 = ref.w8a8_linear(x, weight, scales, None).double()
+    assert float((got - exact).abs().mean()) * 30 < float((w8a8 - exact).abs().mean())
+
+
+@packed_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (2, 151, 896), (3, 1152, 896), (1, 896, 4864), (2, 100, 96),
+                                   (1, 1, 32), (7, 200, 128)])
+def test_the_int16_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype):
+    """Both bytes' sums exact, 256 * high + low rounded once, the reference's float32 scalings; rows two at a
+    time (a partial pair for odd counts)."""
+    weight, scales, bias, x = _int16_case(m, n, k, dtype)
+    packed = onednn_int8.prepack(weight, scales)
+    assert packed.blocks is not None, "oneDNN chose a layout the kernel does not read"
+    for b in (bias, None):
+        got = quant_kernels.w8_int16_packed_linear(x, packed.blocks, packed.column_sums, packed.scales, b)
+        assert torch.equal(got, ref.w8_int16_linear(x, weight, scales, b))
+
+
+@pytest.mark.parametrize("weight_range", WEIGHT_RANGES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,n,k", [(16, 64, 64), (37, 151, 896), (CHUNKED, 896, 4864)])
+def test_int16_activations_in_onednn_match_the_reference(m, n, k, dtype, weight_range, monkeypatch):
+    """Two GEMMs per chunk of rows (each byte of the codes + 128, with a zero point of 128), combined and scaled
+    in float32 in another order than the reference's: each byte's sum is scaled and rounded before 256 high +
+    low, so where they cancel a float32 result differs by float32 roundings of the larger ones (2^-21 of the
+    largest value)."""
+    weight, scales, bias, x = _int16_case(m, n, k, dtype, weight_range)
+    packed = onednn_int8.prepack(weight, scales)
+    calls = []
+    qlinear = torch.ops.onednn.qlinear_pointwise
+    monkeypatch.setattr(torch.ops.onednn, "qlinear_pointwise",
+                        lambda codes, scale, zero_point, *rest: (calls.append((codes.shape[0], zero_point)),
+                                                                 qlinear(codes, scale, zero_point, *rest))[1],
+                        raising=False)
+    check_close(onednn_int8.linear_int16(x, packed, bias), ref.w8_int16_linear(x, weight, scales, bias), 2 ** -21)
+    chunks = [min(onednn_int8.CHUNK_ROWS, m - start) for start in range(0, m, onednn_int8.CHUNK_ROWS)]
+    expected = [(rows, 128) for rows in chunks] * 2
+    if packed.blocks is not None and m < packed.min_rows:
+        expected = []  # folio's kernel
+    assert sorted(calls) == sorted(expected)
+
+
+def test_int16_layers_take_the_kernel_then_onednn_or_run_weight_only_without_it():
+    with pytest.raises(ValueError, match="exclude each other"):
+        Int8LinearMethod(int8_activations=True, int16_activations=True)
+    for onednn in (True, False):
+        layer = Linear(96, 130, bias=True, params_dtype=torch.bfloat16)
+        method = Int8LinearMethod(int16_activations=True, onednn=onednn)
+        layer.bind(method)
+        gen = torch.Generator().manual_seed(1)
+        layer.weight.weight_loader(layer.weight, torch.randn(130, 96, generator=gen), None)
+        layer.bias.weight_loader(layer.bias, torch.randn(130, generator=gen), None)
+        weight = layer.weight.detach().clone()
+        method.process_weights_after_loading(layer)
+        scales = layer.weight_scale.view(-1)
+        for rows in (1, 3, 40):
+            x = torch.randn(rows, 96, generator=gen).bfloat16()
+            got = layer(x)
+            if not onednn:  # weight-only: bf16 activations (the kernel, or from 8 rows the dequantised GEMM)
+                want = ref.weight_only_linear(x, weight, layer.weight_scale, None, layer.bias).float()
+                torch.testing.assert_close(got.float(), want, rtol=2 ** -6, atol=2 ** -7 * float(want.abs().max()))
+            elif rows < layer.onednn_weight.min_rows and layer.onednn_weight.blocks is not None:
+                assert torch.equal(got, ref.w8_int16_linear(x, weight, scales, layer.bias))
+            else:
+                check_close(got, ref.w8_int16_linear(x, weight, scales, layer.bias), 2 ** -21)

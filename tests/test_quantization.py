@@ -62,12 +62,17 @@ def test_shards_quantise_as_they_load_into_their_rows(method):
 
 
 def test_a_rotated_layer_computes_x_times_the_unrotated_weight():
-    """rotate(x) times rotate(W) / 32 is x W^T: the rotation changes only what is rounded."""
-    x, w = torch.randn(5, 96, dtype=torch.float64), torch.randn(7, 96, dtype=torch.float64)
-    assert torch.allclose(ref.rotate(x).double() @ (ref.rotate(w).double() / 32).T, x @ w.T, atol=1e-4)
-    hadamard = ref.rotate(torch.eye(32))
-    assert torch.equal(hadamard, hadamard.T) and torch.equal(hadamard.abs(), torch.ones(32, 32))
-    assert torch.equal(hadamard @ hadamard, 32 * torch.eye(32))
+    """rotate(x) times rotate(W) / B is x W^T: the rotation changes only what is rounded. B is the largest power
+    of two dividing K, so 96 = 3 x 32 rotates in three blocks of 32 and 576 in nine of 64."""
+    assert [ref.rotation_block(k) for k in (32, 96, 576, 896, 1536, 4096, 4864)] == [32, 32, 64, 128, 512, 4096, 256]
+    for k in (96, 576):
+        x, w = torch.randn(5, k, dtype=torch.float64), torch.randn(7, k, dtype=torch.float64)
+        b = ref.rotation_block(k)
+        assert torch.allclose(ref.rotate(x).double() @ (ref.rotate(w).double() / b).T, x @ w.T, atol=1e-4)
+        hadamard = ref.rotate(torch.eye(k))[:b, :b]
+        assert torch.equal(hadamard, hadamard.T) and torch.equal(hadamard.abs(), torch.ones(b, b))
+        assert torch.equal(hadamard @ hadamard, b * torch.eye(b))
+        assert torch.equal(ref.rotate(torch.eye(k)), torch.block_diag(*[hadamard] * (k // b)))
     # an outlier channel no longer sets its row's scale alone: the rounding error falls
     x = torch.randn(64, 896)
     x[:, 7] *= 100
@@ -113,7 +118,7 @@ def test_a_tied_lm_head_gets_its_own_int8_copy_and_the_embedding_stays_float(rot
     head.bind(method)
     method.process_weights_after_loading(head)
     assert int8_weight(head).dtype == torch.int8 and embedding.dtype == torch.float32
-    stored = ref.rotate(embedding) / 32 if rotated else embedding
+    stored = ref.rotate(embedding) / 64 if rotated else embedding  # K = 64: one block of 64
     assert torch.equal(int8_weight(head), ref.quantize_int8(stored, 64)[0])
 
 
@@ -130,9 +135,16 @@ def test_schemes_quantise_every_layer_they_can():
     w8a16, int8 = quantization_chooser("w8a16", dense)("lm_head", layer), quantization_chooser("int8", dense)("x", layer)
     assert not w8a16.int8_activations and not w8a16.rotated and int8.int8_activations and int8.rotated
     assert not int4("lm_head", layer).int8_activations
+    # int16 activations for the heads of int4 (as accurate as float ones), not int8's, w8a16's nor w4a8's
+    for scheme in ("int4", "int4-g128"):
+        head = quantization_chooser(scheme, dense)("lm_head", layer)
+        assert head.int16_activations and not head.int8_activations and not head.rotated
+    int8_head = quantization_chooser("int8", dense)("lm_head", layer)
+    assert int8_head.int8_activations and int8_head.rotated and not int8_head.int16_activations
+    assert not w8a16.int16_activations
     w4a8 = quantization_chooser("w4a8", dense)
     assert w4a8("x", layer).int8_activations and w4a8("lm_head", layer).int8_activations
-    assert w4a8("lm_head", layer).rotated
+    assert w4a8("lm_head", layer).rotated and not w4a8("lm_head", layer).int16_activations
     assert isinstance(w4a8("x", layer), Int4LinearMethod) and not int4("x", layer).int8_activations
     assert quantization_chooser("gguf", dense)("x", layer) is dense  # the GGUF loader binds its own layers
     with pytest.raises(ValueError, match="quantization must be one of int8, w8a16, int4, int4-g128, w4a8, gguf"):
@@ -170,7 +182,8 @@ def test_a_bf16_model_keeps_float32_biases_and_exact_scales(tiny_model_factory, 
 
 
 @pytest.mark.parametrize("method", [Int8LinearMethod(int8_activations=True, rotated=True), Int8LinearMethod(),
-                                    Int4LinearMethod()], ids=["int8", "w8a16", "int4"])
+                                    Int8LinearMethod(int16_activations=True), Int4LinearMethod()],
+                         ids=["int8", "w8a16", "int16-activations", "int4"])
 def test_float16_activations_take_every_path(method):
     """The kernels and the epilogue compute in float32 or bf16; float16 comes back as float16, as float32 rounded."""
     layer = Linear(64, 48, params_dtype=torch.float16)

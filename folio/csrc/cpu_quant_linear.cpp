@@ -25,11 +25,17 @@
 //     operations as the torch reference, so results are equal bit for bit. Products use the sign trick
 //     (|x| unsigned times w with x's sign): vpmaddubsw + vpmaddwd on AVX2 and AVX512-BW, vpdpbusd with
 //     AVX512-VNNI. Four times the multiply-adds per instruction of float32 FMAs: for prefill and large batches.
-//     With `rotate`, each block of 32 values of x is first multiplied by the Walsh-Hadamard matrix (the layer's
+//     With `rotate`, each block of x's values (the largest power of two dividing K) is first multiplied by the
+//     Walsh-Hadamard matrix of that order (the layer's
 //     weight was rotated likewise when it was quantised, folio.models.int8_linear): an outlier channel then
 //     spreads over its block instead of setting the whole row's scale.
 //   quantize_rows_unsigned and scale_rows: the two ends of a W8A8 matmul run by oneDNN's int8 GEMM
 //     (folio.models.onednn_int8), which takes an unsigned source on VNNI.
+//   w8_int16_packed_linear (AVX512-VNNI): x quantised per row to 16-bit codes q = 256 h + l, h and l signed
+//     bytes (l in [-128, 127], |q| <= 32639 so that h is one too), each byte times int8 W summed in int32
+//     exactly by the W8A8 kernel's vpdpbusd, twice: y = (256 float(sum h w) + float(sum l w)) * (sx sw) + b.
+//     As accurate as bf16 activations (15 bits per row against bf16's 8 per value), at W8A8's cost where
+//     memory bounds it. quantize_rows_int16_bytes gives oneDNN's int8 GEMM the same two bytes (+ 128).
 //
 // Instruction sets: each kernel is one template over a vector type (Scalar, Avx2, Avx512); every one this
 // build's -march=native has is compiled, and `isas()` lists them, best last, so tests run each one here.
@@ -493,14 +499,17 @@ void w8a8(const W8A8& a) {
 // vector of the block (four values along K for each of 16 columns) add to 16 columns' sums at once (vpdpbusd),
 // with no sum reduced across lanes; the sum less 128 times the column's sum of w is the exact int32 sum of
 // q * w, scaled as w8a8 scales it, so results are the reference's bit for bit. Rows of x go MAX_MR at a time;
-// a block comes from memory for the first of them and from cache for the others.
+// a block comes from memory for the first of them and from cache for the others. With 16-bit codes of x
+// (PASSES = 2) each quad of the block meets both bytes of each row (each + 128, corrected by the column sums
+// as above), MAX_MR / 2 rows at a time.
 #if FOLIO_AVX512 && defined(__AVX512VNNI__)
 #define FOLIO_PACKED_W8A8 1
 constexpr int64_t PACKED_COLUMNS = 64;
 constexpr int64_t PACKED_PREFETCH = 2048;  // bytes ahead of the current quad row: +5-8 % read rate on Zen 4
 
 struct PackedW8A8 {
-  const uint8_t* xu;      // [M, K] x's codes + 128
+  const uint8_t* xu;      // [M, K] x's codes + 128 (16-bit codes: their high bytes + 128)
+  const uint8_t* xl;      // [M, K] 16-bit codes' low bytes + 128, or null (int8 codes)
   const float* sx;        // [M]
   const int8_t* w;        // [N / 64, block_quads, 64, 4]
   const int32_t* colsum;  // [N] sums of w's columns
@@ -511,24 +520,29 @@ struct PackedW8A8 {
   int64_t M, N, K, block_quads;
 };
 
-template <int MR>
+template <int MR, int PASSES>
 void packed_w8a8_block(const PackedW8A8& a, int64_t m0, int64_t b) {
   const int8_t* w = a.w + b * a.block_quads * PACKED_COLUMNS * 4;
-  __m512i acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_si512();
-  const int32_t* x[MR];
-  for (int i = 0; i < MR; ++i) x[i] = reinterpret_cast<const int32_t*>(a.xu + (m0 + i) * a.K);
+  __m512i acc[PASSES][MR][4];
+  for (int s = 0; s < PASSES; ++s)
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < 4; ++v) acc[s][i][v] = _mm512_setzero_si512();
+  const int32_t* x[PASSES][MR];
+  for (int i = 0; i < MR; ++i) {
+    x[0][i] = reinterpret_cast<const int32_t*>(a.xu + (m0 + i) * a.K);
+    if (PASSES == 2) x[PASSES - 1][i] = reinterpret_cast<const int32_t*>(a.xl + (m0 + i) * a.K);
+  }
   for (int64_t p = 0; p < a.K / 4; ++p, w += PACKED_COLUMNS * 4) {
     __m512i wv[4];
     for (int v = 0; v < 4; ++v) {
       wv[v] = _mm512_loadu_si512(w + v * 64);
       _mm_prefetch(reinterpret_cast<const char*>(w + PACKED_PREFETCH + v * 64), _MM_HINT_T0);
     }
-    for (int i = 0; i < MR; ++i) {
-      const __m512i xv = _mm512_set1_epi32(x[i][p]);
-      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], xv, wv[v]);
-    }
+    for (int s = 0; s < PASSES; ++s)
+      for (int i = 0; i < MR; ++i) {
+        const __m512i xv = _mm512_set1_epi32(x[s][i][p]);
+        for (int v = 0; v < 4; ++v) acc[s][i][v] = _mm512_dpbusd_epi32(acc[s][i][v], xv, wv[v]);
+      }
   }
   for (int v = 0; v < 4; ++v) {
     const int64_t n = b * PACKED_COLUMNS + v * 16, lanes = std::min<int64_t>(16, a.N - n);
@@ -538,7 +552,11 @@ void packed_w8a8_block(const PackedW8A8& a, int64_t m0, int64_t b) {
     const __m512 sw = _mm512_maskz_loadu_ps(mask, a.sw + n);
     const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
     for (int i = 0; i < MR; ++i) {
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][v], shift));
+      __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[0][i][v], shift));
+      // 256 * high + low: the product by 256 is exact, so the FMA rounds as the reference's mul and add do
+      if (PASSES == 2)
+        sum = _mm512_fmadd_ps(sum, _mm512_set1_ps(256.f),
+                              _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[PASSES - 1][i][v], shift)));
       __m512 out = _mm512_mul_ps(sum, _mm512_mul_ps(_mm512_set1_ps(a.sx[m0 + i]), sw));
       if (a.bias) out = _mm512_add_ps(out, bias);  // the reference's float32 add, after the scaling
       if (a.yb)
@@ -549,11 +567,15 @@ void packed_w8a8_block(const PackedW8A8& a, int64_t m0, int64_t b) {
   }
 }
 
+template <int PASSES>
 void packed_w8a8(const PackedW8A8& a) {
+  constexpr int64_t rows_per_pass = MAX_MR / PASSES;  // the accumulators of MAX_MR rows of int8 codes
   at::parallel_for(0, (a.N + PACKED_COLUMNS - 1) / PACKED_COLUMNS, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m0 = 0; m0 < a.M; m0 += MAX_MR)
-        by_rows(std::min<int64_t>(MAX_MR, a.M - m0), [&](auto rows) { packed_w8a8_block<decltype(rows)::value>(a, m0, b); });
+      for (int64_t m0 = 0; m0 < a.M; m0 += rows_per_pass)
+        by_rows(std::min(rows_per_pass, a.M - m0), [&](auto rows) {
+          packed_w8a8_block<std::min<int>(decltype(rows)::value, rows_per_pass), PASSES>(a, m0, b);
+        });
   });
 }
 #else
@@ -636,11 +658,8 @@ void w4a8(const W4A8& a) {
   });
 }
 
-// Symmetric int8 of n consecutive values of x (a row for W8A8, a block of 32 for W4A8): s = max|x| / 127 (1
-// for a zero span), q = round_half_even(x / s) + offset (128 for an unsigned GEMM source, stored as uint8), as
-// the reference; qa, when given, gets |q| (the W8A8 kernel's sign trick). The division is IEEE's in every
-// lane, so the vector loop gives the scalar one's codes.
-void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa, float* scale) {
+// The largest |v| of K values.
+float abs_max(const float* v, int64_t K) {
   float amax = 0.f;
   int64_t k = 0;
 #if FOLIO_AVX512
@@ -649,9 +668,18 @@ void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa,
   amax = _mm512_reduce_max_ps(vmax);
 #endif
   for (; k < K; ++k) amax = std::max(amax, std::fabs(v[k]));
+  return amax;
+}
+
+// Symmetric int8 of n consecutive values of x (a row for W8A8, a block of 32 for W4A8): s = max|x| / 127 (1
+// for a zero span), q = round_half_even(x / s) + offset (128 for an unsigned GEMM source, stored as uint8), as
+// the reference; qa, when given, gets |q| (the W8A8 kernel's sign trick). The division is IEEE's in every
+// lane, so the vector loop gives the scalar one's codes.
+void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa, float* scale) {
+  const float amax = abs_max(v, K);
   const float s = amax > 0.f ? amax / 127.f : 1.f;
   *scale = s;
-  k = 0;
+  int64_t k = 0;
 #if FOLIO_AVX512
   const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(127.f);
   const __m512i off = _mm512_set1_epi32(offset);
@@ -669,6 +697,35 @@ void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa,
   }
 }
 
+// One row's K values quantised symmetrically to 16-bit codes (q = round(v / s) within +-INT16_CODE_MAX,
+// s = amax / INT16_CODE_MAX, half to even as torch.round), split as q = 256 h + l into two signed bytes stored
+// + 128 (the unsigned codes vpdpbusd and oneDNN take, with the 128 * column-sum correction): u = q + 32896 is
+// 256 (h + 128) + (l + 128), so hi = u >> 8 and lo = u & 255.
+constexpr float INT16_CODE_MAX = 32639.f;  // 127 * 257: the largest q whose h = (q + 128) >> 8 is at most 127
+void quantize_span16(const float* v, int64_t K, uint8_t* hi, uint8_t* lo, float* scale) {
+  const float amax = abs_max(v, K);
+  const float s = amax > 0.f ? amax / INT16_CODE_MAX : 1.f;
+  *scale = s;
+  int64_t k = 0;
+#if FOLIO_AVX512
+  const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(INT16_CODE_MAX);
+  const __m512i off = _mm512_set1_epi32(32896), low = _mm512_set1_epi32(255);
+  for (; k + 16 <= K; k += 16) {
+    __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(v + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i u = _mm512_add_epi32(
+        _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), r))), off);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + k), _mm512_cvtepi32_epi8(_mm512_and_si512(u, low)));
+  }
+#endif
+  for (; k < K; ++k) {
+    const float c = std::min(INT16_CODE_MAX, std::max(-INT16_CODE_MAX, std::nearbyint(v[k] / s)));
+    const int u = static_cast<int>(c) + 32896;
+    hi[k] = static_cast<uint8_t>(u >> 8);
+    lo[k] = static_cast<uint8_t>(u & 255);
+  }
+}
+
 // quantize_span over num_spans spans of `span` values of x.
 void quantize_spans(const float* x, int64_t num_spans, int64_t span, int8_t* xq, float* scales) {
   at::parallel_for(0, num_spans, std::max<int64_t>(1, 65536 / span), [&](int64_t s0, int64_t s1) {
@@ -678,18 +735,19 @@ void quantize_spans(const float* x, int64_t num_spans, int64_t span, int8_t* xq,
 
 // ------------------------------------------------------------------------------- W8A8's row quantiser
 // W8A8's activations: each row of x (float32 or bf16 [M, K]) widened to float32, rotated if asked (each block
-// of 32 values times the Walsh-Hadamard matrix of order 32, unnormalised: folio.models.quant_reference.rotate),
+// of B values times the Walsh-Hadamard matrix of order B, unnormalised: folio.models.quant_reference.rotate),
 // then quantised by quantize_span, in one pass per row through a buffer in cache. The rotation's butterflies
 // (a + b, a - b) run in the reference's stage order, so codes and scales equal the reference's bit for bit.
 struct RowQuantizer {
   bool rotate;
   int offset;
 
-  void rotate_scalar(float* v, int64_t K) const {
-    for (float* b = v; b < v + K; b += BLOCK)
-      for (int h = 1; h < BLOCK; h *= 2)
-        for (int i = 0; i < BLOCK; i += 2 * h)
-          for (int j = i; j < i + h; ++j) {
+  // blocks of B values, stages h = 1, 2, .. B / 2, as the reference runs them
+  static void rotate_scalar(float* v, int64_t K, int64_t B) {
+    for (float* b = v; b < v + K; b += B)
+      for (int64_t h = 1; h < B; h *= 2)
+        for (int64_t i = 0; i < B; i += 2 * h)
+          for (int64_t j = i; j < i + h; ++j) {
             const float a = b[j], c = b[j + h];
             b[j] = a + c;
             b[j + h] = a - c;
@@ -716,7 +774,34 @@ struct RowQuantizer {
   }
 #endif
 
+  // v [K] times the Walsh-Hadamard matrix in blocks of rotation_block(K): stages 1 .. 16 in registers per 32
+  // values, the later ones between vectors, stage by stage as the reference
+  static void rotate_row(float* v, int64_t K) {
+    const int64_t B = K & -K;  // quant_reference.rotation_block: the largest power of two dividing K
+#if FOLIO_AVX512
+    for (int64_t b = 0; b < K; b += BLOCK) rotate_block(v + b);
+    for (int64_t h = BLOCK; h < B; h *= 2)
+      for (int64_t g = 0; g < K; g += 2 * h)
+        for (int64_t j = g; j < g + h; j += 16) {
+          const __m512 a = _mm512_loadu_ps(v + j), c = _mm512_loadu_ps(v + j + h);
+          _mm512_storeu_ps(v + j, _mm512_add_ps(a, c));
+          _mm512_storeu_ps(v + j + h, _mm512_sub_ps(a, c));
+        }
+#else
+    rotate_scalar(v, K, B);
+#endif
+  }
+
   void run(const at::Tensor& x, int8_t* q, int8_t* qa, float* scales) const {
+    const int64_t K = x.size(1);
+    each_row(x, [&](const float* v, int64_t m) {
+      quantize_span(v, K, offset, q + m * K, qa ? qa + m * K : nullptr, scales + m);
+    });
+  }
+
+  // span(v, m) for each row m of x, v its K values widened to float32 (and rotated if asked) in a buffer
+  template <class Span>
+  void each_row(const at::Tensor& x, const Span& span) const {
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(!rotate || K % BLOCK == 0, "K (", K, ") must be a multiple of 32 to rotate");
     const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -730,14 +815,8 @@ struct RowQuantizer {
         } else {
           std::memcpy(buf.data(), xf + m * K, K * sizeof(float));
         }
-        if (rotate) {
-#if FOLIO_AVX512
-          for (int64_t b = 0; b < K; b += BLOCK) rotate_block(buf.data() + b);
-#else
-          rotate_scalar(buf.data(), K);
-#endif
-        }
-        quantize_span(buf.data(), K, offset, q + m * K, qa ? qa + m * K : nullptr, scales + m);
+        if (rotate) rotate_row(buf.data(), K);
+        span(buf.data(), m);
       }
     });
   }
@@ -922,10 +1001,10 @@ at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10::optio
   return as_input_dtype(y, x);
 }
 
-// w8a8_linear's product with the weight in oneDNN's packed blocks int8 [N / 64, K' / 4, 64, 4] (K' >= K), its
-// column sums int32 [N] and scales float32 [N].
-at::Tensor w8a8_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                              c10::optional<at::Tensor> bias, bool rotate) {
+// x [M, K] times the weight in oneDNN's packed blocks int8 [N / 64, K' / 4, 64, 4] (K' >= K), its column sums
+// int32 [N] and scales float32 [N], x's rows quantised to int8 (int16 = false) or int16 codes.
+at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
+                         c10::optional<at::Tensor> bias, bool rotate, bool int16) {
   TORCH_CHECK(FOLIO_PACKED_W8A8, "built without AVX512-VNNI");
   const int64_t N = scales.numel(), K = x.size(-1);
   TORCH_CHECK(blocks.dim() == 4 && blocks.scalar_type() == at::kChar && blocks.is_contiguous() &&
@@ -939,20 +1018,42 @@ at::Tensor w8a8_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column
   at::Tensor xr = rows_of(x, K);
   const int64_t M = xr.size(0);
   at::Tensor xu = at::empty({M, K}, xr.options().dtype(at::kByte));
+  at::Tensor xl = int16 ? at::empty({M, K}, xr.options().dtype(at::kByte)) : at::Tensor();
   at::Tensor sx = at::empty({M}, xr.options().dtype(at::kFloat));
-  RowQuantizer{rotate, 128}.run(xr, reinterpret_cast<int8_t*>(xu.data_ptr<uint8_t>()), nullptr, sx.data_ptr<float>());
+  if (int16) {
+    uint8_t *hi = xu.data_ptr<uint8_t>(), *lo = xl.data_ptr<uint8_t>();
+    RowQuantizer{false, 0}.each_row(xr, [&](const float* v, int64_t m) {
+      quantize_span16(v, K, hi + m * K, lo + m * K, sx.data_ptr<float>() + m);
+    });
+  } else {
+    RowQuantizer{rotate, 128}.run(xr, reinterpret_cast<int8_t*>(xu.data_ptr<uint8_t>()), nullptr, sx.data_ptr<float>());
+  }
   // bf16 x: y in bf16 straight from the epilogue (bias and rounding included: no extra pass over y)
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({M, N}, sx.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "bias must have N values");
 #if FOLIO_PACKED_W8A8
-  packed_w8a8(PackedW8A8{xu.data_ptr<uint8_t>(), sx.data_ptr<float>(), blocks.data_ptr<int8_t>(),
-                         column_sums.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                         b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
-                         bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, N, K, blocks.size(1)});
+  const PackedW8A8 a{xu.data_ptr<uint8_t>(), int16 ? xl.data_ptr<uint8_t>() : nullptr, sx.data_ptr<float>(),
+                     blocks.data_ptr<int8_t>(), column_sums.data_ptr<int32_t>(), scales.data_ptr<float>(),
+                     b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
+                     bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, N, K, blocks.size(1)};
+  if (int16) packed_w8a8<2>(a);
+  else packed_w8a8<1>(a);
 #endif
   return bf16 ? y : as_input_dtype(y, x);
+}
+
+// w8a8_linear's product with the weight in oneDNN's packed blocks (packed_linear).
+at::Tensor w8a8_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
+                              c10::optional<at::Tensor> bias, bool rotate) {
+  return packed_linear(x, blocks, column_sums, scales, bias, rotate, false);
+}
+
+// x's rows quantised to int16, times the weight in oneDNN's packed blocks (packed_linear).
+at::Tensor w8_int16_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
+                                  c10::optional<at::Tensor> bias) {
+  return packed_linear(x, blocks, column_sums, scales, bias, false, true);
 }
 
 bool has_packed_w8a8() { return FOLIO_PACKED_W8A8; }
@@ -966,6 +1067,19 @@ std::vector<at::Tensor> quantize_rows_unsigned(at::Tensor x, bool rotate) {
   at::Tensor sx = at::empty({M}, xr.options().dtype(at::kFloat));
   RowQuantizer{rotate, 128}.run(xr, reinterpret_cast<int8_t*>(q.data_ptr<uint8_t>()), nullptr, sx.data_ptr<float>());
   return {q, sx};
+}
+
+// x [M, K] quantised per row to 16-bit codes as w8_int16_packed_linear does, for an int8 GEMM with an unsigned
+// source run once per byte: (high bytes + 128, low bytes + 128, both uint8 [M, K]; scales float32 [M]).
+std::vector<at::Tensor> quantize_rows_int16_bytes(at::Tensor x) {
+  at::Tensor xr = rows_of(x, x.size(-1));
+  const int64_t M = xr.size(0), K = xr.size(1);
+  at::Tensor hi = at::empty({M, K}, xr.options().dtype(at::kByte)), lo = at::empty({M, K}, hi.options());
+  at::Tensor sx = at::empty({M}, xr.options().dtype(at::kFloat));
+  RowQuantizer{false, 0}.each_row(xr, [&](const float* v, int64_t m) {
+    quantize_span16(v, K, hi.data_ptr<uint8_t>() + m * K, lo.data_ptr<uint8_t>() + m * K, sx.data_ptr<float>() + m);
+  });
+  return {hi, lo, sx};
 }
 
 // out [M, N] (float32 or bf16) = y [M, N] float32 (sums already times the weight's scales) times each row's
@@ -1030,6 +1144,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_packed_linear", &w8a8_packed_linear, "w8a8_linear with the weight in oneDNN's packed int8 blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("column_sums"), pybind11::arg("scales"),
         pybind11::arg("bias"), pybind11::arg("rotate"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("w8_int16_packed_linear", &w8_int16_packed_linear,
+        "x quantised per row to 16-bit codes times int8 W in oneDNN's packed blocks (+ b)", pybind11::arg("x"),
+        pybind11::arg("blocks"), pybind11::arg("column_sums"), pybind11::arg("scales"), pybind11::arg("bias"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("quantize_rows_int16_bytes", &quantize_rows_int16_bytes,
+        "x's rows quantised to 16-bit codes, as (high bytes + 128, low bytes + 128, scales)", pybind11::arg("x"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_packed_w8a8", &has_packed_w8a8, "whether w8a8_packed_linear was compiled in (AVX512-VNNI)");
   m.def("quantize_rows_unsigned", &quantize_rows_unsigned, "x's rows as W8A8 quantises them, codes + 128 as uint8",
         pybind11::arg("x"), pybind11::arg("rotate"), pybind11::call_guard<pybind11::gil_scoped_release>());

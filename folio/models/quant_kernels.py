@@ -94,3 +94,22 @@ def w8a8_packed_linear(x: torch.Tensor, blocks: torch.Tensor, column_sums: torch
     """w8a8_linear with the weight in oneDNN's packed int8 blocks [N / 64, K' / 4, 64, 4], its column sums int32 [N]
     and scales [N] (folio.models.onednn_int8): the same result bit for bit. Kernel only (has_packed_w8a8)."""
     return KERNEL.load().w8a8_packed_linear(x, blocks, column_sums, scales, bias, rotated)
+
+
+def w8_int16_packed_linear(x: torch.Tensor, blocks: torch.Tensor, column_sums: torch.Tensor, scales: torch.Tensor,
+                           bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """quant_reference.w8_int16_linear (x's rows quantised to 16-bit codes) with the weight in oneDNN's packed int8 blocks,
+    as w8a8_packed_linear takes them: the reference's result bit for bit. Kernel only (has_packed_w8a8)."""
+    return KERNEL.load().w8_int16_packed_linear(x, blocks, column_sums, scales, bias)
+
+
+def quantize_rows_int16_bytes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x's rows quantised to 16-bit codes as w8_int16_linear quantises them, split for an int8 GEMM with an
+    unsigned source: (high bytes + 128, low bytes + 128, both uint8 [M, K]; float32 scales [M])."""
+    ext = KERNEL.load()
+    if ext is not None:
+        high, low, scales = ext.quantize_rows_int16_bytes(x)
+        return high, low, scales
+    codes, scales = quant_reference.quantize_rows_int16(x)
+    high, low = quant_reference.split_int16(codes)
+    return (high + 128).to(torch.uint8), (low + 128).to(torch.uint8), scales
