@@ -76,9 +76,9 @@ part 150 "${PIN[@]}" $PY -m folio bench throughput --model "$MODEL" "${W1[@]}" -
 section "long-query (prefill) attention, one Qwen2-0.5B layer"
 part 90 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --shapes Qwen2-0.5B
 
-section "one layer's matmul: bf16, the W8A8 kernel, oneDNN's int8 GEMM (AMX-INT8; sets MIN_ROWS_AMX)"
+section "one layer's matmul: bf16, the W8A8 kernel, oneDNN's int8 GEMM (AMX-INT8; sets MIN_ROWS_AMX), int16 activations, w8a16"
 part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --rounds 3 --round-s 0.1
-part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,9728x896,896x4864 --copies 24 \
+part 90 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,9728x896,896x4864 --copies 24 \
   --rows 1,4,8,16,32 --rounds 2 --round-s 0.2
 
 section "decode-sized bf16 matmuls: the small-batch kernel against oneDNN (AMX: sets small_batch_gemm.MAX_ROWS_AMX)"
