@@ -2,9 +2,9 @@
 on the prepacked weight, as the dense linear method runs it), folio's row-major W8A8 kernel, its kernel on
 oneDNN's packed weight (VNNI) and oneDNN's int8 GEMM (folio.models.onednn_int8), each as the int8 scheme runs it
 (rotated activations, the quantisation of the rows and the scaling of the result included); then the int8
-weight with int16 activations (the int4 schemes' lm_head: the packed kernel, oneDNN's two GEMMs) and weight-only
-(`w8a16`: its kernel, or from quantized_linear.dequantize_min_rows rows the dense GEMM on the weight dequantised
-for the call). The calls alternate round by round; the median over rounds is reported, with the ratios to bf16.
+weight with int16 activations (the int4 schemes' lm_head: the packed kernel, oneDNN's two GEMMs) and a `w8a16`
+layer (weight-only: its kernel, or from quantized_linear.dequantize_min_rows rows the dense GEMM on the weight
+dequantised for the call). The calls alternate round by round; the median over rounds is reported, with the ratios to bf16.
 It picks onednn_int8.MIN_ROWS_VNNI, MIN_ROWS_VNNI_PACKED and MIN_ROWS_AMX.
 
     python benchmarks/int8_gemm_bench.py                   # Qwen2-0.5B's gate/up and down shapes
@@ -28,9 +28,9 @@ import torch
 
 from folio.models import onednn_int8, quant_kernels
 from folio.models.dense_linear import DenseLinearMethod
+from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear
 from folio.models.quant_reference import quantize_int8
-from folio.models.quantized_linear import dequantize_min_rows
 
 
 def timed(fn, round_s: float) -> float:
@@ -77,7 +77,7 @@ def main() -> None:
             if "onednn" in calls:
                 calls["int16 onednn"] = lambda: [onednn_int8.linear_int16(one.x16, one.onednn_only, None)
                                                  for one in group]
-            calls["w8a16"] = lambda: [weight_only(one) for one in group]
+            calls["w8a16"] = lambda: [one.w8a16(one.x16) for one in group]
             times: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(args.rounds):
                 for call, fn in calls.items():
@@ -88,13 +88,6 @@ def main() -> None:
                 flush=True)
 
 
-def weight_only(one: "Layer") -> torch.Tensor:
-    """x16 times the int8 weight as w8a16 runs it (QuantizedLinearMethod.weight_only)."""
-    if one.x16.shape[0] >= dequantize_min_rows(torch.bfloat16):
-        return torch.nn.functional.linear(one.x16, quant_kernels.dequantize(one.codes, one.scales[:, None], None,
-                                                                            torch.bfloat16))
-    return quant_kernels.weight_only_linear(one.x16, one.codes, one.scales[:, None], None, None)
-
 
 @dataclasses.dataclass
 class Layer:
@@ -103,6 +96,7 @@ class Layer:
     n: int
     k: int
     dense: Linear
+    w8a16: Linear
     codes: torch.Tensor
     scales: torch.Tensor
     packed: Optional[onednn_int8.PackedInt8Weight]
@@ -117,11 +111,16 @@ def layer(n: int, k: int) -> Layer:
     dense.bind(method)
     dense.weight.data.copy_(weight)
     method.process_weights_after_loading(dense)
+    w8a16 = Linear(k, n, params_dtype=torch.bfloat16)
+    weight_only = Int8LinearMethod()
+    w8a16.bind(weight_only)
+    w8a16.weight.weight_loader(w8a16.weight, weight, None)
+    weight_only.process_weights_after_loading(w8a16)
     codes, scales = quantize_int8(weight, k)
     scales = scales.view(-1)
     packed = onednn_int8.prepack(codes, scales) if onednn_int8.available() else None
     onednn_only = None if packed is None else dataclasses.replace(packed, blocks=None, min_rows=0)
-    return Layer(n, k, dense, codes, scales, packed, onednn_only)
+    return Layer(n, k, dense, w8a16, codes, scales, packed, onednn_only)
 
 
 if __name__ == "__main__":

@@ -1001,63 +1001,6 @@ at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor scales, c10::optio
   return as_input_dtype(y, x);
 }
 
-// x [M, K] times the weight in oneDNN's packed blocks int8 [N / 64, K' / 4, 64, 4] (K' >= K), its column sums
-// int32 [N] and scales float32 [N], x's rows quantised to int8 (int16 = false) or int16 codes.
-at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                         c10::optional<at::Tensor> bias, bool rotate, bool int16) {
-  TORCH_CHECK(FOLIO_PACKED_W8A8, "built without AVX512-VNNI");
-  const int64_t N = scales.numel(), K = x.size(-1);
-  TORCH_CHECK(blocks.dim() == 4 && blocks.scalar_type() == at::kChar && blocks.is_contiguous() &&
-                  blocks.size(2) == 64 && blocks.size(3) == 4,
-              "blocks must be contiguous int8 [N / 64, K / 4, 64, 4]");
-  TORCH_CHECK(K % 4 == 0 && K <= 4 * blocks.size(1) && N > (blocks.size(0) - 1) * 64 && N <= blocks.size(0) * 64,
-              "shapes: x [M, K], K % 4 == 0 and within the blocks' K; N within the last block");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales must be float32 [N]");
-  TORCH_CHECK(column_sums.scalar_type() == at::kInt && column_sums.is_contiguous() && column_sums.numel() == N,
-              "column_sums must be int32 [N]");
-  at::Tensor xr = rows_of(x, K);
-  const int64_t M = xr.size(0);
-  at::Tensor xu = at::empty({M, K}, xr.options().dtype(at::kByte));
-  at::Tensor xl = int16 ? at::empty({M, K}, xr.options().dtype(at::kByte)) : at::Tensor();
-  at::Tensor sx = at::empty({M}, xr.options().dtype(at::kFloat));
-  if (int16) {
-    uint8_t *hi = xu.data_ptr<uint8_t>(), *lo = xl.data_ptr<uint8_t>();
-    RowQuantizer{false, 0}.each_row(xr, [&](const float* v, int64_t m) {
-      quantize_span16(v, K, hi + m * K, lo + m * K, sx.data_ptr<float>() + m);
-    });
-  } else {
-    RowQuantizer{rotate, 128}.run(xr, reinterpret_cast<int8_t*>(xu.data_ptr<uint8_t>()), nullptr, sx.data_ptr<float>());
-  }
-  // bf16 x: y in bf16 straight from the epilogue (bias and rounding included: no extra pass over y)
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  at::Tensor y = at::empty({M, N}, sx.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  TORCH_CHECK(!b.defined() || b.numel() == N, "bias must have N values");
-#if FOLIO_PACKED_W8A8
-  const PackedW8A8 a{xu.data_ptr<uint8_t>(), int16 ? xl.data_ptr<uint8_t>() : nullptr, sx.data_ptr<float>(),
-                     blocks.data_ptr<int8_t>(), column_sums.data_ptr<int32_t>(), scales.data_ptr<float>(),
-                     b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
-                     bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, N, K, blocks.size(1)};
-  if (int16) packed_w8a8<2>(a);
-  else packed_w8a8<1>(a);
-#endif
-  return bf16 ? y : as_input_dtype(y, x);
-}
-
-// w8a8_linear's product with the weight in oneDNN's packed blocks (packed_linear).
-at::Tensor w8a8_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                              c10::optional<at::Tensor> bias, bool rotate) {
-  return packed_linear(x, blocks, column_sums, scales, bias, rotate, false);
-}
-
-// x's rows quantised to int16, times the weight in oneDNN's packed blocks (packed_linear).
-at::Tensor w8_int16_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                                  c10::optional<at::Tensor> bias) {
-  return packed_linear(x, blocks, column_sums, scales, bias, false, true);
-}
-
-bool has_packed_w8a8() { return FOLIO_PACKED_W8A8; }
-
 // x [M, K] (rotated first if asked) quantised per row as w8a8_linear does, for an int8 GEMM whose source is
 // unsigned (oneDNN's on VNNI): (codes q + 128 as uint8 [M, K], scales float32 [M]).
 std::vector<at::Tensor> quantize_rows_unsigned(at::Tensor x, bool rotate) {
@@ -1081,6 +1024,54 @@ std::vector<at::Tensor> quantize_rows_int16_bytes(at::Tensor x) {
   });
   return {hi, lo, sx};
 }
+
+// x [M, K] times the weight in oneDNN's packed blocks int8 [N / 64, K' / 4, 64, 4] (K' >= K), its column sums
+// int32 [N] and scales float32 [N], x's rows quantised to int8 (int16 = false) or int16 codes.
+at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
+                         c10::optional<at::Tensor> bias, bool rotate, bool int16) {
+  TORCH_CHECK(FOLIO_PACKED_W8A8, "built without AVX512-VNNI");
+  const int64_t N = scales.numel(), K = x.size(-1);
+  TORCH_CHECK(blocks.dim() == 4 && blocks.scalar_type() == at::kChar && blocks.is_contiguous() &&
+                  blocks.size(2) == 64 && blocks.size(3) == 4,
+              "blocks must be contiguous int8 [N / 64, K / 4, 64, 4]");
+  TORCH_CHECK(K % 4 == 0 && K <= 4 * blocks.size(1) && N > (blocks.size(0) - 1) * 64 && N <= blocks.size(0) * 64,
+              "shapes: x [M, K], K % 4 == 0 and within the blocks' K; N within the last block");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales must be float32 [N]");
+  TORCH_CHECK(column_sums.scalar_type() == at::kInt && column_sums.is_contiguous() && column_sums.numel() == N,
+              "column_sums must be int32 [N]");
+  // x's codes + 128 (two tensors of bytes for 16-bit codes), then the rows' scales
+  const std::vector<at::Tensor> codes = int16 ? quantize_rows_int16_bytes(x) : quantize_rows_unsigned(x, rotate);
+  const at::Tensor &xu = codes.front(), &sx = codes.back();
+  const int64_t M = xu.size(0);
+  // bf16 x: y in bf16 straight from the epilogue (bias and rounding included: no extra pass over y)
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({M, N}, sx.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == N, "bias must have N values");
+#if FOLIO_PACKED_W8A8
+  const PackedW8A8 a{xu.data_ptr<uint8_t>(), int16 ? codes[1].data_ptr<uint8_t>() : nullptr, sx.data_ptr<float>(),
+                     blocks.data_ptr<int8_t>(), column_sums.data_ptr<int32_t>(), scales.data_ptr<float>(),
+                     b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
+                     bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, N, K, blocks.size(1)};
+  if (int16) packed_w8a8<2>(a);
+  else packed_w8a8<1>(a);
+#endif
+  return bf16 ? y : as_input_dtype(y, x);
+}
+
+// w8a8_linear's product with the weight in oneDNN's packed blocks (packed_linear).
+at::Tensor w8a8_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
+                              c10::optional<at::Tensor> bias, bool rotate) {
+  return packed_linear(x, blocks, column_sums, scales, bias, rotate, false);
+}
+
+// x's rows quantised to int16, times the weight in oneDNN's packed blocks (packed_linear).
+at::Tensor w8_int16_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
+                                  c10::optional<at::Tensor> bias) {
+  return packed_linear(x, blocks, column_sums, scales, bias, false, true);
+}
+
+bool has_packed_w8a8() { return FOLIO_PACKED_W8A8; }
 
 // out [M, N] (float32 or bf16) = y [M, N] float32 (sums already times the weight's scales) times each row's
 // scale (+ bias): the epilogue of an int8 GEMM whose activation scale is per token. out may be rows of a larger

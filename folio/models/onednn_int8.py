@@ -31,7 +31,7 @@ an AMX machine (its row threshold is a guess): scripts/gpu_check.sh times W1 in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -99,36 +99,34 @@ def linear(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tenso
     if x.shape[0] < weight.min_rows and weight.blocks is not None:
         return quant_kernels.w8a8_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias, rotated)
     codes, row_scales = quant_kernels.quantize_rows_unsigned(x, rotated)
-    out = _output(x, weight)
-    for start in range(0, x.shape[0], CHUNK_ROWS):
-        rows = slice(start, start + CHUNK_ROWS)
-        quant_kernels.scale_rows(_gemm(codes[rows], 128, weight), row_scales[rows], bias, out[rows])
-    return out.to(x.dtype)
+    return _scaled_in_chunks(x, weight, bias, row_scales, lambda rows: _gemm(codes[rows], weight))
 
 
 def linear_int16(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] quantised per row to 16-bit codes, times the weight, (+ bias float32), in x's dtype
     (quant_reference.w8_int16_linear): fewer than weight.min_rows rows on folio's kernel that reads the blocks,
-    more (or without blocks) as two oneDNN GEMMs, one per signed byte of the codes (+ 128, with a zero point of
-    128), whose float32 results combine as 256 high + low before the scaling."""
+    more (or without blocks) as two oneDNN GEMMs, one per signed byte of the codes, whose float32 results combine
+    as 256 high + low before the scaling."""
     if x.shape[0] < weight.min_rows and weight.blocks is not None:
         return quant_kernels.w8_int16_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias)
     high, low, row_scales = quant_kernels.quantize_rows_int16_bytes(x)
-    out = _output(x, weight)
+    return _scaled_in_chunks(x, weight, bias, row_scales, lambda rows: torch.add(
+        _gemm(low[rows], weight), _gemm(high[rows], weight), alpha=256))
+
+
+def _scaled_in_chunks(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tensor],
+                      row_scales: torch.Tensor, sums: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+    """The result [M, N] in x's dtype: sums(rows) (float32, already times the weight's scales) for CHUNK_ROWS rows
+    at a time, each scaled by its row's scale (+ bias) while still in cache."""
+    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32  # the epilogue's two
+    out = torch.empty(x.shape[0], weight.scales.shape[0], dtype=dtype)
     for start in range(0, x.shape[0], CHUNK_ROWS):
         rows = slice(start, start + CHUNK_ROWS)
-        y = torch.add(_gemm(low[rows], 128, weight), _gemm(high[rows], 128, weight), alpha=256)
-        quant_kernels.scale_rows(y, row_scales[rows], bias, out[rows])
+        quant_kernels.scale_rows(sums(rows), row_scales[rows], bias, out[rows])
     return out.to(x.dtype)
 
 
-def _output(x: torch.Tensor, weight: PackedInt8Weight) -> torch.Tensor:
-    """The result's tensor [M, N], in x's dtype where the scaling epilogue writes it (float32, bf16)."""
-    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    return torch.empty(x.shape[0], weight.scales.shape[0], dtype=dtype)
-
-
-def _gemm(codes: torch.Tensor, zero_point: int, weight: PackedInt8Weight) -> torch.Tensor:
-    """oneDNN's int8 GEMM: float32 [M, N] = (codes uint8 [M, K] - zero_point) times the weight, times its scales."""
-    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, zero_point, weight.packed, weight.scales,
-                                              weight.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+def _gemm(codes: torch.Tensor, weight: PackedInt8Weight) -> torch.Tensor:
+    """oneDNN's int8 GEMM: float32 [M, N] = (codes uint8 [M, K] - 128) times the weight, times its scales."""
+    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, weight.packed, weight.scales, weight.zero_points,
+                                              None, 1.0, 0, torch.float32, "none", [], "")

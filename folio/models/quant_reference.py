@@ -91,10 +91,17 @@ def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, o
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], float32 scales [M]): symmetric per row, rounding half to even."""
+    codes, scales = _symmetric_rows(x, 127)
+    return codes.to(torch.int8), scales
+
+
+def _symmetric_rows(x: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float32 integer codes within +-limit, float32 scales [M] = max |row| / limit, 1 for a zero
+    row), rounding half to even."""
     x = x.float()
     amax = x.abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+    scales = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+    return torch.round(x / scales[:, None]).clamp(-limit, limit), scales
 
 
 def rotation_block(k: int) -> int:
@@ -122,10 +129,8 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 def quantize_rows_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int32 codes within +-INT16_CODE_MAX [M, K], float32 scales [M]): symmetric per row, rounding
     half to even."""
-    x = x.float()
-    amax = x.abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / INT16_CODE_MAX, torch.ones_like(amax))
-    return torch.round(x / scales[:, None]).clamp(-INT16_CODE_MAX, INT16_CODE_MAX).to(torch.int32), scales
+    codes, scales = _symmetric_rows(x, INT16_CODE_MAX)
+    return codes.to(torch.int32), scales
 
 
 def split_int16(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
