@@ -165,14 +165,13 @@ class CPUPagedAttentionBackend(AttentionBackend):
             k = k.contiguous()
         if v.stride(-1) != 1:
             v = v.contiguous()
-        out = torch.empty(q.shape, dtype=dtype)
         path = self.long_query_path(k_cache.dtype)
         split = metadata.split_for(k_cache.dtype, path) if path and path.supports(params, q.shape[-1]) else None
         reqs, tables = (split.kernel_reqs, split.kernel_block_tables) if split else \
             (metadata.reqs, metadata.block_tables)
         scale = params.scale_for(q.shape[-1])
         # the kernel writes every new K/V row, and attends the requests left to it
-        self.ext.paged_attention(out, q, k, v, k_cache, v_cache, metadata.slot_mapping, reqs, tables, scale,
+        out = self.ext.paged_attention(q, k, v, k_cache, v_cache, metadata.slot_mapping, reqs, tables, scale,
                                  params.sliding_window or 0, params.logit_softcap or 0.0, self.min_split_keys,
                                  self.min_parallel_work)
         if split:

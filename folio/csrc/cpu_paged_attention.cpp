@@ -44,6 +44,7 @@
 // Only the headers needed (not torch/extension.h): that keeps the first-use build near 15 s instead of 40 s.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Exception.h>
@@ -893,21 +894,21 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
 
 }  // namespace
 
-// out [T, Hq, D] (written), q [T, Hq, D], k/v [T, Hkv, D]; see the top of the file.
-void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+// Returns out [T, Hq, D] (contiguous) for q [T, Hq, D], k/v [T, Hkv, D]; see the top of the file. Allocated
+// here: one Python-level torch.empty per layer per step costs microseconds at decode.
+at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
                      at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor reqs,
                      at::Tensor block_tables, double scale, int64_t window, double softcap, int64_t min_split_keys,
                      int64_t min_parallel_work) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be 3-d");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, Hkv, D]");
   const auto dt = q.scalar_type(), ct = k_cache.scalar_type();
   const bool quantized = ct == at::kChar || ct == at::kByte;
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "unsupported dtype ", dt, " (float32 and bfloat16 only)");
-  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && out.scalar_type() == dt && v_cache.scalar_type() == ct &&
-                  (ct == dt || quantized), "q, k, v, out must share a dtype, the caches it or int8 / uint8 (fp8)");
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt && v_cache.scalar_type() == ct && (ct == dt || quantized),
+              "q, k, v must share a dtype, the caches it or int8 / uint8 (fp8)");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need unit stride along head_dim");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
   TORCH_CHECK(k.size(1) == k_cache.size(2) && k_cache.size(3) == k.size(2) + (quantized ? 4 : 0) &&
                   q.size(2) == k.size(2) && k.sizes() == v.sizes() && q.size(0) == k.size(0),
               "q/k/v shapes do not match the cache");
@@ -918,6 +919,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, a
               "reqs must be int32 [B, 3]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2 && block_tables.size(0) == reqs.size(0), "block_tables must be int32 [B, M]");
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto go = [&](auto t, auto c) {
     run<decltype(t), decltype(c)>(out, q, k, v, k_cache, v_cache, slot_mapping, reqs, block_tables, scale, window,
                                   softcap, min_split_keys, min_parallel_work);
@@ -929,6 +931,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, a
   };
   if (dt == at::kFloat) with_cache(float{});
   else with_cache(at::BFloat16{});
+  return out;
 }
 
 bool has_avx512() {
@@ -941,7 +944,7 @@ bool has_avx512() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while the kernel runs (a server thread in the same process keeps going)
-  m.def("paged_attention", &paged_attention, "write new K/V into the paged cache and attend in place",
+  m.def("paged_attention", &paged_attention, "write new K/V into the paged cache and attend in place (returns out)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_avx512", &has_avx512, "whether the vector path was compiled");
 }

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from folio.attention.backend import AttentionParams
+from folio.models.hot_path import HotPathModule
 from folio.models.layers import Embedding, RotaryEmbedding
 from folio.models.linear import Linear
 from folio.models.llama import LlamaAttention, LlamaMLP, StepContext, checkpoint_target
@@ -39,7 +40,7 @@ def _load_one_plus(param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId)
     copy_checked(param.data, 1.0 + tensor.float())
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(HotPathModule):
     """x * rsqrt(mean(x^2) + eps) * (1 + w) in float32, rounded once to x's dtype. `weight` holds 1 + w in
     float32 whatever the model's dtype: it loads as the checkpoint's w plus one (Transformers' own sum)."""
 
@@ -81,7 +82,7 @@ class GemmaMLP(LlamaMLP):
         return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(HotPathModule):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool,
                  softcap: Optional[float]) -> None:
         super().__init__()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from folio.models import fused_ops
+from folio.models.hot_path import HotPathModule
 from folio.models.rope_scaling import cos_sin_tables
 from folio.models.weight_loader import uninitialized
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from folio.models.model_config import ModelConfig
 
 
-class Embedding(nn.Module):
+class Embedding(HotPathModule):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
         self.weight = uninitialized(num_embeddings, dim)
@@ -30,7 +31,7 @@ class Embedding(nn.Module):
         return nn.functional.embedding(ids, self.weight)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(HotPathModule):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = uninitialized(size)
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
         return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(HotPathModule):
     """Neox-style rotary embedding with a precomputed float32 cos/sin table indexed by position.
 
     The tables are buffers, so moving the model to a device moves them; they stay float32 whatever the

@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from folio.models.hot_path import HotPathModule
 from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
 
 
@@ -53,7 +54,7 @@ LinearMethodChooser = Callable[[str, "Linear"], LinearMethod]
 LinearMethods = Union[LinearMethod, LinearMethodChooser]
 
 
-class Linear(nn.Module):
+class Linear(HotPathModule):
     """y = x W^T + b, computed by the bound LinearMethod.
 
     output_sizes: the number of output rows, or {shard id: rows} for a fused layer whose checkpoint keeps

@@ -23,12 +23,13 @@ from torch import nn
 
 from folio.models import fused_moe
 from folio.models.experts_method import ExpertsMethod, PerExpertMethod
+from folio.models.hot_path import HotPathModule
 from folio.models.llama import LlamaDecoderLayer, LlamaMLP
 from folio.models.model_config import ModelConfig, MoEConfig
 from folio.models.weight_loader import uninitialized
 
 
-class Gate(nn.Module):
+class Gate(HotPathModule):
     """A small full-precision projection (router logits, the shared expert's gate), outside the linear methods."""
 
     def __init__(self, input_size: int, output_size: int) -> None:
@@ -83,7 +84,7 @@ def experts_method(experts: Experts) -> ExpertsMethod:
     return fused_moe.FusedExpertsMethod(layers[0].weight.dtype) if fused_moe.supports(layers) else PerExpertMethod()
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(HotPathModule):
     def __init__(self, cfg: ModelConfig, float_weights: bool) -> None:
         super().__init__()
         moe = cfg.moe
