@@ -7,6 +7,11 @@ groups of 32, bf16 activations. The calls alternate round by round; the best rou
 each format's bytes (int4 blocks 0.625 bytes a weight, row-major 0.75, bf16 2).
 
     python benchmarks/int4_blocks_bench.py [--rows 1,2,3,4,8,16,64] [--rounds 3]
+    python benchmarks/int4_blocks_bench.py --prefill [--prefill-rows 1852]
+
+--prefill times instead what a prefill-sized batch runs, one layer of each shape (the GEMM is compute-bound):
+oneDNN's GEMM on the weight dequantised into the packed scratch (folio.models.packed_scratch), int4 and int8
+(weight-only), against F.linear on the plain dequantised weight (what ran before) and bf16's prepacked weight.
 
 Needs AVX512-BF16 (the block kernel and bf16's small-batch kernel).
 """
@@ -18,11 +23,40 @@ import argparse
 import torch
 from int8_gemm_bench import timed  # the sibling script's timer: seconds per call over a round
 
-from folio.models import int4_blocks, quant_kernels, small_batch_gemm
-from folio.models.quant_reference import quantize_int4
+from folio.models import int4_blocks, packed_scratch, quant_kernels, small_batch_gemm
+from folio.models.quant_reference import quantize_int4, quantize_int8
 
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down
 COPIES = 24
+
+
+def prefill(rows: int, rounds: int, round_s: float) -> None:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rows} rows, ms per call, best of {rounds}")
+    for n, k in SHAPES:
+        w = torch.randn(n, k) * 0.02
+        x = torch.randn(rows, k).bfloat16()
+        blocks = int4_blocks.pack(*quantize_int4(w, 32))
+        q8, s8 = quantize_int8(w, 32)
+        scratch = packed_scratch.for_shape(n, k)
+        bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
+
+        def int8_scratch():
+            quant_kernels.dequantize_packed(q8, s8, None, scratch.blocks)
+            return packed_scratch.linear(x, scratch, None)
+
+        runs = {
+            "bf16 prepacked": lambda: torch.ops.mkldnn._linear_pointwise(x, bf16, None, "none", [], ""),
+            "int4 scratch": lambda: int4_blocks.dense_linear(x, blocks, None),
+            "int4 F.linear": lambda: torch.nn.functional.linear(x, int4_blocks.dequantize(blocks)),
+            "int8 scratch": int8_scratch,
+            "int8 F.linear": lambda: torch.nn.functional.linear(x, quant_kernels.dequantize(q8, s8, None,
+                                                                                            torch.bfloat16)),
+        }
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(rounds):
+            for name, fn in runs.items():
+                best[name] = min(best[name], timed(fn, round_s))
+        print(f"{n:>5} x {k:<5} " + "   ".join(f"{name} {t * 1e3:7.2f}" for name, t in best.items()))
 
 
 def main() -> None:
@@ -30,10 +64,16 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,3,4,8,16,64")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--round-s", type=float, default=0.5)
+    parser.add_argument("--prefill", action="store_true")
+    parser.add_argument("--prefill-rows", type=int, default=1852)
     args = parser.parse_args()
     if not (int4_blocks.available() and small_batch_gemm.available(torch.bfloat16)):
         raise SystemExit("needs AVX512-BF16: the int4 block kernel or bf16's small-batch kernel is unavailable here")
     torch.manual_seed(0)
+    if args.prefill:
+        if packed_scratch.for_shape(*SHAPES[0]) is None:
+            raise SystemExit("oneDNN's packed bf16 layout is not one folio recognises here: no packed scratch")
+        return prefill(args.prefill_rows, args.rounds, args.round_s)
     layers = []
     for n, k in SHAPES:
         for _ in range(COPIES):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from folio.models import int4_blocks
+from folio.models import int4_blocks, onednn_layout, packed_scratch
 from folio.models import quant_reference as ref
 from folio.models.int4_linear import Int4LinearMethod
 from folio.models.linear import Linear
@@ -69,6 +69,31 @@ def test_linear_matches_the_reference(n, k, group):
             assert bool(((got.double() - want[:m]).abs() <= bound[:m]).all()), (m, b is None)
 
 
+@pytest.mark.parametrize("n,k,group", [(9728, 896, 32), (896, 4864, 128), (1, 32, 32), (33, 160, 32),
+                                     (101, 224, 32)])
+def test_dense_linear_is_onednns_gemm_on_the_dequantised_weight(n, k, group, monkeypatch):
+    """The weight dequantised into the packed scratch is the one `dequantize` gives, so the GEMM equals oneDNN's on
+    that weight packed by oneDNN itself, bit for bit; without a scratch, F.linear on the dequantised weight."""
+    packed, scales, offsets = _weight(n, k, group, seed=n * k)
+    blocks = int4_blocks.pack(packed, scales, offsets)
+    weight = int4_blocks.dequantize(blocks)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(70, k, generator=g).bfloat16()
+    for bias in (None, torch.randn(n, generator=g)):
+        b = None if bias is None else bias.bfloat16()
+        y = int4_blocks.dense_linear(x, blocks, bias)
+        scratch = packed_scratch.for_shape(n, k)
+        if scratch is not None:
+            assert torch.equal(scratch.blocks, onednn_layout.vnni_blocks(
+                torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64), weight, 2))
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+            assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, onednn, b, "none", [], ""))
+        want = x.double() @ weight.double().T + (0 if bias is None else b.double())
+        assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(packed_scratch, "for_shape", lambda n, k: None)
+    assert torch.equal(int4_blocks.dense_linear(x, blocks, None), torch.nn.functional.linear(x, weight))
+
+
 def test_strided_rows_padding_and_errors():
     packed, scales, offsets = _weight(70, 64, 32, seed=1)
     blocks = int4_blocks.pack(packed, scales, offsets)
@@ -108,14 +133,14 @@ def test_a_bf16_layer_keeps_only_the_blocks_and_routes_by_rows(monkeypatch):
     packed, scales, offsets = ref.quantize_int4(weight, 32)
     assert torch.equal(layer.int4_blocks.codes, int4_blocks.pack(packed, scales, offsets).codes)
     calls = []
-    kernel, dequantize = int4_blocks.linear, int4_blocks.dequantize
+    kernel, dense = int4_blocks.linear, int4_blocks.dense_linear
     monkeypatch.setattr(int4_blocks, "linear", lambda *a: calls.append("kernel") or kernel(*a))
-    monkeypatch.setattr(int4_blocks, "dequantize", lambda *a: calls.append("dequantize") or dequantize(*a))
+    monkeypatch.setattr(int4_blocks, "dense_linear", lambda *a: calls.append("dense") or dense(*a))
     for rows in (1, int4_blocks.MAX_ROWS, int4_blocks.MAX_ROWS + 1):
         x = torch.randn(rows, 256).bfloat16()
         calls.clear()
         y = layer(x)
-        assert calls == (["kernel"] if rows <= int4_blocks.MAX_ROWS else ["dequantize"])
+        assert calls == (["kernel"] if rows <= int4_blocks.MAX_ROWS else ["dense"])
         want = x.double() @ ref.dequantize(packed, scales, offsets).double().T + layer.bias.double()
         assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=2e-2, atol=2e-2)
 

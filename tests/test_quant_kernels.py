@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.models import quant_kernels
+from folio.models import onednn_layout, quant_kernels
 from folio.models import quant_reference as ref
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
@@ -196,3 +196,37 @@ def test_dequantize_equals_the_reference_to_one_rounding(n, k):
             assert bool(((got - want).abs() <= 2 ** -23 * size).all()), isa
             # bf16: the kernel's float32 values, rounded once to nearest even
             assert torch.equal(quant_kernels.dequantize(packed, scales, offsets, torch.bfloat16, isa), got.bfloat16())
+
+
+@pytest.mark.parametrize("n,k", [(9728, 896), (896, 4864), (33, 160), (101, 224)])
+def test_a_prefill_sized_batch_runs_the_packed_scratch(n, k):
+    """From dequantize_min_rows rows a bf16 weight-only layer writes its weight into the packed scratch of its shape
+    (in bf16, the values `dequantize` gives, at every instruction set), and oneDNN's GEMM on it equals that GEMM on
+    the dequantised weight packed by oneDNN itself, bit for bit."""
+    from folio.models import packed_scratch
+    from folio.models.int8_linear import Int8LinearMethod
+    from folio.models.linear import Linear
+    from folio.models.quantized_linear import dequantize_min_rows
+
+    scratch = packed_scratch.for_shape(n, k)
+    if scratch is None:
+        pytest.skip("oneDNN cannot pack bf16 here, or lays it out otherwise")
+    _, w, bias = _data(1, n, k, seed=5 * n + k)
+    for packed, scales, offsets in (ref.quantize_int8(w, 32) + (None,), ref.quantize_int4(w, 32)):
+        want = quant_kernels.dequantize(packed, scales, offsets, torch.bfloat16)
+        by_onednn = onednn_layout.vnni_blocks(torch.ops.mkldnn._reorder_linear_weight(want, 64), want, 2)
+        for isa in ISAS:
+            scratch.blocks.zero_()  # the padding oneDNN leaves zero, which the kernel does not write
+            quant_kernels.dequantize_packed(packed, scales, offsets, scratch.blocks, isa)
+            assert torch.equal(scratch.blocks, by_onednn), isa
+    layer = Linear(k, n, bias=True, params_dtype=torch.bfloat16)
+    method = Int8LinearMethod()  # w8a16: weight-only
+    layer.bind(method)
+    layer.weight.weight_loader(layer.weight, w, None)
+    layer.bias.data.copy_(bias)
+    method.process_weights_after_loading(layer)
+    x = torch.randn(dequantize_min_rows(torch.bfloat16) + 3, k).bfloat16()
+    weight = quant_kernels.dequantize(layer.weight, layer.weight_scale, None, torch.bfloat16)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    want = torch.ops.mkldnn._linear_pointwise(x, onednn, layer.bias.bfloat16(), "none", [], "")
+    assert torch.equal(layer(x), want)

@@ -22,8 +22,8 @@
 // two FMAs per 16 columns per group. Rows of x go in chunks of up to 3, a block read from memory for the
 // first chunk and from cache for the others.
 //
-// `dequantize_transposed` writes the bf16 weight as W^T [K, N] (q s + o by one FMA in float32, rounded once
-// to bf16) for batches that run the dense GEMM.
+// Batches that run the dense GEMM take the bf16 weight (q s + o by one FMA in float32, rounded once to bf16)
+// written into oneDNN's packed layout (`dequantize_packed`), or as W^T [K, N] (`dequantize_transposed`).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -289,6 +289,49 @@ at::Tensor dequantize_transposed(at::Tensor codes, at::Tensor scales, at::Tensor
   return out;
 }
 
+// The bf16 weight written into oneDNN's packed layout for its GEMM (folio.models.onednn_layout): out bf16
+// [NB', K' / 2, W, 2], value (n, k) at [n / W][k / 2][n % W][k % 2], W a multiple of 16; the padding (k >= K,
+// n >= N) is left as it is (oneDNN's zeros). The same values as dequantize_transposed: q s + o by one float32
+// FMA, rounded once to bf16. A step's 16 columns of a vector v fall in one W block, each column's pair
+// (k = 2p, 2p + 1) one 32-bit lane: 16 contiguous lanes per store.
+void dequantize_packed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N, at::Tensor out) {
+  const Blocks w = checked(codes, scales, offsets, N);
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(3) == 2 &&
+                  out.size(2) % 16 == 0 && 2 * out.size(1) >= w.K && out.size(0) * out.size(2) >= N,
+              "out must be contiguous bf16 [N' / W, K' / 2, W, 2] with W a multiple of 16, K' >= K, N' >= N");
+#if FOLIO_INT4_BLOCKS
+  uint32_t* op = reinterpret_cast<uint32_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t W = out.size(2), half_kp = out.size(1), gp = w.G / 2;
+  at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* codes_b = w.codes + b * w.pairs() * STEP_BYTES;
+      const int64_t nv = std::min<int64_t>(4, (N - b * COLUMNS + 15) / 16);
+      for (int64_t g = 0; g < w.ng; ++g) {
+        __m512 s[4], o[4];
+        for (int v = 0; v < nv; ++v) {
+          s[v] = _mm512_mul_ps(halves(w.scales + (b * w.ng + g) * COLUMNS + v * 16), _mm512_set1_ps(1.f / 16));
+          o[v] = halves(w.offsets + (b * w.ng + g) * COLUMNS + v * 16);
+        }
+        for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
+          const __m512i codes_p = _mm512_loadu_si512(codes_b + p * STEP_BYTES);
+          for (int v = 0; v < nv; ++v) {
+            const int64_t n0 = b * COLUMNS + v * 16;
+            const __mmask16 mask = N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - n0)) - 1);
+            const __m512i d = _mm512_srli_epi32(codes_p, 4 * v);
+            const __m512i even = _mm512_and_si512(d, _mm512_set1_epi32(15));
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(d, 16), _mm512_set1_epi32(15));
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s[v], o[v])));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s[v], o[v])));
+            _mm512_mask_storeu_epi32(op + ((n0 / W) * half_kp + p) * W + n0 % W, mask,
+                                     _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+          }
+        }
+      }
+    }
+  });
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -299,6 +342,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("codes"),
         pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("dequantize_packed", &dequantize_packed, "the bf16 weight of int4 column blocks into oneDNN's packed layout",
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
+        pybind11::arg("out"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack", &pack, "(codes, 16 x scales, offsets) of a row-major int4 weight", pybind11::arg("w"),
         pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_kernel", &has_kernel, "whether the AVX512-BF16 kernel was compiled in");

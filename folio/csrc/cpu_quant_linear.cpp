@@ -431,19 +431,37 @@ void store_bf16(const float* src, at::BFloat16* dst, int64_t n) {
 }
 
 // ------------------------------------------------------------------------------------------ dequantize
-// W as float32 or bf16 [N, K], for batches that run the dense GEMM on it: q * scale (+ offset) per group, the
-// reference's operations (the compiler may fuse the multiply and add: one rounding fewer), then for bf16 one
-// rounding of each value, row by row through a buffer in cache.
+// oneDNN's packed bf16 layout for its GEMM (folio.models.onednn_layout): value (n, k) at [n / W][k / 2][n % W][k % 2]
+// of a [N' / W, K' / 2, W, 2] buffer, each column's pair of K one 32-bit word; padding (k >= K, n >= N) untouched.
+struct PackedBf16 {
+  uint32_t* base;
+  int64_t W, half_kp;
+  // row n, already bf16 [K]: its pairs to their words, W words apart
+  void store_row(int64_t n, const at::BFloat16* row, int64_t K) const {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row);
+    uint32_t* dst = base + (n / W) * half_kp * W + n % W;
+    for (int64_t p = 0; p < K / 2; ++p) dst[p * W] = pairs[p];
+  }
+};
+
+// W as float32 or bf16 [N, K] (out: float* or at::BFloat16*), or bf16 in oneDNN's packed layout (PackedBf16),
+// for batches that run the dense GEMM on it: q * scale (+ offset) per group, the reference's operations (the
+// compiler may fuse the multiply and add: one rounding fewer), then for bf16 one rounding of each value, row by
+// row through a buffer in cache.
 template <class V, class Fmt, class Out>
-void dequantize_rows(const WeightOnly& a, Out* out) {
+void dequantize_rows(const WeightOnly& a, Out out) {
   using F = typename V::F;
   constexpr int SUB = BLOCK / V::W;
-  constexpr bool to_float = std::is_same<Out, float>::value;
+  constexpr bool to_float = std::is_same<Out, float*>::value;
+  constexpr bool packed = std::is_same<Out, PackedBf16>::value;
   at::parallel_for(0, a.N, std::max<int64_t>(1, MIN_BYTES_PER_TASK / a.row_bytes), [&](int64_t n0, int64_t n1) {
     std::vector<float> buf(to_float ? 0 : a.K);
+    std::vector<at::BFloat16> row_bf16(packed ? a.K : 0);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = a.w + n * a.row_bytes;
-      float* dst = to_float ? reinterpret_cast<float*>(out) + n * a.K : buf.data();
+      float* dst;
+      if constexpr (to_float) dst = out + n * a.K;
+      else dst = buf.data();
       for (int64_t g = 0; g < a.ng; ++g) {
         const F s = V::set1(a.scales[n * a.ng + g]);
         const F o = V::set1(a.offsets ? a.offsets[n * a.ng + g] : 0.f);
@@ -454,7 +472,12 @@ void dequantize_rows(const WeightOnly& a, Out* out) {
             V::store(dst + kb + j * V::W, a.offsets ? V::add(V::mul(q[j], s), o) : V::mul(q[j], s));
         }
       }
-      if constexpr (!to_float) store_bf16(buf.data(), reinterpret_cast<at::BFloat16*>(out) + n * a.K, a.K);
+      if constexpr (packed) {
+        store_bf16(buf.data(), row_bf16.data(), a.K);
+        out.store_row(n, row_bf16.data(), a.K);
+      } else if constexpr (!to_float) {
+        store_bf16(buf.data(), out + n * a.K, a.K);
+      }
     }
   });
 }
@@ -955,6 +978,21 @@ at::Tensor dequantize(at::Tensor w, at::Tensor scales, c10::optional<at::Tensor>
   return out;
 }
 
+// The weight of weight_fields in bf16 written into out, a view of oneDNN's packed buffer: contiguous bf16
+// [N' / W, K' / 2, W, 2] with W * N' / W >= N and K' >= K (PackedBf16).
+void dequantize_packed(at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets, at::Tensor out,
+                       int64_t isa) {
+  const WeightOnly a = weight_fields(w, scales, offsets);
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(3) == 2 &&
+                  2 * out.size(1) >= a.K && out.size(0) * out.size(2) >= a.N,
+              "out must be contiguous bf16 [N' / W, K' / 2, W, 2] with K' >= K, N' >= N");
+  const PackedBf16 o{reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>()), out.size(2), out.size(1)};
+  by_isa(isa, [&](auto v) {
+    using V = decltype(v);
+    a.offsets ? dequantize_rows<V, Int4Fmt>(a, o) : dequantize_rows<V, Int8Fmt>(a, o);
+  });
+}
+
 at::Tensor w4a8_linear(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor offsets, c10::optional<at::Tensor> bias,
                        int64_t isa) {
   const WeightOnly wf = weight_fields(w, scales, offsets);  // int4: offsets given
@@ -1122,6 +1160,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_only_linear", &weight_only_linear, "x W^T (+ b) with int8 or int4 weights, float x",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"), pybind11::arg("offsets"),
         pybind11::arg("bias"), pybind11::arg("isa") = best_isa(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("dequantize_packed", &dequantize_packed, "the weight of an int8 or int4 layer into oneDNN's packed bf16 layout",
+        pybind11::arg("w"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("out"),
+        pybind11::arg("isa") = best_isa(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize", &dequantize, "the weight of an int8 or int4 layer in dtype", pybind11::arg("w"),
         pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("dtype"), pybind11::arg("isa") = best_isa(),
         pybind11::call_guard<pybind11::gil_scoped_release>());

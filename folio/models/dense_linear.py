@@ -17,10 +17,10 @@ from folio.models import small_batch_gemm
 from folio.models.linear import Linear, LinearMethod
 
 # oneDNN's blocked weight layout is chosen for a batch size; decode batches of tens of requests dominate.
-_PACK_FOR_BATCH = 64
+PACK_FOR_BATCH = 64
 
 
-def _can_prepack(dtype: torch.dtype) -> bool:
+def can_prepack(dtype: torch.dtype) -> bool:
     """oneDNN's bf16 linear, on a CPU that has it (the reorder refuses CPUs without AVX-512 or AVX-NE-CONVERT)."""
     return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -45,9 +45,9 @@ class DenseLinearMethod(LinearMethod):
         if layer.weight.dtype == torch.float32:
             layer.small_batch_weight = layer.weight if small_batch_gemm.supports(layer.weight) else None
             return
-        if not (_can_prepack(layer.weight.dtype) and layer.weight.is_cpu):
+        if not (can_prepack(layer.weight.dtype) and layer.weight.is_cpu):
             return
-        layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), _PACK_FOR_BATCH)
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACK_FOR_BATCH)
         layer.small_batch_weight = small_batch_gemm.packed_blocks(layer.packed, layer.weight.detach())
         if not layer.tied:
             layer.weight = None

@@ -6,8 +6,8 @@ serving bf16 activations repacks its weight once at load into blocks of 64 outpu
 3 ms for the 0.5B Qwen2's largest layer) and keeps only that copy. Its kernel widens nibbles to bf16 by one
 shift and one logic op and multiplies them with vdpbf16ps without horizontal sums, as bf16's small-batch
 kernel reads oneDNN's packed weights, where the row-major kernel was bound by widening (15 GB/s against bf16's
-43 on Zen 4). Larger batches run the dense GEMM on the weight dequantised from the blocks for the call
-(`dequantize`).
+43 on Zen 4). Larger batches run oneDNN's GEMM on the weight dequantised from the blocks for the call, into
+a packed scratch weight (`dense_linear`, folio.models.packed_scratch).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import nn
 
 from folio.csrc_build import CSRC, CppKernel
-from folio.models import small_batch_gemm
+from folio.models import packed_scratch, small_batch_gemm
 
 KERNEL = CppKernel("folio_cpu_int4_blocks", CSRC / "cpu_int4_blocks.cpp", what="CPU int4 block kernel",
                    fallback="int4 layers keep the row-major kernel")
@@ -64,6 +65,17 @@ def linear(x: torch.Tensor, weight: Int4Blocks, bias: Optional[torch.Tensor]) ->
     if x.stride(-1) != 1:
         x = x.contiguous()
     return KERNEL.load().linear(x, weight.codes, weight.scales, weight.offsets, weight.out_features, bias)
+
+
+def dense_linear(x: torch.Tensor, weight: Int4Blocks, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """bf16 x [M, K] @ W^T (+ float32 bias [N]) for batches past the kernel's: oneDNN's GEMM on the weight
+    dequantised into the packed scratch of its shape (folio.models.packed_scratch), or where there is none,
+    F.linear on the dequantised W^T."""
+    scratch = packed_scratch.for_shape(weight.out_features, x.shape[1])
+    if scratch is None:
+        return nn.functional.linear(x, dequantize(weight), None if bias is None else bias.to(x.dtype))
+    KERNEL.load().dequantize_packed(weight.codes, weight.scales, weight.offsets, weight.out_features, scratch.blocks)
+    return packed_scratch.linear(x, scratch, bias)
 
 
 def dequantize(weight: Int4Blocks) -> torch.Tensor:

@@ -55,7 +55,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
         if blocks is not None:
             if x.dtype == torch.bfloat16 and x.shape[0] <= int4_blocks.MAX_ROWS:
                 return int4_blocks.linear(x, blocks, layer.bias)
-            return self.dense(layer, x, int4_blocks.dequantize(blocks))
+            return int4_blocks.dense_linear(x, blocks, layer.bias)
         if self.int8_activations and x.shape[0] < dequantize_min_rows(x.dtype):
             return quant_kernels.w4a8_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
         return self.weight_only(layer, x)

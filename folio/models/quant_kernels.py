@@ -50,6 +50,14 @@ def dequantize(w: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Te
                 dtype, isa=isa)
 
 
+def dequantize_packed(w: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor], out: torch.Tensor,
+                      isa: Optional[int] = None) -> None:
+    """The weight of an int8 or int4 layer in bf16, written into `out`, a oneDNN-packed buffer's view
+    (folio.models.packed_scratch): the values `dequantize` gives in bf16. Needs the kernel."""
+    ext = KERNEL.load()
+    ext.dequantize_packed(w, scales, offsets, out) if isa is None else ext.dequantize_packed(w, scales, offsets, out, isa)
+
+
 def w4a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                 bias: Optional[torch.Tensor], isa: Optional[int] = None) -> torch.Tensor:
     """x [M, K] quantised to int8 per block of 32, times packed int4 W, (+ bias), in x's dtype."""

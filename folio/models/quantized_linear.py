@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from folio.models import quant_kernels
+from folio.models import packed_scratch, quant_kernels
 from folio.models.linear import Linear, LinearMethod
 from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader
 from folio.platforms.cpu_features import has_fast_bf16
@@ -110,8 +110,14 @@ class QuantizedLinearMethod(LinearMethod):
     @staticmethod
     def weight_only(layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x times the layer's weight in x's dtype: the weight-only kernel, or for a prefill-sized x the dense
-        GEMM on the dequantised weight."""
+        GEMM on the dequantised weight (in bf16: written into the packed scratch of the layer's shape,
+        folio.models.packed_scratch)."""
         if x.shape[0] >= dequantize_min_rows(x.dtype):
+            scratch = packed_scratch.for_shape(layer.output_size, layer.input_size) \
+                if x.dtype == torch.bfloat16 and quant_kernels.available() else None
+            if scratch is not None:
+                quant_kernels.dequantize_packed(layer.weight, layer.weight_scale, layer.weight_offset, scratch.blocks)
+                return packed_scratch.linear(x, scratch, layer.bias)
             dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # the kernel's two
             return QuantizedLinearMethod.dense(layer, x, quant_kernels.dequantize(
                 layer.weight, layer.weight_scale, layer.weight_offset, dtype))
