@@ -65,7 +65,7 @@ class ModelOptions:
         default_means="$FOLIO_ATTENTION_BACKEND, else the fastest that builds here")
     quantization: Optional[str] = option(
         None, "low-precision weights, quantised as they load: int8 (per-channel, rotated, with dynamic per-token "
-              "int8 activations), w8a16 (int8 per-channel, float activations), int4 / int4-g128 (groups of 32 / 128, float "
+              "int8 activations), w8a16 (int8 per-channel, activations as 16-bit integers per token), int4 / int4-g128 (groups of 32 / 128, float "
               "activations; the lm_head in int8), w4a8 (int4 in groups of 32 and int8 activations per block of "
               "32); gguf: a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K layers as stored",
         default_means="none: the weights run in dtype (GGUF types dequantised)", choices=QUANTIZATION_SCHEMES)

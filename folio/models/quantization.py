@@ -3,13 +3,15 @@
 A scheme is a chooser (folio.models.linear): given a layer's name and declared shapes, its linear method.
 - int8: every layer in int8 with per-channel scales, rotated, times activations quantised to int8 per token
   (W8A8, folio.models.int8_linear), the lm_head too (at batch 1 it is a quarter of the 0.5B Qwen2's weight
-  reads); w8a16: the same weights unrotated, times float activations.
+  reads); w8a16: the same weights unrotated, times activations quantised to 16-bit integers per token.
 - int4, int4-g128: every layer in int4 (groups of 32 / 128, folio.models.int4_linear), but the lm_head in
   int8: logits lose more to 4 bits than any other layer, and llama.cpp's 4-bit types keep it wider too; w4a8:
   int4 in groups of 32 with activations quantised to int8 per block of 32 (llama.cpp's Q4 x Q8 recipe), the
   lm_head in int8 (W8A8).
-- The lm_head of int4 and int4-g128 takes its activations as 16-bit integers (folio.models.int8_linear): as
-  accurate as float activations, at about W8A8's cost at batch 1.
+- 16-bit integer activations (folio.models.int8_linear; the w8a16 layers, the lm_head of int4 and int4-g128):
+  as accurate as float activations, at about W8A8's cost at batch 1 and twice W8A8's GEMM in batches, where the
+  weight-only kernel dequantised the weight for every batch of 8 rows or more; weight-only (float activations)
+  on CPUs without VNNI or AMX-INT8.
 - gguf: the dense method here; the GGUF loader binds the layers it keeps quantised (folio.loader.gguf_native).
 Layers whose input size is not a multiple of 32 (the kernels' block) stay on the dense method.
 """
@@ -29,13 +31,13 @@ def quantization_chooser(scheme: str, dense: LinearMethod) -> LinearMethodChoose
     layers the kernels cannot take."""
     if scheme == "gguf":
         return lambda name, layer: dense
-    w8a8 = scheme in ("int8", "w4a8")
-    int8 = Int8LinearMethod(int8_activations=w8a8, rotated=w8a8)
+    w8a8 = Int8LinearMethod(int8_activations=True, rotated=True)
+    int16 = Int8LinearMethod(int16_activations=True)
     if scheme in ("int8", "w8a16"):
-        body: LinearMethod = int8
+        body: LinearMethod = w8a8 if scheme == "int8" else int16
     else:
         body = Int4LinearMethod(128 if scheme == "int4-g128" else BLOCK, int8_activations=scheme == "w4a8")
-    head = Int8LinearMethod(int16_activations=True) if scheme in ("int4", "int4-g128") else int8
+    head = int16 if scheme in ("w8a16", "int4", "int4-g128") else w8a8
 
     def choose(name: str, layer: Linear) -> LinearMethod:
         if layer.input_size % BLOCK:
