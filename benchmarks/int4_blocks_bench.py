@@ -37,12 +37,11 @@ def prefill(rows: int, rounds: int, round_s: float) -> None:
         x = torch.randn(rows, k).bfloat16()
         blocks = int4_blocks.pack(*quantize_int4(w, 32))
         q8, s8 = quantize_int8(w, 32)
-        scratch = packed_scratch.for_shape(n, k)
         bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
 
         def int8_scratch():
-            quant_kernels.dequantize_packed(q8, s8, None, scratch.blocks)
-            return packed_scratch.linear(x, scratch, None)
+            return packed_scratch.linear(x, n, lambda blocks: quant_kernels.dequantize_packed(q8, s8, None, blocks),
+                                         None)
 
         runs = {
             "bf16 prepacked": lambda: torch.ops.mkldnn._linear_pointwise(x, bf16, None, "none", [], ""),

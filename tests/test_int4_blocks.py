@@ -94,6 +94,30 @@ def test_dense_linear_is_onednns_gemm_on_the_dequantised_weight(n, k, group, mon
     assert torch.equal(int4_blocks.dense_linear(x, blocks, None), torch.nn.functional.linear(x, weight))
 
 
+def test_two_threads_share_a_scratch_one_call_at_a_time():
+    """Two layers of one shape, each multiplied on its own thread: the scratch's lock keeps one's weight from being
+    overwritten by the other's mid-call, so each thread's results are its own layer's, every time."""
+    import threading
+
+    layers = [int4_blocks.pack(*_weight(640, 256, 32, seed=s)) for s in (1, 2)]
+    x = torch.randn(80, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = [int4_blocks.dense_linear(x, blocks, None) for blocks in layers]
+    assert not torch.equal(want[0], want[1])
+    wrong = []
+
+    def run(i: int) -> None:
+        for _ in range(30):
+            if not torch.equal(int4_blocks.dense_linear(x, layers[i], None), want[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+
+
 def test_strided_rows_padding_and_errors():
     packed, scales, offsets = _weight(70, 64, 32, seed=1)
     blocks = int4_blocks.pack(packed, scales, offsets)

@@ -71,11 +71,11 @@ def dense_linear(x: torch.Tensor, weight: Int4Blocks, bias: Optional[torch.Tenso
     """bf16 x [M, K] @ W^T (+ float32 bias [N]) for batches past the kernel's: oneDNN's GEMM on the weight
     dequantised into the packed scratch of its shape (folio.models.packed_scratch), or where there is none,
     F.linear on the dequantised W^T."""
-    scratch = packed_scratch.for_shape(weight.out_features, x.shape[1])
-    if scratch is None:
-        return nn.functional.linear(x, dequantize(weight), None if bias is None else bias.to(x.dtype))
-    KERNEL.load().dequantize_packed(weight.codes, weight.scales, weight.offsets, weight.out_features, scratch.blocks)
-    return packed_scratch.linear(x, scratch, bias)
+    y = packed_scratch.linear(x, weight.out_features, lambda blocks: KERNEL.load().dequantize_packed(
+        weight.codes, weight.scales, weight.offsets, weight.out_features, blocks), bias)
+    if y is None:
+        y = nn.functional.linear(x, dequantize(weight), None if bias is None else bias.to(x.dtype))
+    return y
 
 
 def dequantize(weight: Int4Blocks) -> torch.Tensor:

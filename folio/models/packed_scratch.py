@@ -8,17 +8,18 @@ layers, `python benchmarks/int4_blocks_bench.py --prefill`), ms per call, F.line
 scratch (bf16's own prepacked weight): int4 gate/up 74.8 -> 62.8 (56.9), down 27.9 -> 21.9 (20.9), q/k/v 5.70 ->
 5.22 (5.18); int8 weight-only 71.5 -> 61.2, 27.0 -> 23.4, 6.34 -> 5.55.
 
-One scratch per shape and thread (an engine's steps run one at a time on one thread), made at first use from a
-probe of distinct values, so that its layout can be recognised; its contents are overwritten by every use. It
-costs a bf16 copy of each distinct layer shape (30 MB for the 0.5B Qwen2); shapes of more than MAX_BYTES (a large
-vocabulary's lm_head) get none, and their callers keep the plain dequantised weight.
+One scratch per shape for the process, made at first use from a probe of distinct values (so that its layout can
+be recognised); a use holds its lock from the dequantiser's write to the end of the GEMM, so engines on two
+threads never share one mid-call. It costs a bf16 copy of each distinct layer shape (30 MB for the 0.5B Qwen2);
+shapes of more than MAX_BYTES (a large vocabulary's lm_head) get none, and their callers keep the plain
+dequantised weight.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
@@ -27,33 +28,41 @@ from folio.models.dense_linear import PACK_FOR_BATCH, can_prepack
 
 MAX_BYTES = 192 << 20  # a 7B model's gate/up layer (180 MB in bf16) gets one; a 150k vocabulary's lm_head not
 
-_per_thread = threading.local()  # .scratches: {(N, K): PackedScratch or None}
+_scratches: dict[tuple[int, int], Optional["PackedScratch"]] = {}
+_making = threading.Lock()
 
 
-@dataclass(frozen=True)
+@dataclass
 class PackedScratch:
     packed: torch.Tensor  # oneDNN's packed bf16 weight [N, K]
     blocks: torch.Tensor  # its buffer as bf16 [N' / W, K' / 2, W, 2] (onednn_layout.vnni_blocks): what is written
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def for_shape(n: int, k: int) -> Optional[PackedScratch]:
-    """This thread's scratch for a weight [n, k], or None where oneDNN cannot pack bf16 here, lays it out in a way
-    folio does not recognise, or the weight is larger than MAX_BYTES."""
-    scratches = getattr(_per_thread, "scratches", None)
-    if scratches is None:
-        scratches = _per_thread.scratches = {}
-    if (n, k) not in scratches:
-        scratch = None
-        if 2 * n * k <= MAX_BYTES and k % 2 == 0 and can_prepack(torch.bfloat16):
-            probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-            packed = torch.ops.mkldnn._reorder_linear_weight(probe, PACK_FOR_BATCH)
-            blocks = onednn_layout.vnni_blocks(packed, probe, 2)
-            scratch = None if blocks is None else PackedScratch(packed, blocks)
-        scratches[(n, k)] = scratch
-    return scratches[(n, k)]
+    """The scratch for a weight [n, k], or None where oneDNN cannot pack bf16 here, lays it out in a way folio
+    does not recognise, or the weight is larger than MAX_BYTES."""
+    if (n, k) not in _scratches:
+        with _making:
+            if (n, k) not in _scratches:
+                scratch = None
+                if 2 * n * k <= MAX_BYTES and k % 2 == 0 and can_prepack(torch.bfloat16):
+                    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+                    packed = torch.ops.mkldnn._reorder_linear_weight(probe, PACK_FOR_BATCH)
+                    blocks = onednn_layout.vnni_blocks(packed, probe, 2)
+                    scratch = None if blocks is None else PackedScratch(packed, blocks)
+                _scratches[(n, k)] = scratch
+    return _scratches[(n, k)]
 
 
-def linear(x: torch.Tensor, scratch: PackedScratch, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """bf16 x [M, K] @ W^T (+ bias, any float dtype) for the weight last written into the scratch."""
-    return torch.ops.mkldnn._linear_pointwise(x, scratch.packed, None if bias is None else bias.to(x.dtype),
-                                              "none", [], "")
+def linear(x: torch.Tensor, n: int, write: Callable[[torch.Tensor], None],
+           bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """bf16 x [M, K] @ W^T (+ bias, any float dtype) for a weight [n, K] that `write` puts into a scratch's blocks
+    (in bf16, in their layout); None where there is no scratch for the shape."""
+    scratch = for_shape(n, x.shape[1])
+    if scratch is None:
+        return None
+    with scratch.lock:
+        write(scratch.blocks)
+        return torch.ops.mkldnn._linear_pointwise(x, scratch.packed, None if bias is None else bias.to(x.dtype),
+                                                  "none", [], "")

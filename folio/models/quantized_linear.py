@@ -113,11 +113,11 @@ class QuantizedLinearMethod(LinearMethod):
         GEMM on the dequantised weight (in bf16: written into the packed scratch of the layer's shape,
         folio.models.packed_scratch)."""
         if x.shape[0] >= dequantize_min_rows(x.dtype):
-            scratch = packed_scratch.for_shape(layer.output_size, layer.input_size) \
-                if x.dtype == torch.bfloat16 and quant_kernels.available() else None
-            if scratch is not None:
-                quant_kernels.dequantize_packed(layer.weight, layer.weight_scale, layer.weight_offset, scratch.blocks)
-                return packed_scratch.linear(x, scratch, layer.bias)
+            if x.dtype == torch.bfloat16 and quant_kernels.available():
+                y = packed_scratch.linear(x, layer.output_size, lambda blocks: quant_kernels.dequantize_packed(
+                    layer.weight, layer.weight_scale, layer.weight_offset, blocks), layer.bias)
+                if y is not None:
+                    return y
             dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # the kernel's two
             return QuantizedLinearMethod.dense(layer, x, quant_kernels.dequantize(
                 layer.weight, layer.weight_scale, layer.weight_offset, dtype))
