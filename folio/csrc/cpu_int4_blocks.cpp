@@ -248,64 +248,18 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor 
   return y;
 }
 
-// The transposed weight [K, N] in bf16 (as W^T it feeds the GEMM without a transpose): q s + o by one float32
-// FMA per value (s the group's scale), rounded to bf16. Read as 16 32-bit lanes, a step's 64 bytes hold in lane
-// j the codes of column 16 v + j at k = 2p (nibble v of the low word) and 2p + 1 (of the high word), so each
-// row of W^T gets 16 contiguous values per vector.
-at::Tensor dequantize_transposed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N) {
-  const Blocks w = checked(codes, scales, offsets, N);
-  at::Tensor out = at::empty({w.K, N}, codes.options().dtype(at::kBFloat16));
 #if FOLIO_INT4_BLOCKS
-  auto* op = out.data_ptr<c10::BFloat16>();
+// Every weight of the blocks as float32, q s + o by one FMA (s the group's scale), handed 16 columns at a time:
+// emit(p, n0, mask, even, odd) gets columns n0 .. n0 + 15 (mask: those below N) at k = 2p and 2p + 1. Read as 16
+// 32-bit lanes, a step's 64 bytes hold in lane j the codes of column 16 v + j at k = 2p (nibble v of the low
+// word) and 2p + 1 (of the high word). Blocks are spread over the threads.
+template <class Emit>
+void dequantized_columns(const Blocks& w, int64_t num_blocks, const Emit& emit) {
   const int64_t gp = w.G / 2;
-  at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* codes_b = w.codes + b * w.pairs() * STEP_BYTES;
-      const int64_t nv = std::min<int64_t>(4, (N - b * COLUMNS + 15) / 16);  // vectors of columns in this block
-      for (int64_t g = 0; g < w.ng; ++g) {
-        __m512 s[4], o[4];
-        for (int v = 0; v < nv; ++v) {
-          s[v] = _mm512_mul_ps(halves(w.scales + (b * w.ng + g) * COLUMNS + v * 16), _mm512_set1_ps(1.f / 16));
-          o[v] = halves(w.offsets + (b * w.ng + g) * COLUMNS + v * 16);
-        }
-        for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
-          const __m512i codes_p = _mm512_loadu_si512(codes_b + p * STEP_BYTES);
-          for (int v = 0; v < nv; ++v) {  // 16 columns of rows 2p and 2p + 1
-            const int64_t n0 = b * COLUMNS + v * 16;
-            const __mmask16 mask = N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - n0)) - 1);
-            const __m512i d = _mm512_srli_epi32(codes_p, 4 * v);
-            const __m512i even = _mm512_and_si512(d, _mm512_set1_epi32(15));
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(d, 16), _mm512_set1_epi32(15));
-            const __m512 w_even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s[v], o[v]);
-            const __m512 w_odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s[v], o[v]);
-            _mm256_mask_storeu_epi16(op + 2 * p * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(w_even));
-            _mm256_mask_storeu_epi16(op + (2 * p + 1) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(w_odd));
-          }
-        }
-      }
-    }
-  });
-#endif
-  return out;
-}
-
-// The bf16 weight written into oneDNN's packed layout for its GEMM (folio.models.onednn_layout): out bf16
-// [NB', K' / 2, W, 2], value (n, k) at [n / W][k / 2][n % W][k % 2], W a multiple of 16; the padding (k >= K,
-// n >= N) is left as it is (oneDNN's zeros). The same values as dequantize_transposed: q s + o by one float32
-// FMA, rounded once to bf16. A step's 16 columns of a vector v fall in one W block, each column's pair
-// (k = 2p, 2p + 1) one 32-bit lane: 16 contiguous lanes per store.
-void dequantize_packed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N, at::Tensor out) {
-  const Blocks w = checked(codes, scales, offsets, N);
-  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(3) == 2 &&
-                  out.size(2) % 16 == 0 && 2 * out.size(1) >= w.K && out.size(0) * out.size(2) >= N,
-              "out must be contiguous bf16 [N' / W, K' / 2, W, 2] with W a multiple of 16, K' >= K, N' >= N");
-#if FOLIO_INT4_BLOCKS
-  uint32_t* op = reinterpret_cast<uint32_t*>(out.data_ptr<c10::BFloat16>());
-  const int64_t W = out.size(2), half_kp = out.size(1), gp = w.G / 2;
-  at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* codes_b = w.codes + b * w.pairs() * STEP_BYTES;
-      const int64_t nv = std::min<int64_t>(4, (N - b * COLUMNS + 15) / 16);
+      const int64_t nv = std::min<int64_t>(4, (w.N - b * COLUMNS + 15) / 16);  // vectors of columns in this block
       for (int64_t g = 0; g < w.ng; ++g) {
         __m512 s[4], o[4];
         for (int v = 0; v < nv; ++v) {
@@ -316,18 +270,52 @@ void dequantize_packed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, 
           const __m512i codes_p = _mm512_loadu_si512(codes_b + p * STEP_BYTES);
           for (int v = 0; v < nv; ++v) {
             const int64_t n0 = b * COLUMNS + v * 16;
-            const __mmask16 mask = N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - n0)) - 1);
+            const __mmask16 mask = w.N - n0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (w.N - n0)) - 1);
             const __m512i d = _mm512_srli_epi32(codes_p, 4 * v);
             const __m512i even = _mm512_and_si512(d, _mm512_set1_epi32(15));
             const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(d, 16), _mm512_set1_epi32(15));
-            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s[v], o[v])));
-            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s[v], o[v])));
-            _mm512_mask_storeu_epi32(op + ((n0 / W) * half_kp + p) * W + n0 % W, mask,
-                                     _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            emit(p, n0, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s[v], o[v]),
+                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s[v], o[v]));
           }
         }
       }
     }
+  });
+}
+#endif
+
+// The transposed weight [K, N] in bf16 (as W^T it feeds the GEMM without a transpose), each value rounded once:
+// each row of W^T gets 16 contiguous values per store.
+at::Tensor dequantize_transposed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N) {
+  const Blocks w = checked(codes, scales, offsets, N);
+  at::Tensor out = at::empty({w.K, N}, codes.options().dtype(at::kBFloat16));
+#if FOLIO_INT4_BLOCKS
+  auto* op = out.data_ptr<c10::BFloat16>();
+  dequantized_columns(w, codes.size(0), [&](int64_t p, int64_t n0, __mmask16 mask, __m512 even, __m512 odd) {
+    _mm256_mask_storeu_epi16(op + 2 * p * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(even));
+    _mm256_mask_storeu_epi16(op + (2 * p + 1) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(odd));
+  });
+#endif
+  return out;
+}
+
+// The bf16 weight written into oneDNN's packed layout for its GEMM (folio.models.onednn_layout): out bf16
+// [NB', K' / 2, W, 2], value (n, k) at [n / W][k / 2][n % W][k % 2], W a multiple of 16; the padding (k >= K,
+// n >= N) is left as it is (oneDNN's zeros). The same values as dequantize_transposed. 16 columns of a block
+// fall in one W block, each column's pair (k = 2p, 2p + 1) one 32-bit lane: 16 contiguous lanes per store.
+void dequantize_packed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N, at::Tensor out) {
+  const Blocks w = checked(codes, scales, offsets, N);
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(3) == 2 &&
+                  out.size(2) % 16 == 0 && 2 * out.size(1) >= w.K && out.size(0) * out.size(2) >= N,
+              "out must be contiguous bf16 [N' / W, K' / 2, W, 2] with W a multiple of 16, K' >= K, N' >= N");
+#if FOLIO_INT4_BLOCKS
+  uint32_t* op = reinterpret_cast<uint32_t*>(out.data_ptr<c10::BFloat16>());
+  const int64_t W = out.size(2), half_kp = out.size(1);
+  dequantized_columns(w, codes.size(0), [&](int64_t p, int64_t n0, __mmask16 mask, __m512 even, __m512 odd) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+    _mm512_mask_storeu_epi32(op + ((n0 / W) * half_kp + p) * W + n0 % W, mask,
+                             _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
   });
 #endif
 }
