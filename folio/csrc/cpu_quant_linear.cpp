@@ -979,7 +979,7 @@ at::Tensor dequantize(at::Tensor w, at::Tensor scales, c10::optional<at::Tensor>
 }
 
 // The weight of weight_fields in bf16 written into out, a view of oneDNN's packed buffer: contiguous bf16
-// [N' / W, K' / 2, W, 2] with W * N' / W >= N and K' >= K (PackedBf16).
+// [N' / W, K' / 2, W, 2] with N' >= N and K' >= K (PackedBf16).
 void dequantize_packed(at::Tensor w, at::Tensor scales, c10::optional<at::Tensor> offsets, at::Tensor out,
                        int64_t isa) {
   const WeightOnly a = weight_fields(w, scales, offsets);

@@ -33,8 +33,11 @@ def quantization_chooser(scheme: str, dense: LinearMethod) -> LinearMethodChoose
         return lambda name, layer: dense
     w8a8 = Int8LinearMethod(int8_activations=True, rotated=True)
     int16 = Int8LinearMethod(int16_activations=True)
-    if scheme in ("int8", "w8a16"):
-        body: LinearMethod = w8a8 if scheme == "int8" else int16
+    body: LinearMethod
+    if scheme == "int8":
+        body = w8a8
+    elif scheme == "w8a16":
+        body = int16
     else:
         body = Int4LinearMethod(128 if scheme == "int4-g128" else BLOCK, int8_activations=scheme == "w4a8")
     head = int16 if scheme in ("w8a16", "int4", "int4-g128") else w8a8
