@@ -84,9 +84,8 @@ def test_dense_linear_is_onednns_gemm_on_the_dequantised_weight(n, k, group, mon
         y = int4_blocks.dense_linear(x, blocks, bias)
         scratch = packed_scratch.for_shape(n, k)
         if scratch is not None:
-            assert torch.equal(scratch.blocks, onednn_layout.vnni_blocks(
-                torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64), weight, 2))
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+            assert torch.equal(scratch.blocks, onednn_layout.vnni_blocks(onednn, weight, 2))
             assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, onednn, b, "none", [], ""))
         want = x.double() @ weight.double().T + (0 if bias is None else b.double())
         assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=2e-2, atol=2e-2)

@@ -220,7 +220,7 @@ def test_a_prefill_sized_batch_runs_the_packed_scratch(n, k):
             quant_kernels.dequantize_packed(packed, scales, offsets, scratch.blocks, isa)
             assert torch.equal(scratch.blocks, by_onednn), isa
     layer = Linear(k, n, bias=True, params_dtype=torch.bfloat16)
-    method = Int8LinearMethod()  # w8a16: weight-only
+    method = Int8LinearMethod()  # weight-only: GGUF's Q8_0 layers, w8a16's without VNNI
     layer.bind(method)
     layer.weight.weight_loader(layer.weight, w, None)
     layer.bias.data.copy_(bias)
