@@ -42,6 +42,7 @@ from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import read_gguf
 from folio.models.model_config import ModelConfig
 from folio.platforms import current_platform
+from folio.platforms.cpu_features import cpu_description
 from folio.worker.kv_cache import KVCacheSpec
 
 
@@ -63,6 +64,7 @@ class MachineLimits:
     matmul: list[MatmulRate]
     peak_gflops: dict[str, float]  # per dtype: the best of the model's shapes
     other_cores: float  # CPU other processes used meanwhile (folio.bench.noise)
+    cpu: str = ""  # folio.platforms.cpu_features.cpu_description()
 
 
 @dataclass
@@ -190,7 +192,8 @@ def measure_limits(cfg: ModelConfig, dtypes: list[torch.dtype], bandwidth_mib: i
             gflops[dtype_name(dtype)] = 2 * m * n * k / _median_seconds(lambda: F.linear(x, w), reps) / 1e9
         rates.append(MatmulRate(name, k, n, m, gflops))
     peaks = {d: max(r.gflops[d] for r in rates) for d in rates[0].gflops}
-    return MachineLimits(torch.get_num_threads(), bandwidth, bandwidth_mib, [bandwidth], rates, peaks, load.cores())
+    return MachineLimits(torch.get_num_threads(), bandwidth, bandwidth_mib, [bandwidth], rates, peaks, load.cores(),
+                         cpu_description())
 
 
 def decode_step_bound(cost: ModelCost, batch: int, context: float, bandwidth_gb_s: float,
@@ -233,6 +236,8 @@ def print_result(result: RooflineResult) -> None:
     limits, cost, bound = result.limits, result.cost, result.bound
     peak = limits.peak_gflops[result.dtype]
     print(f"folio bench roofline: {result.model} ({result.dtype}), {result.workload}, threads {limits.threads}")
+    if limits.cpu:
+        print(f"  cpu: {limits.cpu}")
     readings = ""
     if len(limits.bandwidth_readings) > 1:
         readings = (f"; before / after the run: {' / '.join(f'{b:.1f}' for b in limits.bandwidth_readings)}, "

@@ -27,6 +27,7 @@ from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
 from folio.memory import peak_resident_bytes
 from folio.outputs import RequestOutput
+from folio.platforms.cpu_features import cpu_description
 from folio.sampling_params import SamplingParams
 from folio.spec_decode.stats import SpecDecodingStats
 
@@ -54,6 +55,7 @@ class ThroughputResult:
     other_cores: float  # CPU other processes used meanwhile (folio.bench.noise); >= 0.1: not a clean figure
     peak_rss_bytes: int  # this process's peak resident memory at the end of the run, engine start included
     spec_decoding: Optional[SpecDecodingStats] = None  # over the measured run, when speculation is on
+    cpu: str = ""  # folio.platforms.cpu_features.cpu_description(): the figures depend on it
 
 
 @dataclass
@@ -180,7 +182,8 @@ def measure(engine: LLMEngine, requests: list[BenchRequest], workload: str, brea
         breakdown=profile.breakdown() if profile else None, other_cores=other_cores,
         peak_rss_bytes=peak_resident_bytes(),
         spec_decoding=(engine.get_stats().spec_decoding.since(spec_before)
-                       if config.speculative.speculative_config else None))
+                       if config.speculative.speculative_config else None),
+        cpu=cpu_description())
 
 
 def a_b_b_a(setup: Callable[[bool], tuple[LLMEngine, list[BenchRequest], str]], breakdown: bool,
@@ -202,6 +205,8 @@ def rate(results: list[ThroughputResult]) -> float:
 
 def print_result(result: ThroughputResult) -> None:
     print(f"folio bench throughput: {result.model} ({result.dtype}), {result.workload}")
+    if result.cpu:
+        print(f"  cpu: {result.cpu}")
     print(f"  {result.num_requests} requests, {result.prompt_tokens} prompt + {result.output_tokens} output tokens "
           f"in {result.elapsed_s:.2f} s")
     print(f"  throughput: {result.requests_per_s:.2f} requests/s, {result.output_tokens_per_s:.1f} output tokens/s, "
