@@ -41,7 +41,7 @@ def prefill(rows: int, rounds: int, round_s: float) -> None:
 
         def int8_scratch():
             return packed_scratch.linear(x, n, lambda blocks: quant_kernels.dequantize_packed(q8, s8, None, blocks),
-                                         None)
+                                         lambda: quant_kernels.dequantize(q8, s8, None, torch.bfloat16), None)
 
         runs = {
             "bf16 prepacked": lambda: torch.ops.mkldnn._linear_pointwise(x, bf16, None, "none", [], ""),

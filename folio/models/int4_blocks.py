@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch import nn
 
 from folio.csrc_build import CSRC, CppKernel
 from folio.models import packed_scratch, small_batch_gemm
@@ -71,11 +70,8 @@ def dense_linear(x: torch.Tensor, weight: Int4Blocks, bias: Optional[torch.Tenso
     """bf16 x [M, K] @ W^T (+ float32 bias [N]) for batches past the kernel's: oneDNN's GEMM on the weight
     dequantised into the packed scratch of its shape (folio.models.packed_scratch), or where there is none,
     F.linear on the dequantised W^T."""
-    y = packed_scratch.linear(x, weight.out_features, lambda blocks: KERNEL.load().dequantize_packed(
-        weight.codes, weight.scales, weight.offsets, weight.out_features, blocks), bias)
-    if y is None:
-        y = nn.functional.linear(x, dequantize(weight), None if bias is None else bias.to(x.dtype))
-    return y
+    return packed_scratch.linear(x, weight.out_features, lambda blocks: KERNEL.load().dequantize_packed(
+        weight.codes, weight.scales, weight.offsets, weight.out_features, blocks), lambda: dequantize(weight), bias)
 
 
 def dequantize(weight: Int4Blocks) -> torch.Tensor:

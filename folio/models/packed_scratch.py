@@ -11,8 +11,8 @@ scratch (bf16's own prepacked weight): int4 gate/up 74.8 -> 62.8 (56.9), down 27
 One scratch per shape for the process, made at first use from a probe of distinct values (so that its layout can
 be recognised); a use holds its lock from the dequantiser's write to the end of the GEMM, so engines on two
 threads never share one mid-call. It costs a bf16 copy of each distinct layer shape (30 MB for the 0.5B Qwen2);
-shapes of more than MAX_BYTES (a large vocabulary's lm_head) get none, and their callers keep the plain
-dequantised weight.
+shapes of more than MAX_BYTES (a large vocabulary's lm_head) get none, and `linear` gives their plain
+dequantised weight to F.linear, as it does where oneDNN cannot pack bf16.
 """
 
 from __future__ import annotations
@@ -55,14 +55,15 @@ def for_shape(n: int, k: int) -> Optional[PackedScratch]:
     return _scratches[(n, k)]
 
 
-def linear(x: torch.Tensor, n: int, write: Callable[[torch.Tensor], None],
-           bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """bf16 x [M, K] @ W^T (+ bias, any float dtype) for a weight [n, K] that `write` puts into a scratch's blocks
-    (in bf16, in their layout); None where there is no scratch for the shape."""
-    scratch = for_shape(n, x.shape[1])
+def linear(x: torch.Tensor, n: int, write: Optional[Callable[[torch.Tensor], None]],
+           dequantized: Callable[[], torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias, any float dtype) in x's dtype for a quantised weight [n, K]: for bf16 x, oneDNN's GEMM
+    on the scratch of the shape after `write` put the weight into its blocks (in bf16, in their layout); without a
+    scratch (or a writer), F.linear on `dequantized()`, the weight [n, K] in any float dtype."""
+    scratch = for_shape(n, x.shape[1]) if write is not None and x.dtype == torch.bfloat16 else None
+    b = None if bias is None else bias.to(x.dtype)
     if scratch is None:
-        return None
+        return torch.nn.functional.linear(x, dequantized().to(x.dtype), b)
     with scratch.lock:
         write(scratch.blocks)
-        return torch.ops.mkldnn._linear_pointwise(x, scratch.packed, None if bias is None else bias.to(x.dtype),
-                                                  "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, scratch.packed, b, "none", [], "")

@@ -113,17 +113,10 @@ class QuantizedLinearMethod(LinearMethod):
         GEMM on the dequantised weight (in bf16: written into the packed scratch of the layer's shape,
         folio.models.packed_scratch)."""
         if x.shape[0] >= dequantize_min_rows(x.dtype):
-            if x.dtype == torch.bfloat16 and quant_kernels.available():
-                y = packed_scratch.linear(x, layer.output_size, lambda blocks: quant_kernels.dequantize_packed(
-                    layer.weight, layer.weight_scale, layer.weight_offset, blocks), layer.bias)
-                if y is not None:
-                    return y
+            w, scales, offsets = layer.weight, layer.weight_scale, layer.weight_offset
             dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # the kernel's two
-            return QuantizedLinearMethod.dense(layer, x, quant_kernels.dequantize(
-                layer.weight, layer.weight_scale, layer.weight_offset, dtype))
+            write = (lambda blocks: quant_kernels.dequantize_packed(w, scales, offsets, blocks)) \
+                if quant_kernels.available() else None
+            return packed_scratch.linear(x, layer.output_size, write,
+                                         lambda: quant_kernels.dequantize(w, scales, offsets, dtype), layer.bias)
         return quant_kernels.weight_only_linear(x, layer.weight, layer.weight_scale, layer.weight_offset, layer.bias)
-
-    @staticmethod
-    def dense(layer: Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x times a dequantised weight [N, K] (+ the layer's float32 bias), by the dense GEMM in x's dtype."""
-        return nn.functional.linear(x, weight.to(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
