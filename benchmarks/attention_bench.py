@@ -10,23 +10,29 @@ the KV touched (>= --cold-mib) does not stay in the CPU caches, as in a real mod
     .venv/bin/python benchmarks/attention_bench.py --prefill           # also prefill / chunked-prefill cases
     .venv/bin/python benchmarks/attention_bench.py --dtype float32 --threads 1
     .venv/bin/python benchmarks/attention_bench.py --long-queries      # long-query paths vs the paged kernel alone
+    .venv/bin/python benchmarks/attention_bench.py --versus-kernel HEAD~1  # the kernel against an older build of it
     .venv/bin/python benchmarks/attention_bench.py --engine      # whole engine, default model, both backends
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import random
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from folio.attention.backend import BatchLayout
 from folio.attention.cpu_paged import CPUPagedAttentionBackend
 from folio.attention.torch_sdpa import TorchSDPABackend
+from folio.csrc_build import CppKernel
 
 SHAPES = {  # name: (num_heads, num_kv_heads, head_dim)
     "SmolLM2-135M": (9, 3, 64),
@@ -118,10 +124,26 @@ def bench_case(name, specs, shape, dtype, args, rng, backends):
     med = {b: statistics.median(ts[i] for i in keep) for b, ts in times.items()}
     ref, new = med["baseline"], med["cpu_paged"]
     flag = "" if len(quiet) >= 3 else f" [noisy: other processes used {statistics.median(noise):.2f} cores]"
-    print(f"{name:<44} {ref * 1e3:10.3f} {new * 1e3:10.3f} {ref / new:7.1f}x "
+    print(f"{name:<44} {ref * 1e3:10.3f} {new * 1e3:10.3f} {ref / new:7.2f}x "
           f"{kv_bytes / ref / 1e9:9.2f} {kv_bytes / new / 1e9:9.2f}   "
           f"{meta_ms['baseline']:6.2f} {meta_ms['cpu_paged']:6.2f}  "
           f"({len(caches)} layers, {calls} calls x {len(keep)}/{args.rounds} rounds){flag}", flush=True)
+
+
+def kernel_at(revision: str) -> CPUPagedAttentionBackend:
+    """The paged backend on the kernel as it was at a git revision, built under a name of its own."""
+    source = subprocess.run(["git", "show", f"{revision}:folio/csrc/cpu_paged_attention.cpp"], check=True,
+                            capture_output=True, text=True, cwd=Path(__file__).resolve().parent).stdout
+    path = Path(tempfile.mkdtemp()) / "cpu_paged_attention.cpp"
+    path.write_text(source)
+    digest = hashlib.sha1(source.encode()).hexdigest()[:12]
+    ext = CppKernel(f"folio_cpu_paged_attention_{digest}", path, what=f"paged attention kernel at {revision}",
+                    fallback="none").load()
+    if ext is None:
+        raise SystemExit(f"the kernel at {revision} did not build")
+    backend = CPUPagedAttentionBackend(long_queries={})
+    backend.ext = ext
+    return backend
 
 
 def engine_bench(args) -> None:
@@ -171,6 +193,8 @@ def main() -> None:
     parser.add_argument("--round-s", type=float, default=0.15, help="target seconds per backend per round")
     parser.add_argument("--cold-mib", type=int, default=256, help="KV bytes cycled through (per backend)")
     parser.add_argument("--hot", action="store_true", help="one layer: the KV stays in the CPU caches")
+    parser.add_argument("--versus-kernel", metavar="REV",
+                        help="compare with the paged kernel of git revision REV (built once) instead of SDPA")
     parser.add_argument("--prefill", action="store_true", help="also time prefill and chunked-prefill steps")
     parser.add_argument("--long-queries", action="store_true",
                         help="prefill cases only, against the paged kernel without its long-query paths "
@@ -190,8 +214,8 @@ def main() -> None:
     rng = random.Random(0)
     torch.manual_seed(0)
     baseline = CPUPagedAttentionBackend(long_queries={}) if args.long_queries \
-        else TorchSDPABackend()
-    base = "kernel" if args.long_queries else "sdpa"
+        else kernel_at(args.versus_kernel) if args.versus_kernel else TorchSDPABackend()
+    base = "kernel" if args.long_queries else "old" if args.versus_kernel else "sdpa"
     backends = {"baseline": baseline, "cpu_paged": CPUPagedAttentionBackend()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, block_size {args.block_size}, "
           f"{'hot (one layer)' if args.hot else f'cold (>= {args.cold_mib} MiB of KV cycled)'}; "

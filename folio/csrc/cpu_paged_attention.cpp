@@ -12,9 +12,11 @@
 // without repeating K/V). Keys are visited in tiles of 16 tokens with an online softmax (FlashAttention
 // style: running max m, running sum l, float32 accumulator rescaled when the max grows); the next tile's
 // rows are prefetched while this one is computed, since a block can be anywhere in the cache. Items run
-// on OpenMP threads (dynamic schedule, longest first). When the batch has too few items to keep every
-// thread busy (a single long decode), the keys of an item are split into partitions whose partial
-// (m, l, acc) are merged afterwards (flash-decoding).
+// on OpenMP threads (dynamic schedule, longest first; a thread claims its next item before it runs the
+// current one, so that the decode path below can prefetch the next one's first keys). Decodes of
+// grouped-query heads from a bf16 cache take a path of their own, in tiles of 64 keys (attend_decode_bf16).
+// When the batch has too few items to keep every thread busy (a single long decode), the keys of an item
+// are split into partitions whose partial (m, l, acc) are merged afterwards (flash-decoding).
 //
 // The cache may be float32 or bfloat16. Softmax and accumulation are in float32. With a bf16 cache and
 // AVX512-BF16 (head_dim a multiple of 32), q.k and P.V are vdpbf16ps dot products straight from the cache:
@@ -52,6 +54,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -169,7 +172,7 @@ Scratch& thread_scratch() {
 // Scalar path (any head_dim, any ISA). Also the reference for the vector path's structure.
 // ------------------------------------------------------------------------------------------------------
 template <typename T, typename C>
-void attend_item_scalar(const Params& P, const Item& it, float* partial) {
+void attend_item_scalar(const Params& P, const Item& it, float* partial, const Item*) {
   const int D = P.D, G = P.G;
   const int RH = (it.q1 - it.q0) * G, R = RH * (it.h1 - it.h0);
   const int32_t* rq = P.reqs + 3 * it.b;
@@ -310,17 +313,18 @@ inline __m512 tanh_ps(__m512 a) {
   return _mm512_mask_blend_ps(tiny, _mm512_div_ps(p, q), a);
 }
 
-// Issues the prefetches of a tile's K and V rows, a few keys at a time.
+// Issues the prefetches of a tile's K and V rows (up to N keys), a few keys at a time.
+template <int N = TILE, int HINT = _MM_HINT_T1>
 struct LinePrefetcher {
   const char* k = nullptr;
   const char* v = nullptr;
-  int64_t rows[TILE];  // byte offset of each key's row
+  int64_t rows[N];  // byte offset of each key's row
   int n = 0, lines = 0, per_step = 0, j = 0;
   inline void step() {
     for (const int end = std::min(n, j + per_step); j < end; ++j) {
       for (int e = 0; e < lines; ++e) {
-        _mm_prefetch(k + rows[j] + 64 * e, _MM_HINT_T1);
-        _mm_prefetch(v + rows[j] + 64 * e, _MM_HINT_T1);
+        _mm_prefetch(k + rows[j] + 64 * e, (_mm_hint)HINT);
+        _mm_prefetch(v + rows[j] + 64 * e, (_mm_hint)HINT);
       }
     }
   }
@@ -405,10 +409,43 @@ inline __m512 load16_codes(const uint8_t* p, __m512 scale) {  // fp8 e4m3 bits: 
   return _mm512_mul_ps(_mm512_i32gather_ps(idx, FP8_E4M3_VALUES.data(), 4), scale);
 }
 
+// The end of an item: each row's accumulator divided by its sum of probabilities into out, or the
+// unnormalised (m, l, acc) into its partition's slot. lv holds each row's TILE per-lane partial sums. DP: the
+// accumulator holds each 32 values of d permuted (interleave_v_tile): half h, lane 4L + i is d = 8L + 4h + i.
+template <typename T, bool DP, int NV>
+void finish_rows(const Params& P, const Item& it, int R, float* acc, const float* lv, const float* m,
+                 float* partial) {
+  constexpr int D = NV * 16;
+  const int G = P.G, RH = (it.q1 - it.q0) * G, qs = P.reqs[3 * it.b];
+  alignas(64) static const int32_t lo_idx[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t hi_idx[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  for (int r = 0; r < R; ++r) {
+    float* a = acc + (size_t)r * D;
+    if constexpr (DP) {
+      const __m512i li = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+      for (int c = 0; c < NV / 2; ++c) {
+        const __m512 h0 = _mm512_loadu_ps(a + 32 * c), h1 = _mm512_loadu_ps(a + 32 * c + 16);
+        _mm512_storeu_ps(a + 32 * c, _mm512_permutex2var_ps(h0, li, h1));
+        _mm512_storeu_ps(a + 32 * c + 16, _mm512_permutex2var_ps(h0, hi, h1));
+      }
+    }
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(lv + (size_t)r * TILE));
+    const int hh = r / RH, rr = r % RH;
+    if (partial) {
+      store_partial(partial, r, D, m[r], l, a);
+    } else {
+      const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
+      T* dst = static_cast<T*>(P.out) + ((int64_t)(qs + qi) * P.Hkv * G + head) * D;
+      const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+      for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), inv));
+    }
+  }
+}
+
 // T: the dtype of q and out; C: the cache's (T, or int8 / uint8 for 8-bit caches, whose rows are widened to
 // float32 tiles as bf16 rows are where vdpbf16ps cannot take them).
 template <typename T, typename C, int NV>
-void attend_item_avx512(const Params& P, const Item& it, float* partial) {
+void attend_item_avx512(const Params& P, const Item& it, float* partial, const Item*) {
   constexpr int D = NV * 16;
   constexpr bool BF16 = std::is_same<T, at::BFloat16>::value;
   constexpr bool Q8 = Cache<C>::QUANTIZED;
@@ -477,7 +514,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
     // Prefetch the next tile's rows (into L2), spread over the rows of this tile: its block may be anywhere
     // in the cache, so the hardware prefetchers cannot guess it. Measured on 2 cores: about 2x the KV
     // read rate of no prefetching, and 1.5x that of issuing them all at the start of the tile.
-    LinePrefetcher pf;
+    LinePrefetcher<> pf;
     if (t0 + TILE < kend) {
       const int tn = t0 + TILE;
       pf.n = std::min(TILE, kend - tn);
@@ -652,35 +689,205 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial) {
     }
   }
 
-  // DP: back to natural order. Of each 32 values, accumulator half h lane 4L + i holds d = 8L + 4h + i.
-  alignas(64) static const int32_t lo_idx[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-  alignas(64) static const int32_t hi_idx[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  finish_rows<T, DP, NV>(P, it, R, acc, lv, m, partial);
+}
+
+#if defined(__AVX512BF16__)
+// Decode of grouped-query heads from a bf16 cache: one query token, so every key of the item is visible to
+// every row; G rows per kv head; head_dim 32 * NC. What bounded the general path here was not its dot
+// products but what each row pays per tile of 16 keys: the running max (a horizontal max), the correction
+// exp2, its accumulator rescaled through memory, the probabilities' store. This path takes the keys
+// DECODE_TILE at a time, as DECODE_TILE / TILE sub-tiles laid out as the general path lays out one (K
+// transposed into bf16 pairs, V interleaved by pairs of keys), so that those costs come once per 64 keys, and
+// computes the scores of DECODE_RB rows together, each vector of transposed K loaded once for them. The same
+// arithmetic as the general path's: vdpbf16ps products, float32 sums, P rounded to bf16 for P.V; sums in
+// another order (the running max moves every 64 keys instead of 16).
+constexpr int DECODE_TILE = 64;
+constexpr int DECODE_SUBS = DECODE_TILE / TILE;
+constexpr int DECODE_RB = 4;  // rows whose scores are computed together (DECODE_SUBS accumulators each)
+
+// Prefetches for DECODE_TILE keys of an item's request from tile t on: its kv heads' K and V rows.
+template <int HINT = _MM_HINT_T0>
+struct DecodePrefetcher : LinePrefetcher<DECODE_TILE, HINT> {
+  using LinePrefetcher<DECODE_TILE, HINT>::n;
+  using LinePrefetcher<DECODE_TILE, HINT>::lines;
+  using LinePrefetcher<DECODE_TILE, HINT>::k;
+  using LinePrefetcher<DECODE_TILE, HINT>::v;
+  using LinePrefetcher<DECODE_TILE, HINT>::rows;
+  using LinePrefetcher<DECODE_TILE, HINT>::per_step;
+  void aim(const Params& P, const Item& it, int t, int steps) {
+    const int64_t row_bytes = (int64_t)P.Hkv * P.RS * (int64_t)sizeof(at::BFloat16);
+    const int32_t* bt = P.block_tables + it.b * P.max_blocks;
+    n = std::min(DECODE_TILE, it.k1 - t);
+    lines = ((it.h1 - it.h0) * P.RS * (int)sizeof(at::BFloat16) + 63) / 64;
+    k = static_cast<const char*>(P.k_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(at::BFloat16);
+    v = static_cast<const char*>(P.v_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(at::BFloat16);
+    int blk = t / P.block_size, o = t % P.block_size;
+    for (int j = 0; j < n; ++j) {
+      rows[j] = ((int64_t)bt[blk] * P.block_size + o) * row_bytes;
+      if (++o == P.block_size) { o = 0; ++blk; }
+    }
+    per_step = (n + steps - 1) / steps;
+  }
+};
+
+template <int NC>
+void attend_decode_bf16(const Params& P, const Item& it, float* partial, const Item* ahead) {
+  constexpr int NV = 2 * NC, D = NV * 16, D2 = D / 2;
+  constexpr int RC = NV >= 24 ? 1 : 24 / NV;  // rows whose V accumulators stay in registers together
+  const int G = P.G, NH = it.h1 - it.h0, R = G * NH;
+  const int qs = P.reqs[3 * it.b];
+
+  float* mem = thread_scratch().get((size_t)R * (D + TILE + 2 + DECODE_TILE / 2) + DECODE_TILE * D + 64);
+  float* acc = mem;
+  float* lv = acc + (size_t)R * D;  // per-lane partial sums of the probabilities, TILE per row
+  float* m = lv + (size_t)R * TILE;
+  float* corr = m + R;
+  uint32_t* S = reinterpret_cast<uint32_t*>(corr + R);  // each row's probabilities, DECODE_TILE / 2 bf16 pairs
+  uint32_t* kt = S + (size_t)R * DECODE_TILE / 2;  // DECODE_SUBS transposed sub-tiles of K, D2 * TILE each
+  uint32_t* vt = kt + DECODE_TILE * D2;  // V interleaved by pairs of keys
+  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+  // row r is query head h0 * G + r; its q, D2 bf16 pairs, is read in place
+  const at::BFloat16* q0 = static_cast<const at::BFloat16*>(P.q) + (int64_t)(qs + it.q0) * P.q_st +
+                           (int64_t)it.h0 * G * P.q_sh;
   for (int r = 0; r < R; ++r) {
-    float* a = acc + (size_t)r * D;
-    if constexpr (DP) {
-      const __m512i li = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-      for (int c = 0; c < NV / 2; ++c) {
-        const __m512 h0 = _mm512_loadu_ps(a + 32 * c), h1 = _mm512_loadu_ps(a + 32 * c + 16);
-        _mm512_storeu_ps(a + 32 * c, _mm512_permutex2var_ps(h0, li, h1));
-        _mm512_storeu_ps(a + 32 * c + 16, _mm512_permutex2var_ps(h0, hi, h1));
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)r * D + 16 * c, _mm512_setzero_ps());
+    _mm512_storeu_ps(lv + (size_t)r * TILE, _mm512_setzero_ps());
+    m[r] = NEG_INF;
+  }
+
+  const at::BFloat16* kc = static_cast<const at::BFloat16*>(P.k_cache);
+  const at::BFloat16* vc = static_cast<const at::BFloat16*>(P.v_cache);
+  const int32_t* bt = P.block_tables + it.b * P.max_blocks;
+  const int64_t row_stride = (int64_t)P.Hkv * D;
+  const __m512 sc = _mm512_set1_ps(P.scale_log2), ninf = _mm512_set1_ps(NEG_INF);
+  // the prefetchers step every PF_SCORE_EVERY pairs of d in the scores and every PF_PV_EVERY pairs of keys in P.V
+  constexpr int PF_SCORE_EVERY = 4, PF_PV_EVERY = 2;
+  const int steps_per_tile = NH * (((G + DECODE_RB - 1) / DECODE_RB) * (D2 / PF_SCORE_EVERY) +
+                                   ((G + RC - 1) / RC) * (DECODE_TILE / 2 / PF_PV_EVERY));
+  {  // the first tile's rows, all at once (a thread's item before this one asked for them already, its first
+     // item has nothing before it to hide them behind)
+    DecodePrefetcher<_MM_HINT_T1> first;
+    first.aim(P, it, it.k0, 1);
+    first.step();
+  }
+  for (int t0 = it.k0; t0 < it.k1; t0 += DECODE_TILE) {
+    const int nt = std::min(DECODE_TILE, it.k1 - t0);
+    int64_t tok[DECODE_TILE];
+    {
+      int blk = t0 / P.block_size, o = t0 % P.block_size;
+      for (int j = 0; j < nt; ++j) {
+        tok[j] = ((int64_t)bt[blk] * P.block_size + o) * row_stride;
+        if (++o == P.block_size) { o = 0; ++blk; }
       }
     }
-    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(lv + (size_t)r * TILE));
-    const int hh = r / RH, rr = r % RH;
-    if (partial) {
-      store_partial(partial, r, D, m[r], l, a);
-    } else {
-      const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
-      T* dst = static_cast<T*>(P.out) + ((int64_t)(qs + qi) * P.Hkv * G + head) * D;
-      const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-      for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), inv));
+    // the next tile's rows, spread over this tile's work; in the last tile, the first ones of the item this
+    // thread runs next (into L2: the first tile of an item is also fetched in one burst at its start, and a
+    // burst into L1 cost 30 % of a hot decode's time)
+    DecodePrefetcher<> pf;
+    DecodePrefetcher<_MM_HINT_T1> pa;
+    if (t0 + DECODE_TILE < it.k1) pf.aim(P, it, t0 + DECODE_TILE, steps_per_tile);
+    else if (ahead) pa.aim(P, *ahead, ahead->k0, steps_per_tile);
+    __mmask16 valid[DECODE_SUBS];  // the lanes of each sub-tile that hold keys (all but in the last tile)
+    for (int u = 0; u < DECODE_SUBS; ++u) {
+      const int n = std::max(0, std::min(TILE, nt - TILE * u));
+      valid[u] = n == TILE ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
     }
+    for (int hh = 0; hh < NH; ++hh) {
+      const int64_t hoff = (int64_t)(it.h0 + hh) * D;
+      const at::BFloat16* kp[DECODE_TILE];
+      const at::BFloat16* vp[DECODE_TILE];
+      for (int j = 0; j < nt; ++j) {
+        kp[j] = kc + tok[j] + hoff;
+        vp[j] = vc + tok[j] + hoff;
+      }
+      for (int u = 0; u < DECODE_SUBS; ++u)  // keys past nt transpose as zeros
+        transpose_k_tile<NC>(kp + TILE * u, std::max(0, std::min(TILE, nt - TILE * u)), kt + u * D2 * TILE);
+      interleave_v_tile<NC>(vp, nt, vt);
+
+      const int rbeg = hh * G, rend = rbeg + G;
+      for (int r0 = rbeg; r0 < rend; r0 += DECODE_RB) {  // scores (base 2), then each row's softmax update
+        const int rb = std::min(DECODE_RB, rend - r0);
+        __m512 s[DECODE_RB][DECODE_SUBS];
+        for (int i = 0; i < DECODE_RB; ++i)
+          for (int u = 0; u < DECODE_SUBS; ++u) s[i][u] = _mm512_setzero_ps();
+        for (int d2 = 0; d2 < D2; ++d2) {
+          if (d2 % PF_SCORE_EVERY == 0) { pf.step(); pa.step(); }
+          __m512bh kv[DECODE_SUBS];
+          for (int u = 0; u < DECODE_SUBS; ++u) kv[u] = (__m512bh)_mm512_loadu_si512(kt + (u * D2 + d2) * TILE);
+          for (int i = 0; i < DECODE_RB; ++i) {
+            if (i < rb) {
+              const __m512bh qv = (__m512bh)_mm512_set1_epi32(
+                  (int)reinterpret_cast<const uint32_t*>(q0 + (int64_t)(r0 + i) * P.q_sh)[d2]);
+              for (int u = 0; u < DECODE_SUBS; ++u) s[i][u] = _mm512_dpbf16_ps(s[i][u], qv, kv[u]);
+            }
+          }
+        }
+        for (int i = 0; i < rb; ++i) {
+          const int r = r0 + i;
+          __m512 mx = ninf;
+          for (int u = 0; u < DECODE_SUBS; ++u) {
+            __m512 x = _mm512_mul_ps(s[i][u], sc);
+            if (P.softcap2 > 0.f)
+              x = _mm512_mul_ps(tanh_ps(_mm512_mul_ps(x, _mm512_set1_ps(P.inv_softcap2))), _mm512_set1_ps(P.softcap2));
+            s[i][u] = _mm512_mask_blend_ps(valid[u], ninf, x);
+            mx = _mm512_max_ps(mx, s[i][u]);
+          }
+          const float mo = m[r];
+          const float mn = std::max(mo, _mm512_reduce_max_ps(mx));  // finite: every tile has a key
+          corr[r] = mn == mo ? 1.f : (mo == NEG_INF ? 0.f : std::exp2(mo - mn));
+          m[r] = mn;
+          const __m512 mv = _mm512_set1_ps(mn);
+          __m512 psum = _mm512_setzero_ps();
+          for (int u = 0; u < DECODE_SUBS; ++u) {
+            const __m512 p = exp2_ps(_mm512_sub_ps(s[i][u], mv));
+            psum = _mm512_add_ps(psum, p);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(S + (size_t)r * DECODE_TILE / 2 + TILE / 2 * u),
+                                (__m256i)_mm512_cvtneps_pbh(p));
+          }
+          float* lr = lv + (size_t)r * TILE;
+          _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(corr[r]), psum));
+        }
+      }
+      // acc_r = acc_r * corr_r + sum_j p_rj v_j, RC rows at a time with their accumulators in registers
+      for (int r0 = rbeg; r0 < rend; r0 += RC) {
+        const int rc = std::min(RC, rend - r0);
+        __m512 av[RC][NV];
+        for (int i = 0; i < RC; ++i) {
+          if (i < rc) {
+            const __m512 cr = _mm512_set1_ps(corr[r0 + i]);
+            for (int c = 0; c < NV; ++c) av[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(r0 + i) * D + 16 * c), cr);
+          }
+        }
+        for (int jp = 0; 2 * jp < nt; ++jp) {
+          if (jp % PF_PV_EVERY == 0) { pf.step(); pa.step(); }
+          __m512bh vv[NV];
+          for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + (jp * NV + c) * 16);
+          for (int i = 0; i < RC; ++i) {
+            if (i < rc) {
+              const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)S[(size_t)(r0 + i) * DECODE_TILE / 2 + jp]);
+              for (int c = 0; c < NV; ++c) av[i][c] = _mm512_dpbf16_ps(av[i][c], vv[c], pj);
+            }
+          }
+        }
+        for (int i = 0; i < rc; ++i)
+          for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)(r0 + i) * D + 16 * c, av[i][c]);
+      }
+    }
+    pf.per_step = pa.per_step = DECODE_TILE;  // what a short last tile's fewer steps left
+    pf.step();
+    pa.step();
   }
+  finish_rows<at::BFloat16, true, NV>(P, it, R, acc, lv, m, partial);
 }
+#endif
 #endif  // __AVX512F__
 
 template <typename T>
-using ItemFn = void (*)(const Params&, const Item&, float*);
+// (params, item, its partial results' slot or null, the item this thread runs next or null: its first keys
+// may be prefetched)
+using ItemFn = void (*)(const Params&, const Item&, float*, const Item*);
 
 template <typename T, typename C>
 ItemFn<T> pick_kernel(int D) {
@@ -701,6 +908,29 @@ ItemFn<T> pick_kernel(int D) {
   }
 #endif
   return attend_item_scalar<T, C>;
+}
+
+// The decode path for grouped-query heads (attend_decode_bf16) where it applies: q, out and the cache in bf16
+// with AVX512-BF16, head_dim a multiple of 32, at least DECODE_MIN_G query heads per kv head; else null.
+constexpr int DECODE_MIN_G = TRANSPOSE_MIN_ROWS;
+
+template <typename T, typename C>
+ItemFn<T> pick_decode_kernel(int D, int G) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, at::BFloat16>::value && std::is_same<C, T>::value) {
+    if (G >= DECODE_MIN_G) switch (D) {
+      case 32: return attend_decode_bf16<1>;
+      case 64: return attend_decode_bf16<2>;
+      case 96: return attend_decode_bf16<3>;
+      case 128: return attend_decode_bf16<4>;
+      case 160: return attend_decode_bf16<5>;
+      case 192: return attend_decode_bf16<6>;
+      case 256: return attend_decode_bf16<8>;
+      default: break;
+    }
+  }
+#endif
+  return nullptr;
 }
 
 // Merge the partial results of one group's key partitions and write the normalised output.
@@ -874,15 +1104,25 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   // longest items first, so that dynamic scheduling ends with the short ones
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  ItemFn<T> fn = pick_kernel<T, C>(P.D);
+  const ItemFn<T> fn = pick_kernel<T, C>(P.D), decode = pick_decode_kernel<T, C>(P.D, G);
   const int64_t n = (int64_t)items.size();
   const int nt = (int)std::min<int64_t>(nthreads, n);
   float* pbase = partials.data();
   const int D2 = P.D + 2;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
-  for (int64_t i = 0; i < n; ++i) {
-    const Item& it = items[i];
-    fn(P, it, it.part < 0 ? nullptr : pbase + (size_t)it.part * D2);
+  // dynamic scheduling, each thread claiming its next item before it runs the current one, so that the
+  // current one's end can prefetch the next one's first keys
+  // dynamic scheduling, each thread claiming its next item before it runs the current one, so that the
+  // current one's end can prefetch the next one's first keys
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    for (int64_t i = claimed.fetch_add(1); i < n;) {
+      const int64_t next = claimed.fetch_add(1);
+      const Item& it = items[i];
+      (decode && P.reqs[3 * it.b + 1] == 1 ? decode : fn)(P, it, it.part < 0 ? nullptr : pbase + (size_t)it.part * D2,
+                                                          next < n ? &items[next] : nullptr);
+      i = next;
+    }
   }
   const int64_t ng = (int64_t)groups.size();
   if (ng) {
