@@ -398,6 +398,24 @@ inline void interleave_v_tile(const at::BFloat16* const* vp, int nt, uint32_t* v
     }
   }
 }
+// P.V of a tile with vdpbf16ps: av[i] += the probabilities of row r0 + i (bf16 pairs of keys, row r's at
+// pb + r * stride) times the tile's V interleaved by pairs (interleave_v_tile), for the rc <= RC rows from r0
+// over nt keys; step(jp) runs before each pair of keys.
+template <int NV, int RC, class Step>
+inline void pv_pairs_bf16(__m512 (&av)[RC][NV], const uint32_t* pb, int64_t stride, const uint32_t* vt, int nt,
+                          int r0, int rc, const Step& step) {
+  for (int jp = 0; 2 * jp < nt; ++jp) {
+    step(jp);
+    __m512bh vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + (jp * NV + c) * 16);
+    for (int i = 0; i < RC; ++i) {
+      if (i < rc) {
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pb[(size_t)(r0 + i) * stride + jp]);
+        for (int c = 0; c < NV; ++c) av[i][c] = _mm512_dpbf16_ps(av[i][c], vv[c], pj);
+      }
+    }
+  }
+}
 #endif
 
 // 16 values of an 8-bit cache row (codes times the row's scale) as float32.
@@ -656,17 +674,8 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
         }
         if constexpr (DP) {
 #if defined(__AVX512BF16__)
-          const uint32_t* pb = reinterpret_cast<const uint32_t*>(S);  // row r: TILE / 2 pairs at r * TILE
-          for (int jp = 0; 2 * jp < nt; ++jp) {
-            __m512bh vv[NV];
-            for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + (jp * NV + c) * 16);
-            for (int i = 0; i < RC; ++i) {
-              if (i < rc) {
-                const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pb[(size_t)(r0 + i) * TILE + jp]);
-                for (int c = 0; c < NV; ++c) av[i][c] = _mm512_dpbf16_ps(av[i][c], vv[c], pj);
-              }
-            }
-          }
+          // row r: TILE / 2 pairs at r * TILE
+          pv_pairs_bf16<NV, RC>(av, reinterpret_cast<const uint32_t*>(S), TILE, vt, nt, r0, rc, [](int) {});
 #endif
         } else {
           for (int j = 0; j < nt; ++j) {
@@ -860,17 +869,12 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
             for (int c = 0; c < NV; ++c) av[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(r0 + i) * D + 16 * c), cr);
           }
         }
-        for (int jp = 0; 2 * jp < nt; ++jp) {
-          if (jp % PF_PV_EVERY == 0) { pf.step(); pa.step(); }
-          __m512bh vv[NV];
-          for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + (jp * NV + c) * 16);
-          for (int i = 0; i < RC; ++i) {
-            if (i < rc) {
-              const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)S[(size_t)(r0 + i) * DECODE_TILE / 2 + jp]);
-              for (int c = 0; c < NV; ++c) av[i][c] = _mm512_dpbf16_ps(av[i][c], vv[c], pj);
-            }
+        pv_pairs_bf16<NV, RC>(av, S, DECODE_TILE / 2, vt, nt, r0, rc, [&](int jp) {
+          if (jp % PF_PV_EVERY == 0) {
+            pf.step();
+            pa.step();
           }
-        }
+        });
         for (int i = 0; i < rc; ++i)
           for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)(r0 + i) * D + 16 * c, av[i][c]);
       }
