@@ -12,9 +12,10 @@
 // without repeating K/V). Keys are visited in tiles of 16 tokens with an online softmax (FlashAttention
 // style: running max m, running sum l, float32 accumulator rescaled when the max grows); the next tile's
 // rows are prefetched while this one is computed, since a block can be anywhere in the cache. Items run
-// on OpenMP threads (dynamic schedule, longest first; a thread claims its next item before it runs the
-// current one, so that the decode path below can prefetch the next one's first keys). Decodes of
-// grouped-query heads from a bf16 cache take a path of their own, in tiles of 64 keys (attend_decode_bf16).
+// on OpenMP threads (dynamic schedule, longest first; while enough are left, a thread claims its next item
+// before it runs the current one, so that the decode path below can prefetch the next one's first keys).
+// Decodes of grouped-query heads from a bf16 cache take a path of their own, in tiles of 64 keys
+// (attend_decode_bf16).
 // When the batch has too few items to keep every thread busy (a single long decode), the keys of an item
 // are split into partitions whose partial (m, l, acc) are merged afterwards (flash-decoding).
 //
@@ -329,6 +330,28 @@ struct LinePrefetcher {
     }
   }
 };
+
+// The accumulators of rows r0 .. r0 + rc (rc <= RC, D = 16 NV floats each) into registers, each times its
+// row's softmax correction, and back.
+template <int NV, int RC>
+inline void load_corrected(__m512 (&av)[RC][NV], const float* acc, const float* corr, int r0, int rc) {
+  for (int i = 0; i < RC; ++i) {  // to RC with a test, not to rc: indices known at compile time keep av in registers
+    if (i < rc) {
+      const __m512 cr = _mm512_set1_ps(corr[r0 + i]);
+      for (int c = 0; c < NV; ++c)
+        av[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(r0 + i) * NV * 16 + 16 * c), cr);
+    }
+  }
+}
+
+template <int NV, int RC>
+inline void store_rows(const __m512 (&av)[RC][NV], float* acc, int r0, int rc) {
+  for (int i = 0; i < RC; ++i) {
+    if (i < rc) {
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)(r0 + i) * NV * 16 + 16 * c, av[i][c]);
+    }
+  }
+}
 
 // Sums each of 16 vectors: lane j of the result is the sum of a[j]'s lanes.
 inline __m512 hsum16(__m512 a[16]) {
@@ -665,13 +688,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
       for (int r0 = rbeg; r0 < rend; r0 += RC) {
         const int rc = std::min(RC, rend - r0);
         __m512 av[RC][NV];
-        for (int i = 0; i < RC; ++i) {
-          if (i < rc) {
-            const __m512 cr = _mm512_set1_ps(corr[r0 + i]);
-            for (int c = 0; c < NV; ++c)
-              av[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(r0 + i) * D + 16 * c), cr);
-          }
-        }
+        load_corrected<NV, RC>(av, acc, corr, r0, rc);
         if constexpr (DP) {
 #if defined(__AVX512BF16__)
           // row r: TILE / 2 pairs at r * TILE
@@ -689,11 +706,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
             }
           }
         }
-        for (int i = 0; i < RC; ++i) {
-          if (i < rc) {
-            for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)(r0 + i) * D + 16 * c, av[i][c]);
-          }
-        }
+        store_rows<NV, RC>(av, acc, r0, rc);
       }
     }
   }
@@ -863,20 +876,14 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
       for (int r0 = rbeg; r0 < rend; r0 += RC) {
         const int rc = std::min(RC, rend - r0);
         __m512 av[RC][NV];
-        for (int i = 0; i < RC; ++i) {
-          if (i < rc) {
-            const __m512 cr = _mm512_set1_ps(corr[r0 + i]);
-            for (int c = 0; c < NV; ++c) av[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(r0 + i) * D + 16 * c), cr);
-          }
-        }
+        load_corrected<NV, RC>(av, acc, corr, r0, rc);
         pv_pairs_bf16<NV, RC>(av, S, DECODE_TILE / 2, vt, nt, r0, rc, [&](int jp) {
           if (jp % PF_PV_EVERY == 0) {
             pf.step();
             pa.step();
           }
         });
-        for (int i = 0; i < rc; ++i)
-          for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)(r0 + i) * D + 16 * c, av[i][c]);
+        store_rows<NV, RC>(av, acc, r0, rc);
       }
     }
     pf.per_step = pa.per_step = DECODE_TILE;  // what a short last tile's fewer steps left
@@ -1113,19 +1120,18 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   const int nt = (int)std::min<int64_t>(nthreads, n);
   float* pbase = partials.data();
   const int D2 = P.D + 2;
-  // dynamic scheduling, each thread claiming its next item before it runs the current one, so that the
-  // current one's end can prefetch the next one's first keys
-  // dynamic scheduling, each thread claiming its next item before it runs the current one, so that the
-  // current one's end can prefetch the next one's first keys
+  // dynamic scheduling, each thread claiming its next item before it runs the current one (so that the
+  // current one's end can prefetch the next one's first keys) while enough are left to keep every thread
+  // busy; the last ones are claimed as threads come free, as schedule(dynamic, 1) would
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     for (int64_t i = claimed.fetch_add(1); i < n;) {
-      const int64_t next = claimed.fetch_add(1);
+      const int64_t next = claimed.load(std::memory_order_relaxed) + nt < n ? claimed.fetch_add(1) : -1;
       const Item& it = items[i];
       (decode && P.reqs[3 * it.b + 1] == 1 ? decode : fn)(P, it, it.part < 0 ? nullptr : pbase + (size_t)it.part * D2,
-                                                          next < n ? &items[next] : nullptr);
-      i = next;
+                                                          next >= 0 && next < n ? &items[next] : nullptr);
+      i = next >= 0 ? next : claimed.fetch_add(1);
     }
   }
   const int64_t ng = (int64_t)groups.size();
