@@ -131,17 +131,18 @@ def bench_case(name, specs, shape, dtype, args, rng, backends):
 
 
 def kernel_at(revision: str) -> CPUPagedAttentionBackend:
-    """The paged backend on the kernel as it was at a git revision, built under a name of its own."""
+    """The paged backend (long-query paths as now) on the kernel as it was at a git revision, built under a name
+    of its own."""
     source = subprocess.run(["git", "show", f"{revision}:folio/csrc/cpu_paged_attention.cpp"], check=True,
                             capture_output=True, text=True, cwd=Path(__file__).resolve().parent).stdout
     path = Path(tempfile.mkdtemp()) / "cpu_paged_attention.cpp"
     path.write_text(source)
     digest = hashlib.sha1(source.encode()).hexdigest()[:12]
     ext = CppKernel(f"folio_cpu_paged_attention_{digest}", path, what=f"paged attention kernel at {revision}",
-                    fallback="none").load()
+                    fallback="no comparison").load()
     if ext is None:
         raise SystemExit(f"the kernel at {revision} did not build")
-    backend = CPUPagedAttentionBackend(long_queries={})
+    backend = CPUPagedAttentionBackend()
     backend.ext = ext
     return backend
 
