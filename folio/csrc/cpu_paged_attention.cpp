@@ -93,6 +93,16 @@ struct Params {
 // before the tile), for a window W (0: none).
 inline int window_first(int window, int pos, int t0) { return window ? std::max(0, pos - window + 1 - t0) : 0; }
 
+// Where keys t .. t + n - 1 of a request (block table bt) sit in the cache: out[j] = (block id * block_size +
+// slot) * unit, unit being the size of a token's row [Hkv, ...] in elements or bytes.
+inline void key_rows(const Params& P, const int32_t* bt, int t, int n, int64_t unit, int64_t* out) {
+  int blk = t / P.block_size, o = t % P.block_size;
+  for (int j = 0; j < n; ++j) {
+    out[j] = ((int64_t)bt[blk] * P.block_size + o) * unit;
+    if (++o == P.block_size) { o = 0; ++blk; }
+  }
+}
+
 struct Item {
   int b, h0, h1, q0, q1, k0, k1;  // request, kv heads [h0, h1), query tokens [q0, q1), keys [k0, k1)
   int part;  // < 0: write the output; else the first row of its slot in the partial results
@@ -204,11 +214,7 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial, const I
   for (int t0 = it.k0; t0 < kend; t0 += TILE) {
     const int nt = std::min(TILE, kend - t0);
     int64_t tok[TILE];
-    int blk = t0 / P.block_size, o = t0 % P.block_size;
-    for (int j = 0; j < nt; ++j) {
-      tok[j] = ((int64_t)bt[blk] * P.block_size + o) * row_stride;
-      if (++o == P.block_size) { o = 0; ++blk; }
-    }
+    key_rows(P, bt, t0, nt, row_stride, tok);
     for (int r = 0; r < R; ++r) {
       const int hh = r / RH, rr = r % RH;
       const int64_t hoff = (int64_t)(it.h0 + hh) * P.RS;
@@ -545,13 +551,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
   for (int t0 = it.k0; t0 < kend; t0 += TILE) {
     const int nt = std::min(TILE, kend - t0);
     int64_t tok[TILE];  // start of each key's row [Hkv, D] in the cache
-    {
-      int blk = t0 / P.block_size, o = t0 % P.block_size;
-      for (int j = 0; j < nt; ++j) {
-        tok[j] = ((int64_t)bt[blk] * P.block_size + o) * row_stride;
-        if (++o == P.block_size) { o = 0; ++blk; }
-      }
-    }
+    key_rows(P, bt, t0, nt, row_stride, tok);
     // Prefetch the next tile's rows (into L2), spread over the rows of this tile: its block may be anywhere
     // in the cache, so the hardware prefetchers cannot guess it. Measured on 2 cores: about 2x the KV
     // read rate of no prefetching, and 1.5x that of issuing them all at the start of the tile.
@@ -562,11 +562,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
       pf.lines = (NH * RW * (int)sizeof(C) + 63) / 64;
       pf.k = reinterpret_cast<const char*>(kc + (int64_t)it.h0 * RW);
       pf.v = reinterpret_cast<const char*>(vc + (int64_t)it.h0 * RW);
-      int blk = tn / P.block_size, o = tn % P.block_size;
-      for (int j = 0; j < pf.n; ++j) {
-        pf.rows[j] = ((int64_t)bt[blk] * P.block_size + o) * row_stride * (int64_t)sizeof(C);
-        if (++o == P.block_size) { o = 0; ++blk; }
-      }
+      key_rows(P, bt, tn, pf.n, row_stride * (int64_t)sizeof(C), pf.rows);
       pf.per_step = (pf.n + R - 1) / R;
     }
     for (int hh = 0; hh < NH; ++hh) {
@@ -728,30 +724,18 @@ constexpr int DECODE_TILE = 64;
 constexpr int DECODE_SUBS = DECODE_TILE / TILE;
 constexpr int DECODE_RB = 4;  // rows whose scores are computed together (DECODE_SUBS accumulators each)
 
-// Prefetches for DECODE_TILE keys of an item's request from tile t on: its kv heads' K and V rows.
-template <int HINT = _MM_HINT_T0>
-struct DecodePrefetcher : LinePrefetcher<DECODE_TILE, HINT> {
-  using LinePrefetcher<DECODE_TILE, HINT>::n;
-  using LinePrefetcher<DECODE_TILE, HINT>::lines;
-  using LinePrefetcher<DECODE_TILE, HINT>::k;
-  using LinePrefetcher<DECODE_TILE, HINT>::v;
-  using LinePrefetcher<DECODE_TILE, HINT>::rows;
-  using LinePrefetcher<DECODE_TILE, HINT>::per_step;
-  void aim(const Params& P, const Item& it, int t, int steps) {
-    const int64_t row_bytes = (int64_t)P.Hkv * P.RS * (int64_t)sizeof(at::BFloat16);
-    const int32_t* bt = P.block_tables + it.b * P.max_blocks;
-    n = std::min(DECODE_TILE, it.k1 - t);
-    lines = ((it.h1 - it.h0) * P.RS * (int)sizeof(at::BFloat16) + 63) / 64;
-    k = static_cast<const char*>(P.k_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(at::BFloat16);
-    v = static_cast<const char*>(P.v_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(at::BFloat16);
-    int blk = t / P.block_size, o = t % P.block_size;
-    for (int j = 0; j < n; ++j) {
-      rows[j] = ((int64_t)bt[blk] * P.block_size + o) * row_bytes;
-      if (++o == P.block_size) { o = 0; ++blk; }
-    }
-    per_step = (n + steps - 1) / steps;
-  }
-};
+// Aims pf at DECODE_TILE keys of an item's request from key t on (its kv heads' K and V rows), to be issued
+// over `steps` calls of pf.step().
+template <int HINT>
+void aim(LinePrefetcher<DECODE_TILE, HINT>& pf, const Params& P, const Item& it, int t, int steps) {
+  const int64_t row_bytes = (int64_t)P.Hkv * P.RS * (int64_t)sizeof(at::BFloat16);
+  pf.n = std::min(DECODE_TILE, it.k1 - t);
+  pf.lines = ((it.h1 - it.h0) * P.RS * (int)sizeof(at::BFloat16) + 63) / 64;
+  pf.k = static_cast<const char*>(P.k_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(at::BFloat16);
+  pf.v = static_cast<const char*>(P.v_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(at::BFloat16);
+  key_rows(P, P.block_tables + it.b * P.max_blocks, t, pf.n, row_bytes, pf.rows);
+  pf.per_step = (pf.n + steps - 1) / steps;
+}
 
 template <int NC>
 void attend_decode_bf16(const Params& P, const Item& it, float* partial, const Item* ahead) {
@@ -790,27 +774,21 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
                                    ((G + RC - 1) / RC) * (DECODE_TILE / 2 / PF_PV_EVERY));
   {  // the first tile's rows, all at once (a thread's item before this one asked for them already, its first
      // item has nothing before it to hide them behind)
-    DecodePrefetcher<_MM_HINT_T1> first;
-    first.aim(P, it, it.k0, 1);
+    LinePrefetcher<DECODE_TILE, _MM_HINT_T1> first;
+    aim(first, P, it, it.k0, 1);
     first.step();
   }
   for (int t0 = it.k0; t0 < it.k1; t0 += DECODE_TILE) {
     const int nt = std::min(DECODE_TILE, it.k1 - t0);
     int64_t tok[DECODE_TILE];
-    {
-      int blk = t0 / P.block_size, o = t0 % P.block_size;
-      for (int j = 0; j < nt; ++j) {
-        tok[j] = ((int64_t)bt[blk] * P.block_size + o) * row_stride;
-        if (++o == P.block_size) { o = 0; ++blk; }
-      }
-    }
+    key_rows(P, bt, t0, nt, row_stride, tok);
     // the next tile's rows, spread over this tile's work; in the last tile, the first ones of the item this
     // thread runs next (into L2: the first tile of an item is also fetched in one burst at its start, and a
     // burst into L1 cost 30 % of a hot decode's time)
-    DecodePrefetcher<> pf;
-    DecodePrefetcher<_MM_HINT_T1> pa;
-    if (t0 + DECODE_TILE < it.k1) pf.aim(P, it, t0 + DECODE_TILE, steps_per_tile);
-    else if (ahead) pa.aim(P, *ahead, ahead->k0, steps_per_tile);
+    LinePrefetcher<DECODE_TILE, _MM_HINT_T0> pf;
+    LinePrefetcher<DECODE_TILE, _MM_HINT_T1> pa;
+    if (t0 + DECODE_TILE < it.k1) aim(pf, P, it, t0 + DECODE_TILE, steps_per_tile);
+    else if (ahead) aim(pa, P, *ahead, ahead->k0, steps_per_tile);
     __mmask16 valid[DECODE_SUBS];  // the lanes of each sub-tile that hold keys (all but in the last tile)
     for (int u = 0; u < DECODE_SUBS; ++u) {
       const int n = std::max(0, std::min(TILE, nt - TILE * u));
