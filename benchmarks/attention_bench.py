@@ -11,6 +11,7 @@ the KV touched (>= --cold-mib) does not stay in the CPU caches, as in a real mod
     .venv/bin/python benchmarks/attention_bench.py --dtype float32 --threads 1
     .venv/bin/python benchmarks/attention_bench.py --long-queries      # long-query paths vs the paged kernel alone
     .venv/bin/python benchmarks/attention_bench.py --versus-kernel HEAD~1  # the kernel against an older build of it
+    .venv/bin/python benchmarks/attention_bench.py --kv-cache-dtype int8   # an 8-bit cache (int8 or fp8)
     .venv/bin/python benchmarks/attention_bench.py --engine      # whole engine, default model, both backends
 """
 
@@ -31,6 +32,7 @@ import torch
 
 from folio.attention.backend import BatchLayout
 from folio.attention.cpu_paged import CPUPagedAttentionBackend
+from folio.attention.kv_quant import KV_QUANTIZATIONS
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CppKernel
 
@@ -40,11 +42,17 @@ SHAPES = {  # name: (num_heads, num_kv_heads, head_dim)
 }
 
 
-def make_layers(specs, hkv, d, dtype, block_size, min_bytes, rng):
-    """Per-layer caches (random, shuffled block ids) big enough for the batch, and the step's layout."""
+def row_bytes(d, dtype, kv_cache_dtype):
+    """Bytes of one (token, kv head) row of K or V in the cache."""
+    return d * dtype.itemsize if kv_cache_dtype == "auto" else KV_QUANTIZATIONS[kv_cache_dtype].row_size(d)
+
+
+def make_layers(specs, hkv, d, dtype, block_size, min_bytes, rng, kv_cache_dtype="auto"):
+    """Per-layer caches (random, shuffled block ids) big enough for the batch, and the step's layout; an 8-bit
+    kv_cache_dtype quantises each cache as the engine's is (folio.attention.kv_quant)."""
     need = [math.ceil(s / block_size) for _, s in specs]
     num_blocks = sum(need) + 8
-    per_layer = 2 * num_blocks * block_size * hkv * d * dtype.itemsize
+    per_layer = 2 * num_blocks * block_size * hkv * row_bytes(d, dtype, kv_cache_dtype)
     n_layers = max(1, min(4096, math.ceil(min_bytes / per_layer)))
     ids = list(range(num_blocks))
     rng.shuffle(ids)
@@ -54,7 +62,8 @@ def make_layers(specs, hkv, d, dtype, block_size, min_bytes, rng):
         pos += n
     layout = BatchLayout.from_lists([q for q, _ in specs], [s for _, s in specs], tables, block_size)
     shape = (num_blocks, block_size, hkv, d)
-    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(n_layers)]
+    store = (lambda c: c.to(dtype)) if kv_cache_dtype == "auto" else KV_QUANTIZATIONS[kv_cache_dtype].quantize
+    caches = [(store(torch.randn(shape)), store(torch.randn(shape))) for _ in range(n_layers)]
     return caches, layout
 
 
@@ -100,9 +109,10 @@ def time_calls(backend, meta, caches, q, k, v, calls: int) -> float:
 
 def bench_case(name, specs, shape, dtype, args, rng, backends):
     hq, hkv, d = shape
-    caches, layout = make_layers(specs, hkv, d, dtype, args.block_size, 0 if args.hot else args.cold_mib << 20, rng)
+    caches, layout = make_layers(specs, hkv, d, dtype, args.block_size, 0 if args.hot else args.cold_mib << 20, rng,
+                                 args.kv_cache_dtype)
     q, k, v = qkv(sum(ql for ql, _ in specs), hq, hkv, d, dtype)
-    kv_bytes = sum(s for _, s in specs) * 2 * hkv * d * dtype.itemsize
+    kv_bytes = sum(s for _, s in specs) * 2 * hkv * row_bytes(d, dtype, args.kv_cache_dtype)
     metas, meta_ms, times = {}, {}, {n: [] for n in backends}
     for bname, backend in backends.items():
         t0 = time.perf_counter()
@@ -186,6 +196,8 @@ def engine_bench(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_QUANTIZATIONS],
+                        help="the cache's format: the model's dtype, or 8-bit rows with a scale each")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--context", type=int, default=384)
     parser.add_argument("--batches", default="1,16,64")
@@ -218,7 +230,8 @@ def main() -> None:
         else kernel_at(args.versus_kernel) if args.versus_kernel else TorchSDPABackend()
     base = "kernel" if args.long_queries else "old" if args.versus_kernel else "sdpa"
     backends = {"baseline": baseline, "cpu_paged": CPUPagedAttentionBackend()}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, block_size {args.block_size}, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+          f"{'' if args.kv_cache_dtype == 'auto' else f'{args.kv_cache_dtype} cache, '}block_size {args.block_size}, "
           f"{'hot (one layer)' if args.hot else f'cold (>= {args.cold_mib} MiB of KV cycled)'}; "
           f"time per layer call (KV write + attention), median over the quiet rounds")
     print(f"{'case':<44} {base + ' ms':>10} {'paged ms':>10} {'speedup':>8} {base + ' GB/s':>9} {'paged GB/s':>9}   "

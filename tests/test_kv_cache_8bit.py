@@ -43,7 +43,8 @@ def test_rows_round_to_their_own_scale(name):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim,group", [(64, 7), (40, 3), (128, 1)])
-def test_paged_kernel_writes_the_reference_bytes_and_attends_in_float32(name, dtype, head_dim, group):
+def test_paged_kernel_writes_the_reference_bytes_and_attends_as_closely_as_its_bf16_path(name, dtype, head_dim,
+                                                                                         group):
     if cpu_paged.load_extension() is None:
         pytest.skip(f"no paged attention kernel: {cpu_paged.extension_error()}")
     quant = KV_QUANTIZATIONS[name]
@@ -53,13 +54,51 @@ def test_paged_kernel_writes_the_reference_bytes_and_attends_in_float32(name, dt
     ref, ref_cache = run(TorchSDPABackend(), q, k, v, cache, layout)
     assert torch.equal(new_cache[0], ref_cache[0]) and torch.equal(new_cache[1], ref_cache[1])
     assert out.dtype == dtype
-    # the kernel dequantises to float32 and sums in float32: against float32 attention on the same codes, one
-    # rounding to the output dtype (the reference dequantises into q's dtype first, so in bf16 it is further off)
+    # against float32 attention on the same codes (the reference dequantises into q's dtype first, so in bf16
+    # it is further off): in float32 the kernel dequantises and sums in float32, one rounding to the output
+    # (float32 sums in another order: within 1e-5 of the largest |v| the sums run over); with bf16 q and a
+    # head_dim of a multiple of 32 it also rounds each probability times its value's scale to bf16, as the
+    # bf16 cache's path rounds probabilities (2^-9 of the largest |v| at most)
     exact, _ = run(TorchSDPABackend(), q.float(), k.float(), v.float(), cache, layout)
-    # (float32 sums in another order: within 1e-5 of the largest |v| the sums run over)
     v_max = max(quant.dequantize(cache[1], torch.float32).abs().max().item(), v.float().abs().max().item())
     tol = 2e-5 if dtype == torch.float32 else 2 ** -8
-    assert bool(((out.float() - exact).abs() <= exact.abs() * tol + v_max * 1e-5).all())
+    rounded_p = v_max * 2 ** -9 if dtype == torch.bfloat16 and head_dim % 32 == 0 else 0.0
+    assert bool(((out.float() - exact).abs() <= exact.abs() * tol + v_max * 1e-5 + rounded_p).all())
+
+
+def on_code_grid(name: str, x: torch.Tensor, seed: int) -> torch.Tensor:
+    """x moved onto the codes of 8-bit rows whose scales are powers of two (2^-4 .. 2^4, at random per row):
+    each row's values rounded to int8 codes or fp8 e4m3 values, its largest |value| set to the format's largest
+    code, times its scale."""
+    quant = KV_QUANTIZATIONS[name]
+    x = x / x.abs().amax(-1, keepdim=True) * quant.max_code
+    x = x.round() if name == "int8" else x.to(torch.float8_e4m3fn).float()
+    scales = 2.0 ** torch.randint(-4, 5, x.shape[:-1] + (1,), generator=torch.Generator().manual_seed(seed))
+    return (x * scales).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 7), (64, 3), (128, 1), (32, 4)])
+def test_8bit_cache_attends_as_a_bf16_cache_of_the_same_values(name, head_dim, group):
+    """Rows whose scales are powers of two hold the same values as a bf16 cache. With bf16 q the kernel takes
+    an 8-bit cache's codes exactly into bf16 and each row's scale into its scores and probabilities (fp8 as
+    value / 256 and scale x 256), which moves no rounding: its output (decodes of grouped heads on their own
+    path, the rest on the general one) equals the bf16 cache's bit for bit, but where a probability times a
+    scale falls below float's normal range (1.2e-38), which vdpbf16ps flushes to zero: a power of two moves
+    which ones do."""
+    if cpu_paged.load_extension() is None:
+        pytest.skip(f"no paged attention kernel: {cpu_paged.extension_error()}")
+    q, k, v, cache, layout = make_step(MIXED, 16, 2, group, head_dim, torch.bfloat16, seed=head_dim + group)
+    k, v = on_code_grid(name, k, 1), on_code_grid(name, v, 2)
+    cache = tuple(on_code_grid(name, c.float(), 3 + i) for i, c in enumerate(cache))
+    quant = KV_QUANTIZATIONS[name]
+    codes = tuple(quant.quantize(c) for c in cache)
+    assert bool((quant.dequantize(codes[1], torch.bfloat16) == cache[1]).all())
+    assert len(codes[1][..., head_dim:].view(torch.float32).unique()) == 9
+    backend = cpu_paged.CPUPagedAttentionBackend()
+    out8, _ = run(backend, q, k, v, codes, layout)
+    out16, _ = run(backend, q, k, v, cache, layout)
+    assert not bool((out8 != out16).logical_and((out8.float() - out16.float()).abs() > 1e-37).any())
 
 
 def test_an_8bit_block_takes_about_half_of_bf16_and_a_quarter_of_float32():

@@ -14,8 +14,8 @@
 // rows are prefetched while this one is computed, since a block can be anywhere in the cache. Items run
 // on OpenMP threads (dynamic schedule, longest first; while enough are left, a thread claims its next item
 // before it runs the current one, so that the decode path below can prefetch the next one's first keys).
-// Decodes of grouped-query heads from a bf16 cache take a path of their own, in tiles of 64 keys
-// (attend_decode_bf16).
+// Decodes of grouped-query heads with bf16 q (from a bf16 or 8-bit cache) take a path of their own, in tiles
+// of 64 keys (attend_decode_bf16).
 // When the batch has too few items to keep every thread busy (a single long decode), the keys of an item
 // are split into partitions whose partial (m, l, acc) are merged afterwards (flash-decoding).
 //
@@ -32,8 +32,11 @@
 // 8-bit caches (folio.attention.kv_quant): a row is D codes, int8 (int8 cache) or fp8 e4m3 bits (uint8
 // cache), followed by the 4 bytes of its float32 scale (max |value| / 127 or / 448); the new K/V rows are
 // quantised here exactly as the torch reference does. The scalar path takes each key's scale out of its dot
-// product and folds each value's into its probability; the AVX-512 path widens each tile's rows to float32
-// (codes times scale, as the reference dequantises them) and runs the float32 tile code on them.
+// product and folds each value's into its probability. So do the bf16 tile paths (bf16 q, head_dim a
+// multiple of 32, AVX512-BF16), which take a tile's codes exactly into bf16 (exact_codes) and then run as
+// from a bf16 cache: scores (q . codes) times the key's scale, probabilities times the value's scale before
+// their rounding to bf16. Elsewhere the AVX-512 path widens each tile's rows to float32 (codes times scale,
+// as the reference dequantises them) and runs the float32 tile code on them.
 //
 // Sliding window W (0: none): query row at position p sees keys p - W < t <= p. An item's keys start at the
 // window of its first query token, each row masks the keys before its own window, and a block wholly before
@@ -124,6 +127,7 @@ inline float to_f(T x) { return static_cast<float>(x); }
 template <typename C>
 struct Cache {
   static constexpr bool QUANTIZED = false;
+  static constexpr int SCALE_BYTES = 0;
   static float value(C x) { return to_f(x); }
   static float scale(const C*, int) { return 1.f; }
 };
@@ -141,6 +145,7 @@ struct QuantizedCache {
 template <>
 struct Cache<int8_t> : QuantizedCache<int8_t> {
   static constexpr float MAX = 127.f;
+  static constexpr float UNIT = 1.f;  // a code's value in the units exact_codes gives it
   static float value(int8_t x) { return static_cast<float>(x); }
   static int8_t encode(float x) { return static_cast<int8_t>(std::min(MAX, std::max(-MAX, std::nearbyint(x)))); }
 };
@@ -153,6 +158,7 @@ const std::array<float, 256> FP8_E4M3_VALUES = [] {
 template <>
 struct Cache<uint8_t> : QuantizedCache<uint8_t> {
   static constexpr float MAX = 448.f;
+  static constexpr float UNIT = 256.f;  // exact_codes gives each code's value / 256
   static float value(uint8_t x) { return FP8_E4M3_VALUES[x]; }
   static uint8_t encode(float x) { return c10::Float8_e4m3fn(x).x; }  // round to nearest even, as torch
 };
@@ -456,6 +462,30 @@ inline __m512 load16_codes(const uint8_t* p, __m512 scale) {  // fp8 e4m3 bits: 
   return _mm512_mul_ps(_mm512_i32gather_ps(idx, FP8_E4M3_VALUES.data(), 4), scale);
 }
 
+#if defined(__AVX512BF16__)
+// 16 codes of an 8-bit row as float32, exactly: int8 codes as they are; fp8 e4m3 codes as their value / 256,
+// by moving the bits into a float16 (sign to bit 15, exponent and mantissa 7 bits up: the float16 with the
+// same exponent field, bias 15 instead of 7, is the e4m3 value / 2^8, subnormals included; the codes never
+// hold e4m3's NaN, which the quantiser cannot produce).
+inline __m512 exact16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 exact16(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_cvtph_ps(h);
+}
+
+// The D = 32 NC codes of an 8-bit row as bf16, exactly (an int8 code or an e4m3 value / 256 has at most 8
+// significant bits), for the bf16 tile code: the row's scale is applied to the scores and probabilities.
+template <int NC, typename C>
+inline void exact_codes(const C* row, at::BFloat16* dst) {
+  for (int c = 0; c < NC; ++c)
+    _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(exact16(row + 32 * c + 16), exact16(row + 32 * c)));
+}
+#endif
+
 // The end of an item: each row's accumulator divided by its sum of probabilities into out, or the
 // unnormalised (m, l, acc) into its partition's slot. lv holds each row's TILE per-lane partial sums. DP: the
 // accumulator holds each 32 values of d permuted (interleave_v_tile): half h, lane 4L + i is d = 8L + 4h + i.
@@ -498,14 +528,16 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
   constexpr bool Q8 = Cache<C>::QUANTIZED;
   constexpr int RW = Q8 ? D + 4 : D;  // elements of a cache row (8-bit: D codes and the 4 bytes of a scale)
 #if defined(__AVX512BF16__)
-  // bf16 cache, head_dim a multiple of 32: q.k and P.V with vdpbf16ps straight from the cache (products of
-  // bf16 are exact, sums float32; P is rounded to bf16 for P.V, as torch's CPU flash attention does). The
-  // accumulator then holds each 32 values of d permuted (see interleave_v_tile) until the end.
-  constexpr bool DP = BF16 && NV % 2 == 0 && !Q8;
+  // bf16 q, head_dim a multiple of 32: q.k and P.V with vdpbf16ps straight from a bf16 cache (products of
+  // bf16 are exact, sums float32; P is rounded to bf16 for P.V, as torch's CPU flash attention does), or from
+  // an 8-bit one's codes taken exactly into bf16 (exact_codes), each key's scale applied to its scores and to
+  // its probabilities before their rounding. The accumulator then holds each 32 values of d permuted (see
+  // interleave_v_tile) until the end.
+  constexpr bool DP = BF16 && NV % 2 == 0;
 #else
   constexpr bool DP = false;
 #endif
-  constexpr bool WIDEN = (BF16 && !DP) || Q8;  // K and V rows widened into float tile buffers
+  constexpr bool WIDEN = !DP && (BF16 || Q8);  // K and V rows widened into float tile buffers
   constexpr int RC = NV >= 24 ? 1 : 24 / NV;  // rows whose V accumulators stay in registers together
 
   const int G = P.G;
@@ -516,7 +548,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
   const int qs = rq[0], qlen = rq[1], L = rq[2], off = L - qlen;
   const int kend = std::min(it.k1, off + it.q1);
 
-  float* mem = thread_scratch().get((size_t)R * (2 * D + 2 * TILE + 2) + 2 * TILE * D + 64);
+  float* mem = thread_scratch().get((size_t)R * (2 * D + 2 * TILE + 2) + (DP && Q8 ? 3 : 2) * TILE * D + 64);
   float* qf = mem;  // DP: raw bf16 q rows (D halves per row)
   float* acc = qf + (size_t)R * D;
   float* S = acc + (size_t)R * D;  // a tile's probabilities: float rows of TILE, or (DP) TILE / 2 bf16 pairs
@@ -525,6 +557,8 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
   float* corr = m + R;
   float* kbuf = corr + R;  // a tile of K: widened floats, or (DP) transposed bf16 pairs
   float* vbuf = kbuf + TILE * D;  // a tile of V: widened floats, or (DP) interleaved bf16 pairs
+  // DP, 8-bit: the tile's K and V codes as bf16 rows
+  at::BFloat16* codes = reinterpret_cast<at::BFloat16*>(vbuf + TILE * D);
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
   const T* q = static_cast<const T*>(P.q);
@@ -572,10 +606,26 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
       const C* vp[TILE];
       const float* kr[TILE];
       const float* vr[TILE];
+      const at::BFloat16* kb[TILE];  // DP: the rows as bf16 (an 8-bit cache's codes, see exact_codes)
+      const at::BFloat16* vb[TILE];
+      alignas(64) float ks[TILE] = {}, vs[TILE] = {};  // DP, 8-bit: each key's scales (times Cache<C>::UNIT)
       for (int j = 0; j < nt; ++j) {
         kp[j] = kc + tok[j] + hoff;
         vp[j] = vc + tok[j] + hoff;
-        if constexpr (Q8) {
+        if constexpr (DP && Q8) {
+#if defined(__AVX512BF16__)
+          ks[j] = Cache<C>::scale(kp[j], D) * Cache<C>::UNIT;
+          vs[j] = Cache<C>::scale(vp[j], D) * Cache<C>::UNIT;
+          at::BFloat16* row = codes + (size_t)j * D;
+          exact_codes<NV / 2>(kp[j], row);
+          exact_codes<NV / 2>(vp[j], row + TILE * D);
+          kb[j] = row;
+          vb[j] = row + TILE * D;
+#endif
+        } else if constexpr (DP) {
+          kb[j] = reinterpret_cast<const at::BFloat16*>(kp[j]);
+          vb[j] = reinterpret_cast<const at::BFloat16*>(vp[j]);
+        } else if constexpr (Q8) {
           const __m512 ks = _mm512_set1_ps(Cache<C>::scale(kp[j], D)), vs = _mm512_set1_ps(Cache<C>::scale(vp[j], D));
           for (int c = 0; c < NV; ++c) store16(kbuf + j * D + 16 * c, load16_codes(kp[j] + 16 * c, ks));
           for (int c = 0; c < NV; ++c) store16(vbuf + j * D + 16 * c, load16_codes(vp[j] + 16 * c, vs));
@@ -599,10 +649,14 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
       uint32_t* kt = reinterpret_cast<uint32_t*>(kbuf);
       uint32_t* vt = reinterpret_cast<uint32_t*>(vbuf);
       if constexpr (DP) {
-        if (transposed) transpose_k_tile<NV / 2>(kp, nt, kt);
-        interleave_v_tile<NV / 2>(vp, nt, vt);
+        if (transposed) transpose_k_tile<NV / 2>(kb, nt, kt);
+        interleave_v_tile<NV / 2>(vb, nt, vt);
       }
 #endif
+      // the scale of each key's scores (the softmax's, times the key's own in an 8-bit cache), and what each
+      // probability is multiplied by for P.V (an 8-bit cache's value scales; DP only)
+      const __m512 ksc = DP && Q8 ? _mm512_mul_ps(_mm512_load_ps(ks), sc) : sc;
+      const __m512 vsc = _mm512_load_ps(vs);
       // scores (base 2) and the online-softmax update, row by row
       for (int r = rbeg; r < rend; ++r) {
         pf.step();
@@ -625,21 +679,21 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
                   x[c] = _mm512_dpbf16_ps(x[c], (__m512bh)_mm512_set1_epi32((int)q2[d2 + c]),
                                           (__m512bh)_mm512_loadu_si512(kt + (d2 + c) * TILE));
               }
-              s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(x[0], x[1]), _mm512_add_ps(x[2], x[3])), sc);
+              s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(x[0], x[1]), _mm512_add_ps(x[2], x[3])), ksc);
             } else {
               __m512bh qv[NV / 2];
               for (int c = 0; c < NV / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow + 32 * c);
               for (int j = 0; j < 16; ++j) {
                 if (j < nt) {
-                  __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kp[j]));
+                  __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kb[j]));
                   for (int c = 1; c < NV / 2; ++c)
-                    x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)_mm512_loadu_si512(kp[j] + 32 * c));
+                    x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)_mm512_loadu_si512(kb[j] + 32 * c));
                   a[j] = x;
                 } else {
                   a[j] = _mm512_setzero_ps();
                 }
               }
-              s = _mm512_mul_ps(hsum16(a), sc);
+              s = _mm512_mul_ps(hsum16(a), ksc);
             }
 #endif
           } else {
@@ -674,7 +728,8 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
         corr[r] = cr;
 #if defined(__AVX512BF16__)
         if constexpr (DP) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(S + (size_t)r * TILE), (__m256i)_mm512_cvtneps_pbh(p));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(S + (size_t)r * TILE),
+                              (__m256i)_mm512_cvtneps_pbh(Q8 ? _mm512_mul_ps(p, vsc) : p));
           continue;
         }
 #endif
@@ -711,8 +766,9 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
 }
 
 #if defined(__AVX512BF16__)
-// Decode of grouped-query heads from a bf16 cache: one query token, so every key of the item is visible to
-// every row; G rows per kv head; head_dim 32 * NC. What bounded the general path here was not its dot
+// Decode of grouped-query heads with bf16 q, from a bf16 cache or an 8-bit one (its codes taken exactly into
+// bf16 rows of the tile first, as the general path takes them): one query token, so every key of the item is
+// visible to every row; G rows per kv head; head_dim 32 * NC. What bounded the general path here was not its dot
 // products but what each row pays per tile of 16 keys: the running max (a horizontal max), the correction
 // exp2, its accumulator rescaled through memory, the probabilities' store. This path takes the keys
 // DECODE_TILE at a time, as DECODE_TILE / TILE sub-tiles laid out as the general path lays out one (K
@@ -726,25 +782,27 @@ constexpr int DECODE_RB = 4;  // rows whose scores are computed together (DECODE
 
 // Aims pf at DECODE_TILE keys of an item's request from key t on (its kv heads' K and V rows), to be issued
 // over `steps` calls of pf.step().
-template <int HINT>
+template <typename C, int HINT>
 void aim(LinePrefetcher<DECODE_TILE, HINT>& pf, const Params& P, const Item& it, int t, int steps) {
-  const int64_t row_bytes = (int64_t)P.Hkv * P.RS * (int64_t)sizeof(at::BFloat16);
+  const int64_t row_bytes = (int64_t)P.Hkv * P.RS * (int64_t)sizeof(C);
   pf.n = std::min(DECODE_TILE, it.k1 - t);
-  pf.lines = ((it.h1 - it.h0) * P.RS * (int)sizeof(at::BFloat16) + 63) / 64;
-  pf.k = static_cast<const char*>(P.k_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(at::BFloat16);
-  pf.v = static_cast<const char*>(P.v_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(at::BFloat16);
+  pf.lines = ((it.h1 - it.h0) * P.RS * (int)sizeof(C) + 63) / 64;
+  pf.k = static_cast<const char*>(P.k_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(C);
+  pf.v = static_cast<const char*>(P.v_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(C);
   key_rows(P, P.block_tables + it.b * P.max_blocks, t, pf.n, row_bytes, pf.rows);
   pf.per_step = (pf.n + steps - 1) / steps;
 }
 
-template <int NC>
+template <typename C, int NC>
 void attend_decode_bf16(const Params& P, const Item& it, float* partial, const Item* ahead) {
   constexpr int NV = 2 * NC, D = NV * 16, D2 = D / 2;
   constexpr int RC = NV >= 24 ? 1 : 24 / NV;  // rows whose V accumulators stay in registers together
+  constexpr bool Q8 = Cache<C>::QUANTIZED;
+  constexpr int RW = D + Cache<C>::SCALE_BYTES;  // elements of a cache row
   const int G = P.G, NH = it.h1 - it.h0, R = G * NH;
   const int qs = P.reqs[3 * it.b];
 
-  float* mem = thread_scratch().get((size_t)R * (D + TILE + 2 + DECODE_TILE / 2) + DECODE_TILE * D + 64);
+  float* mem = thread_scratch().get((size_t)R * (D + TILE + 2 + DECODE_TILE / 2) + DECODE_TILE * D * (Q8 ? 2 : 1) + 64);
   float* acc = mem;
   float* lv = acc + (size_t)R * D;  // per-lane partial sums of the probabilities, TILE per row
   float* m = lv + (size_t)R * TILE;
@@ -752,6 +810,8 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
   uint32_t* S = reinterpret_cast<uint32_t*>(corr + R);  // each row's probabilities, DECODE_TILE / 2 bf16 pairs
   uint32_t* kt = S + (size_t)R * DECODE_TILE / 2;  // DECODE_SUBS transposed sub-tiles of K, D2 * TILE each
   uint32_t* vt = kt + DECODE_TILE * D2;  // V interleaved by pairs of keys
+  // 8-bit: the tile's codes as bf16 rows, K's then V's (DECODE_TILE * D each)
+  at::BFloat16* codes = reinterpret_cast<at::BFloat16*>(vt + DECODE_TILE * D2);
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
   // row r is query head h0 * G + r; its q, D2 bf16 pairs, is read in place
@@ -763,10 +823,10 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
     m[r] = NEG_INF;
   }
 
-  const at::BFloat16* kc = static_cast<const at::BFloat16*>(P.k_cache);
-  const at::BFloat16* vc = static_cast<const at::BFloat16*>(P.v_cache);
+  const C* kc = static_cast<const C*>(P.k_cache);
+  const C* vc = static_cast<const C*>(P.v_cache);
   const int32_t* bt = P.block_tables + it.b * P.max_blocks;
-  const int64_t row_stride = (int64_t)P.Hkv * D;
+  const int64_t row_stride = (int64_t)P.Hkv * RW;
   const __m512 sc = _mm512_set1_ps(P.scale_log2), ninf = _mm512_set1_ps(NEG_INF);
   // the prefetchers step every PF_SCORE_EVERY pairs of d in the scores and every PF_PV_EVERY pairs of keys in P.V
   constexpr int PF_SCORE_EVERY = 4, PF_PV_EVERY = 2;
@@ -775,7 +835,7 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
   {  // the first tile's rows, all at once (a thread's item before this one asked for them already, its first
      // item has nothing before it to hide them behind)
     LinePrefetcher<DECODE_TILE, _MM_HINT_T1> first;
-    aim(first, P, it, it.k0, 1);
+    aim<C>(first, P, it, it.k0, 1);
     first.step();
   }
   for (int t0 = it.k0; t0 < it.k1; t0 += DECODE_TILE) {
@@ -787,20 +847,42 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
     // burst into L1 cost 30 % of a hot decode's time)
     LinePrefetcher<DECODE_TILE, _MM_HINT_T0> pf;
     LinePrefetcher<DECODE_TILE, _MM_HINT_T1> pa;
-    if (t0 + DECODE_TILE < it.k1) aim(pf, P, it, t0 + DECODE_TILE, steps_per_tile);
-    else if (ahead) aim(pa, P, *ahead, ahead->k0, steps_per_tile);
+    if (t0 + DECODE_TILE < it.k1) aim<C>(pf, P, it, t0 + DECODE_TILE, steps_per_tile);
+    else if (ahead) aim<C>(pa, P, *ahead, ahead->k0, steps_per_tile);
     __mmask16 valid[DECODE_SUBS];  // the lanes of each sub-tile that hold keys (all but in the last tile)
     for (int u = 0; u < DECODE_SUBS; ++u) {
       const int n = std::max(0, std::min(TILE, nt - TILE * u));
       valid[u] = n == TILE ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
     }
     for (int hh = 0; hh < NH; ++hh) {
-      const int64_t hoff = (int64_t)(it.h0 + hh) * D;
+      const int64_t hoff = (int64_t)(it.h0 + hh) * RW;
       const at::BFloat16* kp[DECODE_TILE];
       const at::BFloat16* vp[DECODE_TILE];
+      // 8-bit: each key's scales (times Cache<C>::UNIT, see exact_codes; 0 past nt) multiply its scores and
+      // its probabilities: scores (q . codes) ks, probabilities p vs rounded to bf16 for P.V
+      alignas(64) float ks[DECODE_TILE], vs[DECODE_TILE];
       for (int j = 0; j < nt; ++j) {
-        kp[j] = kc + tok[j] + hoff;
-        vp[j] = vc + tok[j] + hoff;
+        const C* kr = kc + tok[j] + hoff;
+        const C* vr = vc + tok[j] + hoff;
+        if constexpr (Q8) {
+          ks[j] = Cache<C>::scale(kr, D) * Cache<C>::UNIT;
+          vs[j] = Cache<C>::scale(vr, D) * Cache<C>::UNIT;
+          kp[j] = codes + (size_t)j * D;
+          vp[j] = codes + (size_t)(DECODE_TILE + j) * D;
+          exact_codes<NC>(kr, codes + (size_t)j * D);
+          exact_codes<NC>(vr, codes + (size_t)(DECODE_TILE + j) * D);
+        } else {
+          kp[j] = kr;
+          vp[j] = vr;
+        }
+      }
+      __m512 ksc[DECODE_SUBS], vsc[DECODE_SUBS];  // the scales by sub-tile, K's times the softmax scale
+      if constexpr (Q8) {
+        for (int j = nt; j < DECODE_TILE; ++j) ks[j] = vs[j] = 0.f;
+        for (int u = 0; u < DECODE_SUBS; ++u) {
+          ksc[u] = _mm512_mul_ps(_mm512_load_ps(ks + TILE * u), sc);
+          vsc[u] = _mm512_load_ps(vs + TILE * u);
+        }
       }
       for (int u = 0; u < DECODE_SUBS; ++u)  // keys past nt transpose as zeros
         transpose_k_tile<NC>(kp + TILE * u, std::max(0, std::min(TILE, nt - TILE * u)), kt + u * D2 * TILE);
@@ -828,7 +910,7 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
           const int r = r0 + i;
           __m512 mx = ninf;
           for (int u = 0; u < DECODE_SUBS; ++u) {
-            __m512 x = _mm512_mul_ps(s[i][u], sc);
+            __m512 x = _mm512_mul_ps(s[i][u], Q8 ? ksc[u] : sc);
             if (P.softcap2 > 0.f)
               x = _mm512_mul_ps(tanh_ps(_mm512_mul_ps(x, _mm512_set1_ps(P.inv_softcap2))), _mm512_set1_ps(P.softcap2));
             s[i][u] = _mm512_mask_blend_ps(valid[u], ninf, x);
@@ -844,7 +926,7 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
             const __m512 p = exp2_ps(_mm512_sub_ps(s[i][u], mv));
             psum = _mm512_add_ps(psum, p);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(S + (size_t)r * DECODE_TILE / 2 + TILE / 2 * u),
-                                (__m256i)_mm512_cvtneps_pbh(p));
+                                (__m256i)_mm512_cvtneps_pbh(Q8 ? _mm512_mul_ps(p, vsc[u]) : p));
           }
           float* lr = lv + (size_t)r * TILE;
           _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(corr[r]), psum));
@@ -899,22 +981,23 @@ ItemFn<T> pick_kernel(int D) {
   return attend_item_scalar<T, C>;
 }
 
-// The decode path for grouped-query heads (attend_decode_bf16) where it applies: q, out and the cache in bf16
-// with AVX512-BF16, head_dim a multiple of 32, at least DECODE_MIN_G query heads per kv head; else null.
+// The decode path for grouped-query heads (attend_decode_bf16) where it applies: q and out in bf16, the cache
+// in bf16 or 8 bits, with AVX512-BF16, head_dim a multiple of 32, at least DECODE_MIN_G query heads per kv
+// head; else null.
 constexpr int DECODE_MIN_G = TRANSPOSE_MIN_ROWS;
 
 template <typename T, typename C>
 ItemFn<T> pick_decode_kernel(int D, int G) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same<T, at::BFloat16>::value && std::is_same<C, T>::value) {
+  if constexpr (std::is_same<T, at::BFloat16>::value && (std::is_same<C, T>::value || Cache<C>::QUANTIZED)) {
     if (G >= DECODE_MIN_G) switch (D) {
-      case 32: return attend_decode_bf16<1>;
-      case 64: return attend_decode_bf16<2>;
-      case 96: return attend_decode_bf16<3>;
-      case 128: return attend_decode_bf16<4>;
-      case 160: return attend_decode_bf16<5>;
-      case 192: return attend_decode_bf16<6>;
-      case 256: return attend_decode_bf16<8>;
+      case 32: return attend_decode_bf16<C, 1>;
+      case 64: return attend_decode_bf16<C, 2>;
+      case 96: return attend_decode_bf16<C, 3>;
+      case 128: return attend_decode_bf16<C, 4>;
+      case 160: return attend_decode_bf16<C, 5>;
+      case 192: return attend_decode_bf16<C, 6>;
+      case 256: return attend_decode_bf16<C, 8>;
       default: break;
     }
   }
