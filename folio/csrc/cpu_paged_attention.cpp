@@ -484,6 +484,21 @@ inline void exact_codes(const C* row, at::BFloat16* dst) {
   for (int c = 0; c < NC; ++c)
     _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(exact16(row + 32 * c + 16), exact16(row + 32 * c)));
 }
+
+// Key j of a tile of N keys from an 8-bit cache (its K row kr, V row vr) for the bf16 tile code: its codes into
+// bf16 rows j (K) and N + j (V) of dst, D = 32 NC apart (kp[j], vp[j] pointing to them), its rows' scales times
+// Cache<C>::UNIT into ks[j] and vs[j], which multiply its scores and its probabilities.
+template <int NC, int N, typename C>
+inline void exact_key(const C* kr, const C* vr, int j, at::BFloat16* dst, const at::BFloat16** kp,
+                      const at::BFloat16** vp, float* ks, float* vs) {
+  constexpr int D = 32 * NC;
+  ks[j] = Cache<C>::scale(kr, D) * Cache<C>::UNIT;
+  vs[j] = Cache<C>::scale(vr, D) * Cache<C>::UNIT;
+  kp[j] = dst + (size_t)j * D;
+  vp[j] = dst + (size_t)(N + j) * D;
+  exact_codes<NC>(kr, dst + (size_t)j * D);
+  exact_codes<NC>(vr, dst + (size_t)(N + j) * D);
+}
 #endif
 
 // The end of an item: each row's accumulator divided by its sum of probabilities into out, or the
@@ -526,7 +541,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
   constexpr int D = NV * 16;
   constexpr bool BF16 = std::is_same<T, at::BFloat16>::value;
   constexpr bool Q8 = Cache<C>::QUANTIZED;
-  constexpr int RW = Q8 ? D + 4 : D;  // elements of a cache row (8-bit: D codes and the 4 bytes of a scale)
+  constexpr int RW = D + Cache<C>::SCALE_BYTES;  // elements of a cache row (8-bit: D codes, a scale's 4 bytes)
 #if defined(__AVX512BF16__)
   // bf16 q, head_dim a multiple of 32: q.k and P.V with vdpbf16ps straight from a bf16 cache (products of
   // bf16 are exact, sums float32; P is rounded to bf16 for P.V, as torch's CPU flash attention does), or from
@@ -606,21 +621,15 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
       const C* vp[TILE];
       const float* kr[TILE];
       const float* vr[TILE];
-      const at::BFloat16* kb[TILE];  // DP: the rows as bf16 (an 8-bit cache's codes, see exact_codes)
+      const at::BFloat16* kb[TILE];  // DP: the rows as bf16 (an 8-bit cache's codes, see exact_key)
       const at::BFloat16* vb[TILE];
-      alignas(64) float ks[TILE] = {}, vs[TILE] = {};  // DP, 8-bit: each key's scales (times Cache<C>::UNIT)
+      alignas(64) float ks[TILE] = {}, vs[TILE] = {};  // DP, 8-bit: each key's scales (see exact_key)
       for (int j = 0; j < nt; ++j) {
         kp[j] = kc + tok[j] + hoff;
         vp[j] = vc + tok[j] + hoff;
         if constexpr (DP && Q8) {
 #if defined(__AVX512BF16__)
-          ks[j] = Cache<C>::scale(kp[j], D) * Cache<C>::UNIT;
-          vs[j] = Cache<C>::scale(vp[j], D) * Cache<C>::UNIT;
-          at::BFloat16* row = codes + (size_t)j * D;
-          exact_codes<NV / 2>(kp[j], row);
-          exact_codes<NV / 2>(vp[j], row + TILE * D);
-          kb[j] = row;
-          vb[j] = row + TILE * D;
+          exact_key<NV / 2, TILE>(kp[j], vp[j], j, codes, kb, vb, ks, vs);
 #endif
         } else if constexpr (DP) {
           kb[j] = reinterpret_cast<const at::BFloat16*>(kp[j]);
@@ -656,7 +665,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
       // the scale of each key's scores (the softmax's, times the key's own in an 8-bit cache), and what each
       // probability is multiplied by for P.V (an 8-bit cache's value scales; DP only)
       const __m512 ksc = DP && Q8 ? _mm512_mul_ps(_mm512_load_ps(ks), sc) : sc;
-      const __m512 vsc = _mm512_load_ps(vs);
+      const __m512 vsc = DP && Q8 ? _mm512_load_ps(vs) : _mm512_setzero_ps();
       // scores (base 2) and the online-softmax update, row by row
       for (int r = rbeg; r < rend; ++r) {
         pf.step();
@@ -856,29 +865,21 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
     }
     for (int hh = 0; hh < NH; ++hh) {
       const int64_t hoff = (int64_t)(it.h0 + hh) * RW;
-      const at::BFloat16* kp[DECODE_TILE];
+      const at::BFloat16* kp[DECODE_TILE];  // the rows as bf16: the cache's, or an 8-bit one's codes
       const at::BFloat16* vp[DECODE_TILE];
-      // 8-bit: each key's scales (times Cache<C>::UNIT, see exact_codes; 0 past nt) multiply its scores and
-      // its probabilities: scores (q . codes) ks, probabilities p vs rounded to bf16 for P.V
-      alignas(64) float ks[DECODE_TILE], vs[DECODE_TILE];
+      alignas(64) float ks[DECODE_TILE] = {}, vs[DECODE_TILE] = {};  // 8-bit: each key's scales (see exact_key)
       for (int j = 0; j < nt; ++j) {
         const C* kr = kc + tok[j] + hoff;
         const C* vr = vc + tok[j] + hoff;
         if constexpr (Q8) {
-          ks[j] = Cache<C>::scale(kr, D) * Cache<C>::UNIT;
-          vs[j] = Cache<C>::scale(vr, D) * Cache<C>::UNIT;
-          kp[j] = codes + (size_t)j * D;
-          vp[j] = codes + (size_t)(DECODE_TILE + j) * D;
-          exact_codes<NC>(kr, codes + (size_t)j * D);
-          exact_codes<NC>(vr, codes + (size_t)(DECODE_TILE + j) * D);
+          exact_key<NC, DECODE_TILE>(kr, vr, j, codes, kp, vp, ks, vs);
         } else {
           kp[j] = kr;
           vp[j] = vr;
         }
       }
-      __m512 ksc[DECODE_SUBS], vsc[DECODE_SUBS];  // the scales by sub-tile, K's times the softmax scale
+      __m512 ksc[DECODE_SUBS], vsc[DECODE_SUBS];  // the same by sub-tile, K's times the softmax scale
       if constexpr (Q8) {
-        for (int j = nt; j < DECODE_TILE; ++j) ks[j] = vs[j] = 0.f;
         for (int u = 0; u < DECODE_SUBS; ++u) {
           ksc[u] = _mm512_mul_ps(_mm512_load_ps(ks + TILE * u), sc);
           vsc[u] = _mm512_load_ps(vs + TILE * u);
