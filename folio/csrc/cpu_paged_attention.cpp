@@ -145,7 +145,6 @@ struct QuantizedCache {
 template <>
 struct Cache<int8_t> : QuantizedCache<int8_t> {
   static constexpr float MAX = 127.f;
-  static constexpr float UNIT = 1.f;  // a code's value in the units exact_codes gives it
   static float value(int8_t x) { return static_cast<float>(x); }
   static int8_t encode(float x) { return static_cast<int8_t>(std::min(MAX, std::max(-MAX, std::nearbyint(x)))); }
 };
@@ -158,7 +157,6 @@ const std::array<float, 256> FP8_E4M3_VALUES = [] {
 template <>
 struct Cache<uint8_t> : QuantizedCache<uint8_t> {
   static constexpr float MAX = 448.f;
-  static constexpr float UNIT = 256.f;  // exact_codes gives each code's value / 256
   static float value(uint8_t x) { return FP8_E4M3_VALUES[x]; }
   static uint8_t encode(float x) { return c10::Float8_e4m3fn(x).x; }  // round to nearest even, as torch
 };
@@ -463,37 +461,49 @@ inline __m512 load16_codes(const uint8_t* p, __m512 scale) {  // fp8 e4m3 bits: 
 }
 
 #if defined(__AVX512BF16__)
-// 16 codes of an 8-bit row as float32, exactly: int8 codes as they are; fp8 e4m3 codes as their value / 256,
-// by moving the bits into a float16 (sign to bit 15, exponent and mantissa 7 bits up: the float16 with the
-// same exponent field, bias 15 instead of 7, is the e4m3 value / 2^8, subnormals included; the codes never
-// hold e4m3's NaN, which the quantiser cannot produce).
-inline __m512 exact16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m512 exact16(const uint8_t* p) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
-  return _mm512_cvtph_ps(h);
+// The D = 32 NC codes of an 8-bit row as the bf16 of their values, exactly (an int8 code or an e4m3 value has at
+// most 8 significant bits and bf16's exponent range), for the bf16 tile code: the row's scale is applied to
+// the scores and probabilities. int8: through float32, 16 codes a conversion.
+template <int NC>
+inline void exact_codes(const int8_t* row, at::BFloat16* dst) {
+  auto f = [](const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  };
+  for (int c = 0; c < NC; ++c)
+    _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(f(row + 32 * c + 16), f(row + 32 * c)));
 }
 
-// The D = 32 NC codes of an 8-bit row as bf16, exactly (an int8 code or an e4m3 value / 256 has at most 8
-// significant bits), for the bf16 tile code: the row's scale is applied to the scores and probabilities.
-template <int NC, typename C>
-inline void exact_codes(const C* row, at::BFloat16* dst) {
-  for (int c = 0; c < NC; ++c)
-    _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(exact16(row + 32 * c + 16), exact16(row + 32 * c)));
+// The bf16 bits of the e4m3 values with the sign bit clear (codes 0 .. 127; 127, e4m3's NaN, is never written).
+alignas(64) const std::array<uint16_t, 128> FP8_E4M3_BF16 = [] {
+  std::array<uint16_t, 128> v{};
+  for (int i = 0; i < 128; ++i) v[i] = c10::BFloat16(FP8_E4M3_VALUES[i]).x;
+  return v;
+}();
+
+// fp8 e4m3: 32 codes a step, each code's 7 bits of magnitude looked up in FP8_E4M3_BF16 (two 64-entry word
+// permutes, bit 6 choosing between them), its sign bit moved to bf16's.
+template <int NC>
+inline void exact_codes(const uint8_t* row, at::BFloat16* dst) {
+  const __m512i t0 = _mm512_load_si512(FP8_E4M3_BF16.data()), t1 = _mm512_load_si512(FP8_E4M3_BF16.data() + 32),
+                t2 = _mm512_load_si512(FP8_E4M3_BF16.data() + 64), t3 = _mm512_load_si512(FP8_E4M3_BF16.data() + 96);
+  for (int c = 0; c < NC; ++c) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+    const __m512i low = _mm512_permutex2var_epi16(t0, w, t1), high = _mm512_permutex2var_epi16(t2, w, t3);
+    const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), low, high);
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8);
+    _mm512_storeu_si512(dst + 32 * c, _mm512_or_si512(mag, sign));
+  }
 }
 
 // Key j of a tile of N keys from an 8-bit cache (its K row kr, V row vr) for the bf16 tile code: its codes into
-// bf16 rows j (K) and N + j (V) of dst, D = 32 NC apart (kp[j], vp[j] pointing to them), its rows' scales times
-// Cache<C>::UNIT into ks[j] and vs[j], which multiply its scores and its probabilities.
+// bf16 rows j (K) and N + j (V) of dst, D = 32 NC apart (kp[j], vp[j] pointing to them), its rows' scales into
+// ks[j] and vs[j], which multiply its scores and its probabilities.
 template <int NC, int N, typename C>
 inline void exact_key(const C* kr, const C* vr, int j, at::BFloat16* dst, const at::BFloat16** kp,
                       const at::BFloat16** vp, float* ks, float* vs) {
   constexpr int D = 32 * NC;
-  ks[j] = Cache<C>::scale(kr, D) * Cache<C>::UNIT;
-  vs[j] = Cache<C>::scale(vr, D) * Cache<C>::UNIT;
+  ks[j] = Cache<C>::scale(kr, D);
+  vs[j] = Cache<C>::scale(vr, D);
   kp[j] = dst + (size_t)j * D;
   vp[j] = dst + (size_t)(N + j) * D;
   exact_codes<NC>(kr, dst + (size_t)j * D);
