@@ -80,12 +80,12 @@ def on_code_grid(name: str, x: torch.Tensor, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 7), (64, 3), (128, 1), (32, 4)])
 def test_8bit_cache_attends_as_a_bf16_cache_of_the_same_values(name, head_dim, group):
-    """Rows whose scales are powers of two hold the same values as a bf16 cache. With bf16 q the kernel takes
-    an 8-bit cache's codes exactly into bf16 and each row's scale into its scores and probabilities (fp8 as
-    value / 256 and scale x 256), which moves no rounding: its output (decodes of grouped heads on their own
-    path, the rest on the general one) equals the bf16 cache's bit for bit, but where a probability times a
-    scale falls below float's normal range (1.2e-38), which vdpbf16ps flushes to zero: a power of two moves
-    which ones do."""
+    """Rows whose scales are powers of two hold the same values as a bf16 cache. With bf16 q on AVX512-BF16 the
+    kernel takes an 8-bit cache's codes exactly into bf16 and each row's scale into its scores and
+    probabilities, which moves no rounding (elsewhere both caches' rows widen to the same float32 values): its
+    output (decodes of grouped heads on their own path, the rest on the general one) equals the bf16 cache's
+    bit for bit, but where a probability times a scale falls below float's normal range (1.2e-38), which
+    vdpbf16ps flushes to zero: a power of two moves which ones do."""
     if cpu_paged.load_extension() is None:
         pytest.skip(f"no paged attention kernel: {cpu_paged.extension_error()}")
     q, k, v, cache, layout = make_step(MIXED, 16, 2, group, head_dim, torch.bfloat16, seed=head_dim + group)
