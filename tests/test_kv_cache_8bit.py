@@ -9,6 +9,7 @@ import torch
 from conftest import hf_logprobs
 from folio import LLM, SamplingParams
 from folio.attention import cpu_paged
+from folio.attention.backend import AttentionParams
 from folio.attention.kv_quant import KV_QUANTIZATIONS, SCALE_BYTES, of_cache
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.config import EngineConfig
@@ -79,7 +80,9 @@ def on_code_grid(name: str, x: torch.Tensor, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 7), (64, 3), (128, 1), (32, 4)])
-def test_8bit_cache_attends_as_a_bf16_cache_of_the_same_values(name, head_dim, group):
+@pytest.mark.parametrize("params", [AttentionParams(), AttentionParams(sliding_window=9, logit_softcap=30.0)],
+                         ids=["full", "window-softcap"])
+def test_8bit_cache_attends_as_a_bf16_cache_of_the_same_values(name, head_dim, group, params):
     """Rows whose scales are powers of two hold the same values as a bf16 cache. With bf16 q on AVX512-BF16 the
     kernel takes an 8-bit cache's codes exactly into bf16 and each row's scale into its scores and
     probabilities, which moves no rounding (elsewhere both caches' rows widen to the same float32 values): its
@@ -96,8 +99,12 @@ def test_8bit_cache_attends_as_a_bf16_cache_of_the_same_values(name, head_dim, g
     assert bool((quant.dequantize(codes[1], torch.bfloat16) == cache[1]).all())
     assert len(codes[1][..., head_dim:].view(torch.float32).unique()) == 9
     backend = cpu_paged.CPUPagedAttentionBackend()
-    out8, _ = run(backend, q, k, v, codes, layout)
-    out16, _ = run(backend, q, k, v, cache, layout)
+
+    def attend(kv):
+        with torch.inference_mode():
+            return backend.forward(q, k, v, (kv[0].clone(), kv[1].clone()), backend.build_metadata(layout), params)
+
+    out8, out16 = attend(codes), attend(cache)
     assert not bool((out8 != out16).logical_and((out8.float() - out16.float()).abs() > 1e-37).any())
 
 
