@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_logprobs
+from conftest import build_tiny_model, hf_logprobs
 from folio import LLM, SamplingParams
 from folio.attention import cpu_paged
 from folio.attention.backend import AttentionParams
@@ -135,3 +135,25 @@ def test_models_with_an_8bit_cache_stay_close_to_float_transformers(tiny_model_f
     got = torch.tensor([e[PROMPT[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
     want = hf_logprobs(folder, PROMPT)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
     assert float((got - want).abs().mean()) < MEAN_LOGPROB_ERROR[name]
+
+
+def prompt_logprob_error(folder: str, dtype: str, kv_cache_dtype: str, want: torch.Tensor) -> float:
+    llm = LLM(folder, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22)
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    got = torch.tensor([e[PROMPT[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
+    return float((got - want).abs().mean())
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_bf16_model_with_an_8bit_cache_adds_only_the_two_roundings(tmp_path, name):
+    """A bf16 engine whose heads take the bf16 tile paths from an 8-bit cache (head_dim 32, 4 heads per kv head:
+    the grouped decode path and the general one for the prompt) is off float32 Transformers by about the bf16
+    model's error plus the float32 model's with the same cache (measured: int8 0.166 against 0.125 + 0.104, fp8
+    0.566 against 0.125 + 0.523); a wrong read of the cache is off by whole units."""
+    folder = build_tiny_model(str(tmp_path), "qwen2", hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                              head_dim=32)
+    want = hf_logprobs(folder, PROMPT)[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
+    bf16 = prompt_logprob_error(folder, "bfloat16", "auto", want)
+    float_8bit = prompt_logprob_error(folder, "float32", name, want)
+    assert prompt_logprob_error(folder, "bfloat16", name, want) <= 1.1 * (bf16 + float_8bit)
