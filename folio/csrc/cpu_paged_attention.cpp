@@ -511,6 +511,14 @@ inline void exact_key(const C* kr, const C* vr, int j, at::BFloat16* dst, const 
 }
 #endif
 
+// Row r's online-softmax state before its first key: accumulator (16 NV floats) and per-lane sums zero, max -inf.
+template <int NV>
+inline void start_row(float* acc, float* lv, float* m, int r) {
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)r * NV * 16 + 16 * c, _mm512_setzero_ps());
+  _mm512_storeu_ps(lv + (size_t)r * TILE, _mm512_setzero_ps());
+  m[r] = -std::numeric_limits<float>::infinity();
+}
+
 // The end of an item: each row's accumulator divided by its sum of probabilities into out, or the
 // unnormalised (m, l, acc) into its partition's slot. lv holds each row's TILE per-lane partial sums. DP: the
 // accumulator holds each 32 values of d permuted (interleave_v_tile): half h, lane 4L + i is d = 8L + 4h + i.
@@ -597,9 +605,7 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
     } else {
       for (int c = 0; c < NV; ++c) store16(qf + (size_t)r * D + 16 * c, _mm512_mul_ps(load16(src + 16 * c), sc));
     }
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)r * D + 16 * c, _mm512_setzero_ps());
-    _mm512_storeu_ps(lv + (size_t)r * TILE, _mm512_setzero_ps());
-    m[r] = NEG_INF;
+    start_row<NV>(acc, lv, m, r);
   }
 
   const C* kc = static_cast<const C*>(P.k_cache);
@@ -837,9 +843,7 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
   const at::BFloat16* q0 = static_cast<const at::BFloat16*>(P.q) + (int64_t)(qs + it.q0) * P.q_st +
                            (int64_t)it.h0 * G * P.q_sh;
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (size_t)r * D + 16 * c, _mm512_setzero_ps());
-    _mm512_storeu_ps(lv + (size_t)r * TILE, _mm512_setzero_ps());
-    m[r] = NEG_INF;
+    start_row<NV>(acc, lv, m, r);
   }
 
   const C* kc = static_cast<const C*>(P.k_cache);
