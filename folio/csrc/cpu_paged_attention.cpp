@@ -324,8 +324,8 @@ inline __m512 tanh_ps(__m512 a) {
   return _mm512_mask_blend_ps(tiny, _mm512_div_ps(p, q), a);
 }
 
-// Issues the prefetches of a tile's K and V rows (up to N keys), a few keys at a time.
-template <int N = TILE, int HINT = _MM_HINT_T1>
+// Issues the prefetches of a tile's K and V rows (up to N keys) into L2, a few keys at a time.
+template <int N = TILE>
 struct LinePrefetcher {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -334,8 +334,8 @@ struct LinePrefetcher {
   inline void step() {
     for (const int end = std::min(n, j + per_step); j < end; ++j) {
       for (int e = 0; e < lines; ++e) {
-        _mm_prefetch(k + rows[j] + 64 * e, (_mm_hint)HINT);
-        _mm_prefetch(v + rows[j] + 64 * e, (_mm_hint)HINT);
+        _mm_prefetch(k + rows[j] + 64 * e, _MM_HINT_T1);
+        _mm_prefetch(v + rows[j] + 64 * e, _MM_HINT_T1);
       }
     }
   }
@@ -807,8 +807,8 @@ constexpr int DECODE_RB = 4;  // rows whose scores are computed together (DECODE
 
 // Aims pf at DECODE_TILE keys of an item's request from key t on (its kv heads' K and V rows), to be issued
 // over `steps` calls of pf.step().
-template <typename C, int HINT>
-void aim(LinePrefetcher<DECODE_TILE, HINT>& pf, const Params& P, const Item& it, int t, int steps) {
+template <typename C>
+void aim(LinePrefetcher<DECODE_TILE>& pf, const Params& P, const Item& it, int t, int steps) {
   const int64_t row_bytes = (int64_t)P.Hkv * P.RS * (int64_t)sizeof(C);
   pf.n = std::min(DECODE_TILE, it.k1 - t);
   pf.lines = ((it.h1 - it.h0) * P.RS * (int)sizeof(C) + 63) / 64;
@@ -857,7 +857,7 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
                                    ((G + RC - 1) / RC) * (DECODE_TILE / 2 / PF_PV_EVERY));
   {  // the first tile's rows, all at once (a thread's item before this one asked for them already, its first
      // item has nothing before it to hide them behind)
-    LinePrefetcher<DECODE_TILE, _MM_HINT_T1> first;
+    LinePrefetcher<DECODE_TILE> first;
     aim<C>(first, P, it, it.k0, 1);
     first.step();
   }
@@ -866,12 +866,12 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
     int64_t tok[DECODE_TILE];
     key_rows(P, bt, t0, nt, row_stride, tok);
     // the next tile's rows, spread over this tile's work; in the last tile, the first ones of the item this
-    // thread runs next (into L2: the first tile of an item is also fetched in one burst at its start, and a
-    // burst into L1 cost 30 % of a hot decode's time)
-    LinePrefetcher<DECODE_TILE, _MM_HINT_T0> pf;
-    LinePrefetcher<DECODE_TILE, _MM_HINT_T1> pa;
+    // thread runs next. Into L2, as the general path's: a tile's rows (32 KB for two kv heads of 64 in bf16)
+    // prefetched into L1 evicted the tile being worked on from Zen 4's 32 KB (L2 instead: 1.25-1.50x a bf16
+    // decode there, 1.03-1.18x an 8-bit one), and a burst into L1 at an item's start cost 30 % of a hot decode
+    LinePrefetcher<DECODE_TILE> pf;
     if (t0 + DECODE_TILE < it.k1) aim<C>(pf, P, it, t0 + DECODE_TILE, steps_per_tile);
-    else if (ahead) aim<C>(pa, P, *ahead, ahead->k0, steps_per_tile);
+    else if (ahead) aim<C>(pf, P, *ahead, ahead->k0, steps_per_tile);
     __mmask16 valid[DECODE_SUBS];  // the lanes of each sub-tile that hold keys (all but in the last tile)
     for (int u = 0; u < DECODE_SUBS; ++u) {
       const int n = std::max(0, std::min(TILE, nt - TILE * u));
@@ -910,7 +910,7 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
         for (int i = 0; i < DECODE_RB; ++i)
           for (int u = 0; u < DECODE_SUBS; ++u) s[i][u] = _mm512_setzero_ps();
         for (int d2 = 0; d2 < D2; ++d2) {
-          if (d2 % PF_SCORE_EVERY == 0) { pf.step(); pa.step(); }
+          if (d2 % PF_SCORE_EVERY == 0) pf.step();
           __m512bh kv[DECODE_SUBS];
           for (int u = 0; u < DECODE_SUBS; ++u) kv[u] = (__m512bh)_mm512_loadu_si512(kt + (u * D2 + d2) * TILE);
           for (int i = 0; i < DECODE_RB; ++i) {
@@ -953,17 +953,13 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
         __m512 av[RC][NV];
         load_corrected<NV, RC>(av, acc, corr, r0, rc);
         pv_pairs_bf16<NV, RC>(av, S, DECODE_TILE / 2, vt, nt, r0, rc, [&](int jp) {
-          if (jp % PF_PV_EVERY == 0) {
-            pf.step();
-            pa.step();
-          }
+          if (jp % PF_PV_EVERY == 0) pf.step();
         });
         store_rows<NV, RC>(av, acc, r0, rc);
       }
     }
-    pf.per_step = pa.per_step = DECODE_TILE;  // what a short last tile's fewer steps left
+    pf.per_step = DECODE_TILE;  // what a short last tile's fewer steps left
     pf.step();
-    pa.step();
   }
   finish_rows<at::BFloat16, true, NV>(P, it, R, acc, lv, m, partial);
 }
