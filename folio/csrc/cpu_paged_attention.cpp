@@ -867,8 +867,8 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
     key_rows(P, bt, t0, nt, row_stride, tok);
     // the next tile's rows, spread over this tile's work; in the last tile, the first ones of the item this
     // thread runs next. Into L2, as the general path's: a tile's rows (32 KB for two kv heads of 64 in bf16)
-    // prefetched into L1 evicted the tile being worked on from Zen 4's 32 KB (L2 instead: 1.25-1.50x a bf16
-    // decode there, 1.03-1.18x an 8-bit one), and a burst into L1 at an item's start cost 30 % of a hot decode
+    // prefetched into L1 evicted the tile being worked on from Zen 4's 32 KB (L2 instead: 1.24-1.50x a bf16
+    // decode there, 1.02-1.18x an 8-bit one), and a burst into L1 at an item's start cost 30 % of a hot decode
     LinePrefetcher<DECODE_TILE> pf;
     if (t0 + DECODE_TILE < it.k1) aim<C>(pf, P, it, t0 + DECODE_TILE, steps_per_tile);
     else if (ahead) aim<C>(pf, P, *ahead, ahead->k0, steps_per_tile);
