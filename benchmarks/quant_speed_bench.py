@@ -8,12 +8,18 @@ the first. Engines are built one after the other (one resident at a time), each 
     python benchmarks/quant_speed_bench.py --model M --runs bfloat16 bfloat16:int8 bfloat16:int8 bfloat16
 
 A run is DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]], e.g. bfloat16:int4:int8.
+
+--rounds N (N > 1) keeps every run's engine resident and measures them in turn N times, the order reversed
+every other round (A B C, C B A, ...), so that a shared machine's drift (its bandwidth moved 24-41 GB/s
+within minutes on the machines measured) weighs on every run alike; it reports each run's passes and the
+median over rounds of its ratio to the first run of the same round.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 
 from folio.bench.noise import note
 from folio.bench.throughput import measure, prepare, warm_up
@@ -28,14 +34,7 @@ def config_of(run: str, args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(**options, kv_cache_dtype=kv or "auto")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--runs", nargs="+", required=True, help="DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]] ...")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
-    add_workload_arguments(parser)
-    args = parser.parse_args()
+def one_at_a_time(args: argparse.Namespace) -> None:
     results = []
     for run in args.runs:
         engine, requests = prepare(args, config_of(run, args))
@@ -49,6 +48,45 @@ def main() -> None:
     print(f"\n{describe(args)}, max_num_seqs {args.max_num_seqs}")
     for run, result in results:
         print(f"  {run:<24} {result.output_tokens_per_s:8.2f} tok/s  x{result.output_tokens_per_s / base:.2f}")
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    if len(set(args.runs)) != len(args.runs):
+        raise SystemExit("--rounds measures each run every round: list each run once")
+    engines = {}
+    for run in args.runs:
+        engines[run] = prepare(args, config_of(run, args))
+        warm_up(*engines[run], 1)
+    rates: dict[str, list[float]] = {run: [] for run in args.runs}
+    ratios: dict[str, list[float]] = {run: [] for run in args.runs}
+    for r in range(args.rounds):
+        order = args.runs if r % 2 == 0 else args.runs[::-1]
+        for run in order:
+            engine, requests = engines[run]
+            engine.reset_prefix_cache()  # the same prompts again must not find their KV cached
+            result = measure(engine, requests, describe(args), breakdown=False)
+            rates[run].append(result.output_tokens_per_s)
+            print(f"round {r + 1} {run:<24} {result.output_tokens_per_s:8.2f} output tok/s  "
+                  f"({note(result.other_cores)})", flush=True)
+        for run in args.runs:
+            ratios[run].append(rates[run][-1] / rates[args.runs[0]][-1])
+    print(f"\n{describe(args)}, max_num_seqs {args.max_num_seqs}, {args.rounds} rounds interleaved")
+    for run in args.runs:
+        passes = " ".join(f"{rate:.2f}" for rate in rates[run])
+        print(f"  {run:<24} tok/s {passes}   x{statistics.median(ratios[run]):.2f} "
+              f"(rounds {min(ratios[run]):.2f}-{max(ratios[run]):.2f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--runs", nargs="+", required=True, help="DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]] ...")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument("--rounds", type=int, default=1, help="> 1: every engine resident, measured in turn")
+    add_workload_arguments(parser)
+    args = parser.parse_args()
+    (interleaved if args.rounds > 1 else one_at_a_time)(args)
 
 
 if __name__ == "__main__":
