@@ -39,6 +39,7 @@ from folio.csrc_build import CppKernel
 SHAPES = {  # name: (num_heads, num_kv_heads, head_dim)
     "SmolLM2-135M": (9, 3, 64),
     "Qwen2-0.5B": (14, 2, 64),
+    "Qwen3-0.6B": (16, 8, 128),
 }
 
 
