@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -44,8 +45,13 @@ def parse_memory_size(text: str) -> Union[int, float]:
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
-QUANTIZATION_SCHEMES = ("int8", "w8a16", "int4", "int4-g128", "w4a8", "gguf")  # folio.models.quantization
+QUANTIZATION_SCHEMES = ("int8", "w8a16", "int4", "int4-g128", "w4a8", "gguf", "none")  # folio.models.quantization
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # folio.attention.kv_quant
+
+
+def is_gguf_file(model: Optional[str]) -> bool:
+    """Whether a model option names a GGUF file (folio loads those and folders; None: the default model, a GGUF)."""
+    return model is None or not os.path.isdir(os.path.expanduser(model))
 
 
 @dataclass
@@ -67,8 +73,11 @@ class ModelOptions:
         None, "low-precision weights, quantised as they load: int8 (per-channel, rotated, with dynamic per-token "
               "int8 activations), w8a16 (int8 per-channel, activations as 16-bit integers per token), int4 / int4-g128 (groups of 32 / 128, float "
               "activations; the lm_head in int8), w4a8 (int4 in groups of 32 and int8 activations per block of "
-              "32); gguf: a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K layers as stored",
-        default_means="none: the weights run in dtype (GGUF types dequantised)", choices=QUANTIZATION_SCHEMES)
+              "32); gguf: a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K layers as stored; none: every weight in dtype "
+              "(a GGUF file's dequantised)",
+        default_means="the checkpoint's: a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K layers as stored (as gguf), a "
+                      "pre-quantised folder's quantised layers as stored, every other weight in dtype",
+        choices=QUANTIZATION_SCHEMES)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -76,6 +85,18 @@ class ModelOptions:
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {self.quantization!r}")
         self.torch_dtype  # validates dtype
+
+    @property
+    def gguf_as_stored(self) -> bool:
+        """Whether a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K layers keep their blocks (folio.loader.gguf_native):
+        with "gguf", and by default, as a pre-quantised folder's layers load as stored and as vLLM runs GGUF
+        files (the default model is one); "none" and the schemes that quantise on the fly dequantise them."""
+        return is_gguf_file(self.model) if self.quantization is None else self.quantization == "gguf"
+
+    @property
+    def weight_scheme(self) -> Optional[str]:
+        """The scheme layers are quantised into as they load (folio.models.quantization), or None."""
+        return None if self.quantization == "none" else self.quantization
 
     @property
     def torch_dtype(self) -> torch.dtype:

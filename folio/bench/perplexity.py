@@ -85,7 +85,8 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
     num_windows, scored, nll = measure(engine, text, window)
     result = PerplexityResult(
         model=model_name(config), dtype=dtype_name(config.model.torch_dtype),
-        quantization=config.model.quantization or "none", kv_cache_dtype=config.cache.kv_cache_dtype,
+        quantization=config.model.quantization or ("gguf" if config.model.gguf_as_stored else "none"),
+        kv_cache_dtype=config.cache.kv_cache_dtype,
         text=args.text, window=window, num_windows=num_windows, scored_tokens=scored, mean_nll=nll / scored,
         perplexity=math.exp(nll / scored), elapsed_s=time.perf_counter() - start,
         engine_config=dataclasses.asdict(config))

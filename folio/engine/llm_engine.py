@@ -45,8 +45,8 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         dtype = config.model.torch_dtype
         loaded = load_model(config.model.model, dtype, config.model.max_model_len,
-                            lambda model: platform.linear_method(model, config.model.quantization), platform.device,
-                            gguf_native=config.model.quantization == "gguf")
+                            lambda model: platform.linear_method(model, config.model.weight_scheme), platform.device,
+                            gguf_native=config.model.gguf_as_stored)
         self.model_config = cfg = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         if config.model.max_model_len is not None and config.model.max_model_len > cfg.max_context:

@@ -18,7 +18,10 @@ What the translation has to undo:
   so one is rebuilt with the `tokenizers` library, splitting text the way llama.cpp does.
 
 Dequantising takes seconds, so `load_gguf_cached` keeps the converted result as safetensors + json
-files laid out like a Hugging Face model folder, and later loads memory-map them instead.
+files laid out like a Hugging Face model folder, and later loads memory-map them instead. Layers that run as
+stored (folio.loader.gguf_native, the default for a GGUF file) are cached likewise, their blocks as uint8
+rows (`read_gguf_cached`, `load_gguf_native_cached`): reading a file's metadata alone takes GGUFReader
+seconds.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
@@ -41,6 +46,9 @@ from folio import envs
 from folio.loader.gguf_metadata import check_exists, get_field, need_field, open_gguf
 from folio.loader.gguf_tokenizer import build_tokenizer
 from folio.models.model_config import num_experts
+
+if TYPE_CHECKING:
+    from folio.loader.gguf_native import GGUFBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -141,17 +149,52 @@ def load_gguf_cached(path: str, dtype: torch.dtype) -> tuple[GGUFCheckpoint, dic
     so a crash mid-write leaves at most an ignored temporary folder, never a half cache.
     """
     check_exists(path)
-    cache_dir = _cache_dir(path, dtype)
+    cache_dir = _cache_dir(path, str(dtype))
     if os.path.isdir(cache_dir):
         return _read_cache(cache_dir)
     reader = open_gguf(path)
     checkpoint = _checkpoint(reader)
     tensors = _tensors(reader, checkpoint.hf_config, dtype)
-    try:
-        _write_cache(cache_dir, checkpoint, tensors)
-    except OSError as e:  # a cache we cannot write only costs speed next time
-        logger.warning("could not cache the converted GGUF in %s: %s", cache_dir, e)
+    _try_write_cache(cache_dir, checkpoint, tensors)
     return checkpoint, tensors
+
+
+def read_gguf_cached(path: str) -> tuple[GGUFCheckpoint, dict[str, GGMLQuantizationType]]:
+    """`read_gguf` and `tensor_types`, read once and then from a cache folder's json files: GGUFReader parses a
+    file's whole vocabulary in Python, seconds for the default model, on every open."""
+    check_exists(path)
+    cache_dir = _cache_dir(path, "metadata")
+    if os.path.isdir(cache_dir):
+        checkpoint, _ = _read_cache(cache_dir)
+        types = json.loads(_read_text(cache_dir, "types.json"))
+        return checkpoint, {name: GGMLQuantizationType(t) for name, t in types.items()}
+    reader = open_gguf(path)
+    checkpoint = _checkpoint(reader)
+    types = _tensor_types(reader, checkpoint.hf_config)
+    _try_write_cache(cache_dir, checkpoint, {}, {"types.json": json.dumps({n: int(t) for n, t in types.items()})})
+    return checkpoint, types
+
+
+def load_gguf_native_cached(path: str, dtype: torch.dtype, types: dict[str, GGMLQuantizationType],
+                            keep_quantized: frozenset[str]) -> dict[str, Union[torch.Tensor, "GGUFBlocks"]]:
+    """Every weight under its Hugging Face name, dequantised to dtype except those named in keep_quantized,
+    which come as their blocks (folio.loader.gguf_native.GGUFBlocks); converted once and then read back from a
+    cache folder (as `load_gguf_cached` caches the dequantised form), the kept ones as their uint8 rows. types:
+    the file's, from `read_gguf_cached`. The key covers the kept set, which is the loading model's choice."""
+    from folio.loader.gguf_native import GGUFBlocks  # its linear methods import the kernels' build machinery
+
+    kept = hashlib.sha256("|".join(sorted(keep_quantized)).encode()).hexdigest()[:16]
+    cache_dir = _cache_dir(path, f"{dtype}|native|{kept}")
+    if os.path.isdir(cache_dir):
+        _, tensors = _read_cache(cache_dir)
+        return {name: GGUFBlocks(types[name], t.numpy()) if name in keep_quantized else t
+                for name, t in tensors.items()}
+    reader = open_gguf(path)
+    weights = dict(_iter_tensors(reader, _hf_config(reader), dtype, keep_quantized))
+    _try_write_cache(cache_dir, _checkpoint(reader),
+                     {name: torch.from_numpy(np.ascontiguousarray(w.blocks)) if name in keep_quantized else w
+                      for name, w in weights.items()})
+    return weights
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -362,22 +405,16 @@ def _tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype) -> dict[st
     return dict(_iter_tensors(reader, hf_config, dtype, frozenset()))
 
 
-def tensor_types(path: str, hf_config: dict) -> dict[str, GGMLQuantizationType]:
-    """Hugging Face name -> GGUF type of every weight of the file (hf_config: its read_gguf config)."""
-    reader = open_gguf(path)
+def _tensor_types(reader: GGUFReader, hf_config: dict) -> dict[str, GGMLQuantizationType]:
+    """Hugging Face name -> GGUF type of every weight of the file (hf_config: its config)."""
     arch, experts = _architecture(reader), num_experts(hf_config)
     return {name: t.tensor_type for t in reader.tensors if t.name not in _NOT_WEIGHTS
             for name in _hf_names(t.name, arch, experts)}
 
 
-def iter_gguf_tensors(path: str, hf_config: dict, dtype: torch.dtype, keep_quantized: frozenset[str]):
-    """(Hugging Face name, tensor) for every weight, dequantised to dtype, except that those named in
-    keep_quantized come as their blocks (folio.loader.gguf_native.GGUFBlocks, rows un-permuted likewise);
-    hf_config: the file's read_gguf config."""
-    return _iter_tensors(open_gguf(path), hf_config, dtype, keep_quantized)
-
-
 def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_quantized: frozenset[str]):
+    """(Hugging Face name, tensor) for every weight, dequantised to dtype, except that those named in
+    keep_quantized come as their blocks (folio.loader.gguf_native.GGUFBlocks, rows un-permuted likewise)."""
     from folio.loader.gguf_native import GGUFBlocks  # its linear methods import the kernels' build machinery
 
     for t in reader.tensors:  # fail before spending seconds dequantising the rest
@@ -417,14 +454,16 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
 # ------------------------------------------------------------------------------------------------ cache
 
 
-def _cache_dir(path: str, dtype: torch.dtype) -> str:
+def _cache_dir(path: str, kind: str) -> str:
+    """The cache folder of a file's conversion of a kind (the dtype it is dequantised to, and what else)."""
     st = os.stat(path)
-    key = f"{_CACHE_VERSION}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}"
+    key = f"{_CACHE_VERSION}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{kind}"
     name = f"{os.path.basename(path).removesuffix('.gguf')}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     return str(envs.cache_dir() / "gguf" / name)
 
 
-def _write_cache(cache_dir: str, checkpoint: GGUFCheckpoint, tensors: dict[str, torch.Tensor]) -> None:
+def _write_cache(cache_dir: str, checkpoint: GGUFCheckpoint, tensors: dict[str, torch.Tensor],
+                 extra: Optional[dict[str, str]] = None) -> None:
     """Write the folder under a temporary name and rename it into place once complete."""
     parent = os.path.dirname(cache_dir)
     os.makedirs(parent, exist_ok=True)
@@ -435,6 +474,7 @@ def _write_cache(cache_dir: str, checkpoint: GGUFCheckpoint, tensors: dict[str, 
             "generation_config.json": json.dumps(checkpoint.generation_config, indent=2),
             "tokenizer.json": checkpoint.tokenizer_json,
             "tokenizer_config.json": json.dumps(checkpoint.tokenizer_config, indent=2),
+            **(extra or {}),
         }
         for file, text in texts.items():
             with open(os.path.join(tmp, file), "w", encoding="utf-8") as f:
@@ -449,10 +489,22 @@ def _write_cache(cache_dir: str, checkpoint: GGUFCheckpoint, tensors: dict[str, 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _try_write_cache(cache_dir: str, checkpoint: GGUFCheckpoint, tensors: dict[str, torch.Tensor],
+                     extra: Optional[dict[str, str]] = None) -> None:
+    try:
+        _write_cache(cache_dir, checkpoint, tensors, extra)
+    except OSError as e:  # a cache we cannot write only costs speed next time
+        logger.warning("could not cache the converted GGUF in %s: %s", cache_dir, e)
+
+
+def _read_text(cache_dir: str, file: str) -> str:
+    with open(os.path.join(cache_dir, file), encoding="utf-8") as f:
+        return f.read()
+
+
 def _read_cache(cache_dir: str) -> tuple[GGUFCheckpoint, dict[str, torch.Tensor]]:
     def read(file: str) -> str:
-        with open(os.path.join(cache_dir, file), encoding="utf-8") as f:
-            return f.read()
+        return _read_text(cache_dir, file)
 
     checkpoint = GGUFCheckpoint(
         hf_config=json.loads(read("config.json")),

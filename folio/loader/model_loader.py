@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from folio.loader.default_model import default_model_path
-from folio.loader.gguf_loader import iter_gguf_tensors, load_gguf_cached, read_gguf, tensor_types
+from folio.loader.gguf_loader import load_gguf_cached, load_gguf_native_cached, read_gguf_cached
 from folio.loader.gguf_native import native_chooser, native_layers
 from folio.loader.weights import load_weights
 from folio.memory import release_freed_memory
@@ -156,7 +156,7 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         tensors: Iterator[tuple[str, torch.Tensor]] = _iter_safetensors(_safetensors_files(path))
         generation_config = _read_json(os.path.join(path, "generation_config.json"))
     elif gguf_native:
-        checkpoint = read_gguf(path)
+        checkpoint, types = read_gguf_cached(path)
         cfg = _parse_config(checkpoint.hf_config)
         tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
         hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
@@ -174,9 +174,9 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         if "quantization_config" in hf_config:  # pre-quantised: its layers load as stored, the rest as asked
             methods = _prequantized_chooser(hf_config["quantization_config"], path, net, as_chooser(methods))
         if gguf_native:
-            layers, quantized_tensors = native_layers(tensor_types(path, hf_config), net)
+            layers, quantized_tensors = native_layers(types, net)
             methods = native_chooser(layers, as_chooser(methods))
-            tensors = iter_gguf_tensors(path, hf_config, dtype, quantized_tensors)
+            tensors = iter(load_gguf_native_cached(path, dtype, types, quantized_tensors).items())
         bind_linear_methods(net, methods)
     load_weights(net, tensors)
     process_weights_after_loading(net)

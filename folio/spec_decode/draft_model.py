@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from folio.attention.backend import AttentionBackend, BatchLayout
+from folio.config import is_gguf_file
 from folio.loader.model_loader import load_model
 from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
@@ -46,7 +47,9 @@ class DraftModel:
 
 def load_draft_model(config: SpeculativeConfig, target: ModelConfig, dtype: torch.dtype, max_model_len: int,
                      block_size: int, platform: Platform) -> DraftModel:
-    loaded = load_model(config.model, dtype, max_model_len, platform.linear_method, platform.device)
+    # a GGUF draft runs its quantised layers as stored, as a target does by default
+    loaded = load_model(config.model, dtype, max_model_len, platform.linear_method, platform.device,
+                        gguf_native=is_gguf_file(config.model))
     if loaded.config.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model has a vocabulary of {loaded.config.vocab_size} tokens, the "
                          f"target {target.vocab_size}: a draft model must share the target's vocabulary")
