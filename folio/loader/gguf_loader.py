@@ -190,8 +190,9 @@ def load_gguf_native_cached(path: str, dtype: torch.dtype, types: dict[str, GGML
         return {name: GGUFBlocks(types[name], t.numpy()) if name in keep_quantized else t
                 for name, t in tensors.items()}
     reader = open_gguf(path)
-    weights = dict(_iter_tensors(reader, _hf_config(reader), dtype, keep_quantized))
-    _try_write_cache(cache_dir, _checkpoint(reader),
+    checkpoint = _checkpoint(reader)
+    weights = dict(_iter_tensors(reader, checkpoint.hf_config, dtype, keep_quantized))
+    _try_write_cache(cache_dir, checkpoint,
                      {name: torch.from_numpy(np.ascontiguousarray(w.blocks)) if name in keep_quantized else w
                       for name, w in weights.items()})
     return weights
