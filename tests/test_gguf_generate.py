@@ -30,7 +30,10 @@ def _hf_greedy(model, prompt: list[int], n: int, eos: int) -> list[int]:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_tiny_quantized_gguf_generates_like_transformers(tmp_path, arch):
     path = write_tiny_gguf(str(tmp_path / f"tiny-{arch}.gguf"), arch)  # matrices cycle through all quant types
-    llm = LLM(path, dtype="float32", kv_cache_memory=1 << 22)
+    # dequantised, as Transformers loads a GGUF: run as stored (the default), a tied lm_head of a quantised
+    # embedding is requantised to int8, which this random model's near-tied logits do not survive
+    # (test_gguf_native compares the two forms)
+    llm = LLM(path, dtype="float32", quantization="none", kv_cache_memory=1 << 22)
     eos = llm.get_tokenizer().eos_token_id
     prompts = [[5, 6, 7, 8], [40, 41], list(range(60, 90))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12),

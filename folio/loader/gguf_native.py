@@ -1,5 +1,6 @@
-"""GGUF weights that run as stored (`quantization="gguf"`): Q8_0 linear layers as int8 and Q4_0, Q4_1 and Q4_K
-ones as int4, both in groups of 32 (folio.models.quant_reference's formats), instead of dequantised to floats.
+"""GGUF weights that run as stored (`quantization="gguf"`, the default for a GGUF file): Q8_0 linear layers as
+int8 and Q4_0, Q4_1 and Q4_K ones as int4, both in groups of 32 (folio.models.quant_reference's formats),
+instead of dequantised to floats.
 
 The conversion is exact: Q8_0's block scale is the int8 group scale; Q4_0's value (q - 8) d is q d + (-8 d),
 Q4_1's q d + m, and Q4_K's sub-block q (d sc) - dmin m is q scale + offset with both products exact in
@@ -8,6 +9,8 @@ the int4 kernel reads them; Q4_K's 256-value super-blocks are unpacked and packe
 
 A fused layer (q/k/v, gate/up) runs natively only when all its checkpoint tensors convert to the same
 format; any other layer, and any other type (Q5_*, Q6_K, ...), is dequantised and runs on the dense method.
+A tied lm_head reads the embedding's tensor, which the lookup needs dequantised: where that tensor is stored
+in one of these types, the head quantises it into an int8 copy of its own (the int4 schemes' head).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from folio.models.quant_reference import BLOCK, pack_int4
 
 Q = GGMLQuantizationType
 FORMAT_OF = {Q.Q8_0: "int8", Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4"}
+TIED_INT8 = "tied int8"  # native_layers' kind of a tied lm_head whose embedding is stored quantised
 
 
 @dataclass
@@ -107,29 +111,40 @@ class GGUFInt4LinearMethod(Int4LinearMethod):
 def native_layers(tensor_types: dict[str, GGMLQuantizationType],
                   model: torch.nn.Module) -> tuple[dict[str, str], frozenset[str]]:
     """({Linear layer name: "int8" | "int4"}, the Hugging Face names of their tensors) for the layers whose
-    every checkpoint tensor (shards of a fused layer included) converts to that one format.
-    tensor_types: Hugging Face name -> GGUF type."""
+    every checkpoint tensor (shards of a fused layer included) converts to that one format; and TIED_INT8 for
+    a tied lm_head whose embedding is stored in one of them. tensor_types: Hugging Face name -> GGUF type."""
     formats: dict[str, set] = defaultdict(set)
     names: dict[str, list[str]] = defaultdict(list)
-    linears = {name for name, m in model.named_modules() if isinstance(m, Linear)}
+    param_types: dict[str, GGMLQuantizationType] = {}
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     for hf_name, qtype in tensor_types.items():
         target = model.map_checkpoint_name(hf_name)
         if target is None or not target[0].endswith(".weight"):
             continue
+        param_types[target[0]] = qtype
         layer = target[0].removesuffix(".weight")
         if layer in linears:
             formats[layer].add(FORMAT_OF.get(qtype))
             names[layer].append(hf_name)
     layers = {layer: next(iter(f)) for layer, f in formats.items() if len(f) == 1 and None not in f}
-    return layers, frozenset(n for layer in layers for n in names[layer])
+    kept = frozenset(n for layer in layers for n in names[layer])
+    # A tied lm_head has no tensor of its own: the embedding's serves the lookup, dequantised. Where that tensor
+    # is stored quantised, the head gets an int8 copy of its own (the int4 schemes' head: per channel, int16
+    # activations) rather than reading the float table, twice the bytes, at every decode step.
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    for name, m in linears.items():
+        if m.tied and m.input_size % BLOCK == 0 and FORMAT_OF.get(param_types.get(param_names.get(id(m.weight)))):
+            layers[name] = TIED_INT8
+    return layers, kept
 
 
 def native_chooser(layers: dict[str, str], otherwise: LinearMethodChooser) -> LinearMethodChooser:
-    int8, int4 = GGUFInt8LinearMethod(), GGUFInt4LinearMethod()
+    methods = {"int8": GGUFInt8LinearMethod(), "int4": GGUFInt4LinearMethod(),
+               TIED_INT8: Int8LinearMethod(int16_activations=True)}
 
     def choose(name: str, layer: Linear) -> LinearMethod:
         kind = layers.get(name)
-        return otherwise(name, layer) if kind is None else (int8 if kind == "int8" else int4)
+        return otherwise(name, layer) if kind is None else methods[kind]
 
     return choose
 
