@@ -86,21 +86,21 @@ def test_native_loads_are_cached_and_read_back_without_the_file(tmp_path, monkey
     path = write_tiny_gguf(str(tmp_path / "llama.gguf"), "llama", tensor_type=None)  # types cycle
     checkpoint, types = gguf_loader.read_gguf_cached(path)
     kept = frozenset(name for name, t in types.items() if t in FORMAT_OF and "layers.0." in name)
-    weights = gguf_loader.load_gguf_native_cached(path, torch.float32, types, kept)
+    weights = gguf_loader.load_gguf_native_cached(path, torch.float32, checkpoint, types, kept)
     assert kept and {n for n, w in weights.items() if isinstance(w, GGUFBlocks)} == kept
 
     opened = []
     reader = gguf_metadata.GGUFReader
     monkeypatch.setattr(gguf_metadata, "GGUFReader", lambda p: opened.append(p) or reader(p))
     assert gguf_loader.read_gguf_cached(path) == (checkpoint, types)
-    cached = gguf_loader.load_gguf_native_cached(path, torch.float32, types, kept)
+    cached = gguf_loader.load_gguf_native_cached(path, torch.float32, checkpoint, types, kept)
     assert opened == [] and cached.keys() == weights.keys()
     for name, w in weights.items():
         if name in kept:
             assert cached[name].qtype == w.qtype and np.array_equal(cached[name].blocks, w.blocks)
         else:
             assert torch.equal(cached[name], w)
-    gguf_loader.load_gguf_native_cached(path, torch.float32, types, frozenset())
+    gguf_loader.load_gguf_native_cached(path, torch.float32, checkpoint, types, frozenset())
     assert opened == [path]
 
 

@@ -175,12 +175,14 @@ def read_gguf_cached(path: str) -> tuple[GGUFCheckpoint, dict[str, GGMLQuantizat
     return checkpoint, types
 
 
-def load_gguf_native_cached(path: str, dtype: torch.dtype, types: dict[str, GGMLQuantizationType],
+def load_gguf_native_cached(path: str, dtype: torch.dtype, checkpoint: GGUFCheckpoint,
+                            types: dict[str, GGMLQuantizationType],
                             keep_quantized: frozenset[str]) -> dict[str, Union[torch.Tensor, "GGUFBlocks"]]:
     """Every weight under its Hugging Face name, dequantised to dtype except those named in keep_quantized,
     which come as their blocks (folio.loader.gguf_native.GGUFBlocks); converted once and then read back from a
-    cache folder (as `load_gguf_cached` caches the dequantised form), the kept ones as their uint8 rows. types:
-    the file's, from `read_gguf_cached`. The key covers the kept set, which is the loading model's choice."""
+    cache folder (as `load_gguf_cached` caches the dequantised form), the kept ones as their uint8 rows.
+    checkpoint, types: the file's, from `read_gguf_cached`. The key covers the kept set, which is the loading
+    model's choice."""
     from folio.loader.gguf_native import GGUFBlocks  # its linear methods import the kernels' build machinery
 
     kept = hashlib.sha256("|".join(sorted(keep_quantized)).encode()).hexdigest()[:16]
@@ -189,9 +191,7 @@ def load_gguf_native_cached(path: str, dtype: torch.dtype, types: dict[str, GGML
         _, tensors = _read_cache(cache_dir)
         return {name: GGUFBlocks(types[name], t.numpy()) if name in keep_quantized else t
                 for name, t in tensors.items()}
-    reader = open_gguf(path)
-    checkpoint = _checkpoint(reader)
-    weights = dict(_iter_tensors(reader, checkpoint.hf_config, dtype, keep_quantized))
+    weights = dict(_iter_tensors(open_gguf(path), checkpoint.hf_config, dtype, keep_quantized))
     _try_write_cache(cache_dir, checkpoint,
                      {name: torch.from_numpy(np.ascontiguousarray(w.blocks)) if name in keep_quantized else w
                       for name, w in weights.items()})

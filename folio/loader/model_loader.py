@@ -176,7 +176,7 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
         if gguf_native:
             layers, quantized_tensors = native_layers(types, net)
             methods = native_chooser(layers, as_chooser(methods))
-            tensors = iter(load_gguf_native_cached(path, dtype, types, quantized_tensors).items())
+            tensors = iter(load_gguf_native_cached(path, dtype, checkpoint, types, quantized_tensors).items())
         bind_linear_methods(net, methods)
     load_weights(net, tensors)
     process_weights_after_loading(net)
