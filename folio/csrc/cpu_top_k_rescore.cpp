@@ -1,0 +1,146 @@
+// rescore_top_k: per row of bf16 logits [M, V] computed from a 4-bit copy of an lm_head, the k largest
+// replaced in place by their exact values x[m] . table[token] from the bf16 table (folio.models.rescored_head).
+//
+// Selection without sorting the row: the first k logits seed a heap whose root is the lowest ranked (lower
+// value, or equal value and higher index); the rest of the row is scanned 16 at a time against the root's
+// value, and only a strictly larger logit replaces the root, so among equal values the lower index stays, as a
+// stable descending sort ranks them. A NaN ranks as minus infinity. Past the first few hundred logits hardly
+// any passes the threshold, so the scan costs about a read of the row (V = 151936: ~10 us). The k exact dot
+// products read k rows of the table, which lie anywhere in it: each row is prefetched a few rows ahead of its
+// product. Sums in float32 (vdpbf16ps where the CPU has AVX512-BF16, else 16 scalar partial sums), rounded to
+// bf16 to nearest even, as a bf16 GEMM rounds its float32 sums.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define FOLIO_AVX512 1
+#else
+#define FOLIO_AVX512 0
+#endif
+
+namespace {
+
+constexpr int64_t PREFETCH_ROWS = 4;  // table rows prefetched ahead of the current product
+
+struct Candidate {
+  float value;
+  int64_t index;
+};
+
+// a ranks above b: a larger value, or the same value at a lower index
+inline bool above(const Candidate& a, const Candidate& b) {
+  return a.value > b.value || (a.value == b.value && a.index < b.index);
+}
+
+inline float logit(const c10::BFloat16* row, int64_t i) {
+  const float v = static_cast<float>(row[i]);
+  return std::isnan(v) ? -std::numeric_limits<float>::infinity() : v;
+}
+
+// heap (by `above`, so its front is the lowest ranked) becomes the k highest-ranked logits of row[0, V)
+void select(const c10::BFloat16* row, int64_t V, int64_t k, std::vector<Candidate>& heap) {
+  heap.resize(k);
+  for (int64_t i = 0; i < k; ++i) heap[i] = {logit(row, i), i};
+  std::make_heap(heap.begin(), heap.end(), above);
+  auto offer = [&](int64_t i) {
+    const float v = static_cast<float>(row[i]);  // a NaN fails the comparison: it ranks below everything kept
+    if (v > heap.front().value) {
+      std::pop_heap(heap.begin(), heap.end(), above);
+      heap.back() = {v, i};
+      std::push_heap(heap.begin(), heap.end(), above);
+    }
+  };
+  int64_t i = k;
+#if FOLIO_AVX512
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+  for (; i + 16 <= V; i += 16) {
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i))), 16));
+    __mmask16 pass = _mm512_cmp_ps_mask(v, _mm512_set1_ps(heap.front().value), _CMP_GT_OQ);
+    for (; pass; pass &= pass - 1) offer(i + __builtin_ctz(pass));
+  }
+#endif
+  for (; i < V; ++i) offer(i);
+}
+
+float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t H) {
+#if FOLIO_AVX512 && defined(__AVX512BF16__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t h = 0;
+  for (; h + 32 <= H; h += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + h), (__m512bh)_mm512_loadu_si512(b + h));
+  if (h < H) {
+    const __mmask32 tail = (__mmask32)((1ull << (H - h)) - 1);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(tail, a + h),
+                           (__m512bh)_mm512_maskz_loadu_epi16(tail, b + h));
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float part[16] = {};
+  for (int64_t h = 0; h < H; ++h) part[h % 16] += static_cast<float>(a[h]) * static_cast<float>(b[h]);
+  float sum = 0;
+  for (float p : part) sum += p;
+  return sum;
+#endif
+}
+
+void prefetch_row(const c10::BFloat16* row, int64_t H) {
+#if FOLIO_AVX512
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t byte = 0; byte < H * 2; byte += 64) _mm_prefetch(p + byte, _MM_HINT_T0);
+#else
+  (void)row;
+  (void)H;
+#endif
+}
+
+void rescore_top_k(at::Tensor logits, const at::Tensor& x, const at::Tensor& table, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && x.dim() == 2 && table.dim() == 2, "rescore_top_k: 2-D tensors");
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
+                  table.scalar_type() == at::kBFloat16, "rescore_top_k: bf16 tensors");
+  TORCH_CHECK(logits.is_contiguous() && x.is_contiguous() && table.is_contiguous(),
+              "rescore_top_k: contiguous tensors");
+  const int64_t M = logits.size(0), V = logits.size(1), H = x.size(1);
+  TORCH_CHECK(x.size(0) == M && table.size(0) == V && table.size(1) == H, "rescore_top_k: shapes do not match");
+  TORCH_CHECK(k > 0, "rescore_top_k: k must be positive");
+  k = std::min(k, V);
+  c10::BFloat16* out = logits.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* xs = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* rows = table.data_ptr<c10::BFloat16>();
+  std::vector<int64_t> top(M * k);  // each row's selected tokens
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Candidate> heap;
+    for (int64_t m = begin; m < end; ++m) {
+      select(out + m * V, V, k, heap);
+      for (int64_t j = 0; j < k; ++j) top[m * k + j] = heap[j].index;
+    }
+  });
+  // the products of all rows' tokens shared out over the threads (one row's k are worth two threads)
+  at::parallel_for(0, M * k, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < std::min(begin + PREFETCH_ROWS, end); ++j) prefetch_row(rows + top[j] * H, H);
+    for (int64_t j = begin; j < end; ++j) {
+      if (j + PREFETCH_ROWS < end) prefetch_row(rows + top[j + PREFETCH_ROWS] * H, H);
+      const int64_t m = j / k;
+      out[m * V + top[j]] = c10::BFloat16(dot(rows + top[j] * H, xs + m * H, H));
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rescore_top_k", &rescore_top_k,
+        "per row of bf16 logits, the k largest replaced in place by x . table[token] (bf16 sums in float32)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}

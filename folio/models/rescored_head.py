@@ -1,0 +1,84 @@
+"""The lm_head of the int4 schemes when it is tied to a bf16 embedding: int4 logits, the best of them exact.
+
+At batch 1 the head is the largest single read of a small model's step (Qwen2-0.5B: 151936 x 896, 136 MB in
+int8, 85 MB in int4 groups of 32), but 4 bits cost the logits more than any other layer: the default model's
+perplexity +5.4 % with an int4 head, where an int8 head cost nothing. A tied head's exact rows are in memory
+anyway, as the embedding table the lookup reads. So this head streams its int4 copy (folio.models.int4_blocks)
+for every logit, then recomputes the TOP_K largest of each row from the bf16 table (k rows of the table, a few
+hundred KB, and a partial selection over the row: folio/csrc/cpu_top_k_rescore.cpp): a token greedy decoding
+or a sampler's top candidates pick gets the bf16 head's logit, and only the tail, which enters a softmax as
+a small share of its mass, keeps the 4-bit error.
+
+The same at every batch size (chunks of int4_blocks.MAX_ROWS rows), so a token's logits do not depend on the
+batch it ran in, and perplexity over prompt logprobs measures what decoding samples from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.csrc_build import CSRC, CppKernel
+from folio.models import int4_blocks
+from folio.models.int4_linear import Int4LinearMethod
+from folio.models.linear import Linear
+
+KERNEL = CppKernel("folio_cpu_top_k_rescore", CSRC / "cpu_top_k_rescore.cpp", what="CPU top-k rescoring kernel",
+                   fallback="the rescored lm_head uses torch's sort")
+# Logits per row recomputed from the table. Measured on the default model (bf16, `int4`, README "Low
+# precision"): perplexity +1.4 % at 32, +0.8 % at 128 against the int8 head; the rows cost ~20 us at 128.
+TOP_K = 128
+
+
+def rescore_top_k_reference(logits: torch.Tensor, x: torch.Tensor, table: torch.Tensor, k: int) -> torch.Tensor:
+    """logits [M, V] (in place) with each row's k largest, ties to the lower token index, replaced by
+    x [M, H] . table[token] [H] (float32 sums of the bf16 products, rounded to logits' dtype). A NaN ranks as
+    minus infinity."""
+    key = logits.float()
+    key = torch.where(key.isnan(), float("-inf"), key)
+    top = key.sort(dim=-1, descending=True, stable=True).indices[:, :min(k, logits.shape[1])]
+    exact = torch.bmm(table[top].float(), x.float().unsqueeze(-1)).squeeze(-1)
+    return logits.scatter_(1, top, exact.to(logits.dtype))
+
+
+def rescore_top_k(logits: torch.Tensor, x: torch.Tensor, table: torch.Tensor, k: int) -> torch.Tensor:
+    """rescore_top_k_reference, by the C++ kernel where it serves these tensors."""
+    ext = KERNEL.load()
+    if (ext is not None and logits.dtype == x.dtype == table.dtype == torch.bfloat16 and logits.is_contiguous()
+            and x.is_contiguous() and table.is_contiguous()):
+        ext.rescore_top_k(logits, x, table, k)
+        return logits
+    return rescore_top_k_reference(logits, x, table, k)
+
+
+class RescoredInt4Head(Int4LinearMethod):
+    """Int4 weight-only logits with each row's TOP_K largest recomputed from the tied bf16 embedding table.
+
+    Only for a tied layer of a bf16 model (the quantization chooser checks; elsewhere the int4 schemes keep
+    an int8 head). layer.exact_table: the embedding's weight (the same storage, not a copy)."""
+
+    def __init__(self, group_size: int, top_k: int = TOP_K) -> None:
+        super().__init__(group_size)
+        self.top_k = top_k
+
+    def create_weights(self, layer: Linear) -> None:
+        if not layer.tied or layer.with_bias:
+            raise ValueError("the rescored int4 head needs a tied layer without bias")
+        super().create_weights(layer)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.exact_table = layer.weight.detach()  # before the int4 copy replaces layer.weight
+        super().process_weights_after_loading(layer)
+
+    def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= int4_blocks.MAX_ROWS:
+            return self.rescored(layer, x)
+        return torch.cat([self.rescored(layer, chunk) for chunk in x.split(int4_blocks.MAX_ROWS)])
+
+    def rescored(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        return rescore_top_k(super().matmul(layer, x), x, layer.exact_table, self.top_k)
+
+
+def serves(layer: Linear) -> bool:
+    """Whether a layer can be a rescored head: tied to a bf16 table, with the int4 block kernel at hand."""
+    return layer.tied and not layer.with_bias and layer.params_dtype == torch.bfloat16 and int4_blocks.available()
