@@ -14,7 +14,8 @@ row is rotated the same way before it is quantised, which leaves x W^T unchanged
 block (bf16: +0.65 %; +1.04 % in blocks of 32). Pre-quantised checkpoints
 (compressed-tensors) run as stored, unrotated.
 
-Scheme "w8a16" and the lm_head of schemes "int4" and "int4-g128" take their activations as 16-bit integers per row
+Scheme "w8a16" and the lm_head of schemes "int4" and "int4-g128" (where it is not the rescored one of
+folio.models.rescored_head) take their activations as 16-bit integers per row
 (`int16_activations`, quant_reference.w8_int16_linear): each code's two bytes times the int8 weight by the W8A8
 instructions, exact in int32, so their results are as close to bf16's as float activations' (the default model's
 perplexity in bf16: "w8a16" 25.9674 against 25.9753 with float activations and 25.9392 unquantised; "int4"
