@@ -2,7 +2,7 @@
 whose head is tied to its embedding.
 
 Speed (default): three engines resident in one process, bf16, `int4` as it is, and `int4` with the int8 head
-(the chooser patched as before this head), each generation's median engine step measured in turn, the order
+(the chooser patched as before this head), each generation's median decode step measured in turn, the order
 reversed every other round; prints each round and the median over rounds of the speed ratio to bf16.
 
     python benchmarks/rescored_head_bench.py --model M [--rounds 6] [--num-prompts 2 --input-len 32
@@ -20,7 +20,6 @@ import argparse
 import math
 import random
 import statistics
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +28,7 @@ from folio.bench.perplexity import DEFAULT_TEXT, measure
 from folio.config import EngineConfig
 from folio.engine.llm_engine import LLMEngine
 from folio.models import rescored_head
+from step_overhead_bench import median_decode_step_ms  # the sibling script's timer
 
 
 def with_head(top_k: Optional[int], build):
@@ -42,24 +42,6 @@ def with_head(top_k: Optional[int], build):
         return build()
     finally:
         rescored_head.serves, rescored_head.RescoredInt4Head.__init__.__defaults__ = serves, default
-
-
-def median_steps_ms(llm: LLM, prompts: list[dict], params: SamplingParams) -> float:
-    times: list[float] = []
-    step = LLMEngine.step
-
-    def timed(engine, *args, **kwargs):
-        start = time.perf_counter()
-        out = step(engine, *args, **kwargs)
-        times.append(time.perf_counter() - start)
-        return out
-
-    LLMEngine.step = timed
-    try:
-        llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        LLMEngine.step = step
-    return statistics.median(times) * 1e3
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -79,7 +61,7 @@ def speed(args: argparse.Namespace) -> None:
     steps: dict[str, list[float]] = {name: [] for name in llms}
     for r in range(args.rounds):
         for name in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
-            steps[name].append(median_steps_ms(llms[name], prompts, params))
+            steps[name].append(median_decode_step_ms(llms[name], prompts, params))
         print(f"round {r + 1}: " + ", ".join(f"{name} {ms[-1]:.2f} ms" for name, ms in steps.items()), flush=True)
     for name, ms in steps.items():
         ratios = [base / own for base, own in zip(steps["bfloat16"], ms)]
