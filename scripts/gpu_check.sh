@@ -53,6 +53,7 @@ section "kernels: built side by side on every core"
 builds=()
 for module in folio.attention.cpu_paged folio.attention.flash_prefill folio.models.quant_kernels \
     folio.models.small_batch_gemm folio.models.fused_moe folio.models.fused_ops folio.sample.sampling_ops \
+    folio.models.int4_blocks folio.models.rescored_head \
     folio.structured_output.token_mask; do
   part 240 $PY -c "import $module as m; k = m.KERNEL; print('$module:', 'built' if k.load() else k.error)" &
   builds+=($!)
@@ -64,7 +65,7 @@ $PY -c "import xdist" 2>/dev/null && SPREAD=(-n 8) || SPREAD=()
 part 150 $PY -m pytest -q -p no:cacheprovider "${SPREAD[@]}" tests/test_quant_kernels.py tests/test_small_batch_gemm.py \
   tests/test_cpu_paged_attention.py tests/test_sliding_window.py tests/test_flash_prefill.py \
   tests/test_sdpa_prefill.py tests/test_onednn_int8.py tests/test_fused_moe.py tests/test_fused_ops.py \
-  tests/test_kv_cache_8bit.py tests/test_int4_blocks.py
+  tests/test_kv_cache_8bit.py tests/test_int4_blocks.py tests/test_rescored_head.py
 
 section "W1 on the 0.5B Qwen2 (default settings): the roofline, throughput and peak memory"
 MODEL=$WORK/qwen2-0.5b
