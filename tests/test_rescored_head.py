@@ -141,7 +141,7 @@ def test_int4_schemes_rescore_a_tied_bf16_head_only():
     tied_float = Linear(64, 100, tied_to=nn.Parameter(torch.zeros(100, 64)), params_dtype=torch.float32)
     for scheme, group in (("int4", 32), ("int4-g128", 128)):
         choose = quantization_chooser(scheme, dense)
-        if int4_blocks.available():
+        if int4_blocks.available() and rescored_head.KERNEL.load() is not None:
             assert isinstance(choose("lm_head", tied), rescored_head.RescoredInt4Head)
             assert choose("lm_head", tied).preferred_group_size == group
         else:
@@ -153,6 +153,7 @@ def test_int4_schemes_rescore_a_tied_bf16_head_only():
 
 
 @needs_blocks
+@needs_kernel
 def test_a_tied_bf16_int4_model_rescores_its_head(tiny_model_factory):
     folder = tiny_model_factory("llama", True)
     llm = LLM(folder, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 22)

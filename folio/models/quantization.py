@@ -20,8 +20,8 @@ Layers whose input size is not a multiple of 32 (the kernels' block) stay on the
 
 from __future__ import annotations
 
-from folio.models.int4_linear import Int4LinearMethod
 from folio.models import rescored_head
+from folio.models.int4_linear import Int4LinearMethod
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear, LinearMethod, LinearMethodChooser
 from folio.models.quant_reference import BLOCK
