@@ -112,10 +112,12 @@ def _tied_head(v: int, h: int, seed: int, method) -> tuple[Linear, nn.Parameter]
 
 @needs_blocks
 @pytest.mark.parametrize("rows", [1, 3, 64, 65, 150])  # one chunk, several (int4_blocks.MAX_ROWS each)
-def test_head_is_int4_logits_with_the_largest_exact(rows):
+@pytest.mark.parametrize("group", [32, rescored_head.GROUP])
+def test_head_is_int4_logits_with_the_largest_exact(rows, group):
     v, h = 1000, 128
-    head, embedding = _tied_head(v, h, seed=rows, method=rescored_head.RescoredInt4Head(32, top_k=40))
-    plain, _ = _tied_head(v, h, seed=rows, method=Int4LinearMethod(32))  # the same int4 copy
+    head, embedding = _tied_head(v, h, seed=rows, method=rescored_head.RescoredInt4Head(group, top_k=40))
+    plain, _ = _tied_head(v, h, seed=rows, method=Int4LinearMethod(group))  # the same int4 copy
+    assert head.int4_blocks.scales.shape[1] == h // group
     assert head.exact_table.data_ptr() == embedding.data_ptr()  # the embedding's storage, not a copy
     assert head.weight is None and head.int4_blocks is not None  # the head keeps only the int4 blocks
     x = torch.randn(rows, h).bfloat16()
@@ -139,7 +141,7 @@ def test_int4_schemes_rescore_a_tied_bf16_head_only():
     tied = Linear(64, 100, tied_to=embedding, params_dtype=torch.bfloat16)
     untied = Linear(64, 100, params_dtype=torch.bfloat16)
     tied_float = Linear(64, 100, tied_to=nn.Parameter(torch.zeros(100, 64)), params_dtype=torch.float32)
-    for scheme, group in (("int4", 32), ("int4-g128", 128)):
+    for scheme, group in (("int4", 64), ("int4-g128", 128)):
         choose = quantization_chooser(scheme, dense)
         if int4_blocks.available() and rescored_head.KERNEL.load() is not None:
             assert isinstance(choose("lm_head", tied), rescored_head.RescoredInt4Head)
