@@ -11,7 +11,9 @@ reversed every other round; prints each round and the median over rounds of the 
 --perplexity K [K ...]: the shipped text's perplexity (as `folio bench perplexity --dtype bfloat16
 --quantization int4`) with the head rescoring its top K logits per row; K = 0 is the int8 head.
 
-    python benchmarks/rescored_head_bench.py --perplexity 0 32 128 512 [--model M]
+    python benchmarks/rescored_head_bench.py --perplexity 0 32 128 512 [--model M] [--group 32]
+
+--group G: the head's int4 groups (rescored_head.GROUP, default 64) in both modes.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=1)
+    parser.add_argument("--group", type=int, default=rescored_head.GROUP)
     args = parser.parse_args()
+    rescored_head.GROUP = args.group
     if args.perplexity is not None:
         perplexity(args)
     elif args.model is None:
