@@ -167,5 +167,5 @@ def test_a_tied_bf16_int4_model_rescores_its_head(tiny_model_factory):
                        use_tqdm=False)[0]
     got = torch.tensor([e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
     want = hf_logprobs(folder, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    # int4 on these random models: 0.53 mean error in float32 (test_quantization's MEAN_LOGPROB_ERROR)
+    # measured 0.54 here; int4 with the int8 head: 0.53 in float32 (test_quantization.MEAN_LOGPROB_ERROR)
     assert float((got - want).abs().mean()) < 0.9
