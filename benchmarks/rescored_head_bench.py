@@ -35,15 +35,15 @@ from step_overhead_bench import median_decode_step_ms  # the sibling script's ti
 
 def with_head(top_k: Optional[int], build):
     """build() with the int4 schemes' head rescoring top_k logits a row (None: the int8 head)."""
-    serves, default = rescored_head.serves, rescored_head.RescoredInt4Head.__init__.__defaults__
+    serves, default = rescored_head.serves, rescored_head.TOP_K
     if top_k is None:
         rescored_head.serves = lambda layer: False
     else:
-        rescored_head.RescoredInt4Head.__init__.__defaults__ = (top_k,)
+        rescored_head.TOP_K = top_k  # read by the quantization chooser, as GROUP is
     try:
         return build()
     finally:
-        rescored_head.serves, rescored_head.RescoredInt4Head.__init__.__defaults__ = serves, default
+        rescored_head.serves, rescored_head.TOP_K = serves, default
 
 
 def speed(args: argparse.Namespace) -> None:

@@ -44,7 +44,8 @@ def quantization_chooser(scheme: str, dense: LinearMethod) -> LinearMethodChoose
     else:
         body = Int4LinearMethod(128 if scheme == "int4-g128" else BLOCK, int8_activations=scheme == "w4a8")
     head = int16 if scheme in ("w8a16", "int4", "int4-g128") else w8a8
-    rescored = rescored_head.RescoredInt4Head(max(rescored_head.GROUP, body.preferred_group_size)) \
+    rescored = rescored_head.RescoredInt4Head(max(rescored_head.GROUP, body.preferred_group_size),
+                                              rescored_head.TOP_K) \
         if scheme in ("int4", "int4-g128") else None
 
     def choose(name: str, layer: Linear) -> LinearMethod:
