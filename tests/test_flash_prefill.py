@@ -1,5 +1,5 @@
-"""bf16 prefill attention in tiled float32 matrix products (folio.attention.flash_prefill) against a float64
-reference, and through the backend (given as the bf16 path, whatever the CPU).
+"""Prefill attention in tiled float32 matrix products (folio.attention.flash_prefill) against a float64 reference,
+from bf16 and 8-bit caches, and through the backend (given as the bf16 path, whatever the CPU).
 
 Tolerances (the inputs are bf16, the reference is float64 attention on those same values): an output is
 rounded once to bf16 (2^-9 of its size, 2^-8 allowing for the sums before it); the products and sums are
@@ -14,6 +14,7 @@ import torch
 from folio import LLM, SamplingParams
 from folio.attention import cpu_paged, flash_prefill
 from folio.attention.backend import AttentionParams
+from folio.attention.kv_quant import KV_QUANTIZATIONS
 from test_cpu_paged_attention import make_step, paged, run  # noqa: F401 (fixture)
 from test_sliding_window import make_step as make_windowed_step
 from test_sliding_window import plain_attention
@@ -55,7 +56,7 @@ def check_close(out, exact, values):
 def attend_all(q, cache, layout, params):
     """Every request of the layout through the path, from a cache the reference backend has written."""
     metadata = cpu_paged.CPUPagedAttentionBackend(long_queries={}).build_metadata(layout)
-    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     path = flash_prefill.FlashPrefill(1, 1)
     path.attend(out, q, cache[0], cache[1], metadata.reqs, metadata.block_tables, params.scale_for(q.shape[-1]),
                 params)
@@ -104,6 +105,21 @@ def test_backend_takes_long_bf16_queries_there(flash_kernel):
     _, ref_cache = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
     assert torch.equal(written[0], ref_cache[0]) and torch.equal(written[1], ref_cache[1])
     check_close(out, reference(q, written, layout, AttentionParams()), written[1])
+
+
+@pytest.mark.parametrize("name", list(KV_QUANTIZATIONS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 7, 16), (80, 2, 5)])
+def test_8bit_caches_attend_as_their_dequantised_values(flash_kernel, name, dtype, head_dim, group, block_size):
+    # the 8-bit rows the paged kernel wrote, against float64 attention on their values (codes times scales)
+    quant = KV_QUANTIZATIONS[name]
+    q, k, v, cache, layout = make_step(SPECS, block_size, 2, group, head_dim, dtype, seed=head_dim + group)
+    cache = tuple(quant.quantize(c) for c in cache)
+    _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
+    values = tuple(quant.dequantize(c, torch.float32) for c in written)
+    out = attend_all(q, written, layout, AttentionParams())
+    assert out.dtype == dtype
+    check_close(out, reference(q, values, layout, AttentionParams()), values[1])
 
 
 # ------------------------------------------------------------------------------------------ end to end

@@ -109,7 +109,8 @@ def test_backend_sends_long_queries_there(paged, dtype):
 def test_each_cpu_picks_its_paths(monkeypatch):
     without_avx512 = cpu_paged.long_query_paths(kernel_has_avx512=False)
     assert isinstance(without_avx512[torch.float32](), sdpa_prefill.SdpaPrefill)
-    assert without_avx512[torch.bfloat16] is flash_prefill.if_built
+    assert without_avx512[torch.bfloat16] is without_avx512[torch.int8] is without_avx512[torch.uint8] \
+        is flash_prefill.if_built
     monkeypatch.setattr(cpu_paged, "has_amx", lambda: True)
     amx = cpu_paged.long_query_paths(kernel_has_avx512=True)
     assert list(amx) == [torch.bfloat16] and isinstance(amx[torch.bfloat16](), sdpa_prefill.SdpaPrefill)

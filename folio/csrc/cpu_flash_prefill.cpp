@@ -1,20 +1,22 @@
-// Prefill attention for bf16 paged caches as tiled float32 matrix products (FlashAttention style), through
-// PyTorch's at::native::cpublas::brgemm (its GEMM for float32 operands).
+// Prefill attention for bf16 and 8-bit paged caches as tiled float32 matrix products (FlashAttention style),
+// through PyTorch's at::native::cpublas::brgemm (its GEMM for float32 operands).
 //
 // The paged kernel (cpu_paged_attention.cpp) attends one query row and one key at a time; a long query (a prompt,
 // a prefill chunk) is a matrix product, and a GEMM engine runs it many times faster. For each request given here:
 //   1. pack: its context's K and V, per kv head and per tile of KEY_TILE keys, are gathered from the blocks of the
-//      cache (block table, in place) and widened to float32 into the layout brgemm reads as B: K transposed
-//      [D, kt] and V [kt, D];
+//      cache (block table, in place) and widened to float32 (an 8-bit row's codes times its scale, as
+//      folio.attention.kv_quant dequantises) into the layout brgemm reads as B: K transposed [D, kt] and V [kt, D];
 //   2. attend: per (request, kv head, tile of query tokens), the query rows of the tile's tokens times the G query
 //      heads of the kv head are stacked (rows r = token * G + g), so K and V are read once per group; per key
 //      tile S = Q K^T by brgemm, then scale, soft-cap, causal and sliding-window masks and the online softmax
 //      (running max and sum, float32, base 2), and O += P V by brgemm into a float32 accumulator rescaled when
-//      the max grows; finally O / sum in bf16.
+//      the max grows; finally O / sum in q's dtype.
 // Products are float32 (a first version ran bf16 products, on AMX tiles with K and V packed in pairs: not
 // landed until measured on an AMX machine; tag amx-flash-prefill-wip).
 //
-// Layouts: q, out [T, Hq, D] bf16 (unit stride along D); caches [num_blocks, block_size, Hkv, D] bf16 contiguous;
+// Layouts: q, out [T, Hq, D] bf16 or float32 (unit stride along D); caches [num_blocks, block_size, Hkv, R]
+// contiguous: bf16 rows (R = D), or 8-bit ones (folio.attention.kv_quant: R = D + 4, D int8 codes or fp8 e4m3
+// bits then the row's float32 scale);
 // reqs int32 [B, 3] = (first token in the batch, query length, context length including the query);
 // block_tables int32 [B, max_blocks]. Sliding window W (0: none): the query at position p sees keys
 // p - W < t <= p; keys before the window of a request's first query are never read. Soft-capping (cap > 0):
@@ -27,9 +29,11 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -69,16 +73,49 @@ inline float exp2_approx(float x) {
   return p * scale;
 }
 
+// How a cache of element type C holds a row of D values: row_width elements; value(row, d) is the d-th value.
+template <typename C>
+struct Rows {
+  static constexpr int SCALE_BYTES = 0;
+  static float scale(const C*, int) { return 1.f; }
+  static float code(C x) { return static_cast<float>(x); }
+};
+template <typename C>
+struct ScaledRows {  // D codes, then the row's float32 scale in the next 4 bytes
+  static constexpr int SCALE_BYTES = 4;
+  static float scale(const C* row, int D) {
+    float s;
+    std::memcpy(&s, row + D, sizeof(s));
+    return s;
+  }
+};
+template <>
+struct Rows<int8_t> : ScaledRows<int8_t> {
+  static float code(int8_t x) { return static_cast<float>(x); }
+};
+// the float of every fp8 e4m3 code, filled as the library loads
+const std::array<float, 256> FP8_E4M3_VALUES = [] {
+  std::array<float, 256> v{};
+  for (int i = 0; i < 256; ++i)
+    v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  return v;
+}();
+template <>
+struct Rows<uint8_t> : ScaledRows<uint8_t> {
+  static float code(uint8_t x) { return FP8_E4M3_VALUES[x]; }
+};
+
 struct Params {
-  const bf16* q;
+  const void* q;
   int64_t q_st, q_sh;
-  bf16* out;
-  const bf16* k_cache;
-  const bf16* v_cache;
+  void* out;
+  const void* k_cache;
+  const void* v_cache;
   const int32_t* reqs;
   const int32_t* block_tables;
   int64_t max_blocks;
   int block_size, Hkv, G, D;
+  int row_width;  // elements of a cache row: D, or D + 4 for an 8-bit cache
   float scale_log2;  // softmax scale times log2(e): scores are kept in base 2
   int window;  // 0: none
   float softcap2, inv_softcap2;  // soft-capping of the base-2 scores: cap * log2(e) and its inverse; 0: none
@@ -91,21 +128,24 @@ struct Span {
   int64_t offset;
 };
 
-// Key t of kv head h of request b, as a row of D values in the cache.
+// Key t of kv head h of request b: the element offset of its row in the cache.
 inline int64_t cache_row(const Params& P, int b, int h, int t) {
   const int32_t block = P.block_tables[b * P.max_blocks + t / P.block_size];
-  return (((int64_t)block * P.block_size + t % P.block_size) * P.Hkv + h) * P.D;
+  return (((int64_t)block * P.block_size + t % P.block_size) * P.Hkv + h) * P.row_width;
 }
 
-// Tile of kt keys from t0, widened, into kdst (K^T: [D, kt]) and vdst (V: [kt, D]).
+// Tile of kt keys from t0, widened (8-bit codes times their row's scale, in float32), into kdst (K^T: [D, kt])
+// and vdst (V: [kt, D]).
+template <typename C>
 void pack_tile(const Params& P, int b, int h, int t0, int kt, float* kdst, float* vdst) {
   const int D = P.D;
   for (int j = 0; j < kt; ++j) {
     const int64_t row = cache_row(P, b, h, t0 + j);
-    const bf16* k = P.k_cache + row;
-    const bf16* v = P.v_cache + row;
-    for (int d = 0; d < D; ++d) kdst[(int64_t)d * kt + j] = static_cast<float>(k[d]);
-    for (int d = 0; d < D; ++d) vdst[(int64_t)j * D + d] = static_cast<float>(v[d]);
+    const C* k = static_cast<const C*>(P.k_cache) + row;
+    const C* v = static_cast<const C*>(P.v_cache) + row;
+    const float ks = Rows<C>::scale(k, D), vs = Rows<C>::scale(v, D);
+    for (int d = 0; d < D; ++d) kdst[(int64_t)d * kt + j] = Rows<C>::code(k[d]) * ks;
+    for (int d = 0; d < D; ++d) vdst[(int64_t)j * D + d] = Rows<C>::code(v[d]) * vs;
   }
 }
 
@@ -122,6 +162,7 @@ struct TileBuffers {
   TileBuffers(int M, int D) : q((size_t)M * D), s((size_t)M * KEY_TILE), acc((size_t)M * D), m(M), l(M) {}
 };
 
+template <typename Q>
 void attend_item(const Params& P, const Span& span, const float* kpack, const float* vpack, const Item& it,
                  TileBuffers& buf) {
   const int D = P.D, G = P.G;
@@ -129,7 +170,7 @@ void attend_item(const Params& P, const Span& span, const float* kpack, const fl
   const int qs = rq[0], L = rq[2], off = L - rq[1];
   const int M = (it.q1 - it.q0) * G;
   for (int r = 0; r < M; ++r) {
-    const bf16* src = P.q + (int64_t)(qs + it.q0 + r / G) * P.q_st + (int64_t)(it.h * G + r % G) * P.q_sh;
+    const Q* src = static_cast<const Q*>(P.q) + (int64_t)(qs + it.q0 + r / G) * P.q_st + (int64_t)(it.h * G + r % G) * P.q_sh;
     for (int d = 0; d < D; ++d) buf.q[(size_t)r * D + d] = static_cast<float>(src[d]);
   }
   std::fill(buf.m.begin(), buf.m.begin() + M, -std::numeric_limits<float>::infinity());
@@ -191,11 +232,13 @@ void attend_item(const Params& P, const Span& span, const float* kpack, const fl
   for (int r = 0; r < M; ++r) {
     const float* a = buf.acc.data() + (size_t)r * D;
     const float inv = buf.l[r] > 0.f ? 1.f / buf.l[r] : 0.f;
-    bf16* dst = P.out + ((int64_t)(qs + it.q0 + r / G) * P.Hkv * G + it.h * G + r % G) * D;
-    for (int d = 0; d < D; ++d) dst[d] = static_cast<bf16>(a[d] * inv);
+    Q* dst = static_cast<Q*>(P.out) + ((int64_t)(qs + it.q0 + r / G) * P.Hkv * G + it.h * G + r % G) * D;
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<Q>(a[d] * inv);
   }
 }
 
+// Q: the element type of q and out; C: the cache's.
+template <typename Q, typename C>
 void run(const Params& P, int B) {
   const int D = P.D, G = P.G, Hkv = P.Hkv;
   std::vector<Span> spans(B);
@@ -224,7 +267,7 @@ void run(const Params& P, int B) {
       const int h = (int)((i - first_tile[b]) / sp.tiles), n = (int)((i - first_tile[b]) % sp.tiles);
       const int t0 = sp.kbeg + n * KEY_TILE, kt = std::min(KEY_TILE, P.reqs[3 * b + 2] - t0);
       const int64_t o = sp.offset + ((int64_t)h * sp.tiles + n) * KEY_TILE * D;
-      pack_tile(P, b, h, t0, kt, kpack + o, vpack + o);
+      pack_tile<C>(P, b, h, t0, kt, kpack + o, vpack + o);
     }
   });
 
@@ -245,7 +288,7 @@ void run(const Params& P, int B) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     TileBuffers buf(qt * G, D);
-    for (int64_t i = next++; i < n; i = next++) attend_item(P, spans[items[i].b], kpack, vpack, items[i], buf);
+    for (int64_t i = next++; i < n; i = next++) attend_item<Q>(P, spans[items[i].b], kpack, vpack, items[i], buf);
   });
 }
 
@@ -255,26 +298,29 @@ void run(const Params& P, int B) {
 void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor reqs,
                    at::Tensor block_tables, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "q, out must be 3-d and the caches 4-d");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "q, out and the caches must be bfloat16");
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK((qt == at::kBFloat16 || qt == at::kFloat) && out.scalar_type() == qt,
+              "q and out must share a dtype, bfloat16 or float32");
+  TORCH_CHECK((ct == at::kBFloat16 || ct == at::kChar || ct == at::kByte) && v_cache.scalar_type() == ct,
+              "the caches must be bfloat16, or 8-bit rows (int8, or uint8 fp8 e4m3 bits)");
+  const int64_t row_width = q.size(2) + (ct == at::kBFloat16 ? 0 : 4);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "caches must be contiguous [blocks, block_size, Hkv, D]");
+              "caches must be contiguous [blocks, block_size, Hkv, row]");
   TORCH_CHECK(q.stride(2) == 1 && out.is_contiguous() && out.sizes() == q.sizes(),
               "q needs unit stride along head_dim, out must be contiguous and shaped like q");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "q must be [T, Hkv * G, D] for caches [.., Hkv, D]");
+  TORCH_CHECK(k_cache.size(3) == row_width && q.size(1) % k_cache.size(2) == 0,
+              "q must be [T, Hkv * G, D] for caches [.., Hkv, D] (8-bit: D + 4)");
   TORCH_CHECK(reqs.scalar_type() == at::kInt && reqs.is_contiguous() && reqs.dim() == 2 && reqs.size(1) == 3,
               "reqs must be int32 [B, 3]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == reqs.size(0), "block_tables must be int32 [B, M]");
   Params P;
-  P.q = q.data_ptr<bf16>();
+  P.q = q.data_ptr();
   P.q_st = q.stride(0);
   P.q_sh = q.stride(1);
-  P.out = out.data_ptr<bf16>();
-  P.k_cache = k_cache.data_ptr<bf16>();
-  P.v_cache = v_cache.data_ptr<bf16>();
+  P.out = out.data_ptr();
+  P.k_cache = k_cache.data_ptr();
+  P.v_cache = v_cache.data_ptr();
   P.reqs = reqs.data_ptr<int32_t>();
   P.block_tables = block_tables.data_ptr<int32_t>();
   P.max_blocks = block_tables.size(1);
@@ -282,6 +328,7 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
   P.Hkv = (int)k_cache.size(2);
   P.D = (int)q.size(2);
   P.G = (int)(q.size(1) / P.Hkv);
+  P.row_width = (int)row_width;
   P.scale_log2 = (float)scale * LOG2E;
   P.window = (int)std::max<int64_t>(0, window);
   P.softcap2 = softcap > 0 ? (float)softcap * LOG2E : 0.f;
@@ -300,10 +347,17 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
       TORCH_CHECK(id >= 0 && id < num_blocks, "request ", b, ": block id ", id, " out of range");
     }
   }
-  run(P, B);
+  auto go = [&](auto q_type) {
+    using Q = decltype(q_type);
+    if (ct == at::kChar) run<Q, int8_t>(P, B);
+    else if (ct == at::kByte) run<Q, uint8_t>(P, B);
+    else run<Q, bf16>(P, B);
+  };
+  if (qt == at::kFloat) go(float{});
+  else go(bf16{});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("flash_prefill", &flash_prefill, "attend long bf16 queries from the paged cache in tiled matrix products",
+  m.def("flash_prefill", &flash_prefill, "attend long queries from a bf16 or 8-bit paged cache in tiled matrix products",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }
