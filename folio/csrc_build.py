@@ -41,9 +41,11 @@ def cache_root() -> Path:
 
 
 def build_key(source: Path, cflags: Sequence[str], ldflags: Sequence[str]) -> str:
-    """Hash of everything the built library depends on: -march=native ties it to this CPU's features."""
+    """Hash of everything the built library depends on (the source, the headers beside it): -march=native ties it
+    to this CPU's features."""
     h = hashlib.sha256()
-    for part in (Path(source).read_bytes(), " ".join(list(cflags) + list(ldflags)).encode(),
+    headers = b"".join(path.read_bytes() for path in sorted(Path(source).parent.glob("*.h")))  # "#include"d
+    for part in (Path(source).read_bytes(), headers, " ".join(list(cflags) + list(ldflags)).encode(),
                  torch.__version__.encode(), sys.version.encode(), platform.machine().encode(),
                  (cpu_flags() or platform.processor()).encode(), os.environ.get("CXX", "c++").encode()):
         h.update(part)
@@ -88,8 +90,10 @@ def build_and_load(ext_name: str, source: Path, cflags: Sequence[str], ldflags: 
 class CppKernel:
     """One lazily built extension: `load()` builds once per process (thread-safe) and remembers failure."""
 
-    def __init__(self, ext_name: str, source: Path, what: str, fallback: str) -> None:
+    def __init__(self, ext_name: str, source: Path, what: str, fallback: str, cflags: Sequence[str] = ()) -> None:
+        """cflags: this kernel's own compiler flags, after the platform's."""
         self.ext_name, self.source, self.what, self.fallback = ext_name, Path(source), what, fallback
+        self.cflags = tuple(cflags)
         self._lock = threading.Lock()
         self._ext: Any = None
         self._tried = False
@@ -105,7 +109,8 @@ class CppKernel:
                 else:
                     try:
                         cflags, ldflags = current_platform().kernel_build_flags()
-                        self._ext = build_and_load(self.ext_name, self.source, cflags, ldflags, self.what, verbose)
+                        self._ext = build_and_load(self.ext_name, self.source, tuple(cflags) + self.cflags, ldflags,
+                                                   self.what, verbose)
                     except Exception as exc:  # a compiler error, no ninja, a read-only cache dir...
                         self.error = f"{type(exc).__name__}: {exc}"
                 if self.error is not None:

@@ -1,7 +1,7 @@
 """folio.models.fused_ops' kernels equal its torch reference code (what Transformers computes) bit for bit.
 
-bf16 inputs of the SmolLM2-135M / Qwen2-0.5B shapes (and odd sizes that take the scalar tails), T = 1, 7,
-64, 300: outputs compared as raw bits (NaN included), residual outputs identical; float32 inputs and a
+bf16 and float32 inputs of the SmolLM2-135M / Qwen2-0.5B shapes (and odd sizes that take the scalar tails), T = 1,
+7, 64, 300: outputs compared as raw bits (NaN included), residual outputs identical; float32 SiLU, mixed dtypes and a
 disabled kernel take the reference path. The first test builds the kernel (~15 s on 2 cores, once per
 machine: later runs load it from ~/.cache/folio/torch_extensions).
 """
@@ -37,10 +37,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def norm(h: int, seed: int) -> RMSNorm:
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+
+
+def norm(h: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> RMSNorm:
     g = torch.Generator().manual_seed(seed)
     n = RMSNorm(h, 1e-5)
-    n.weight.data = (torch.rand(h, generator=g) + 0.5).to(torch.bfloat16)
+    n.weight.data = (torch.rand(h, generator=g) + 0.5).to(dtype)
     return n
 
 
@@ -52,13 +55,15 @@ def test_sum_order_matches_torch(ext):
         assert torch.equal(ext.row_sums(x, lanes), x.sum(-1)), n
 
 
+@DTYPES
 @pytest.mark.parametrize("h", [576, 896, 100, 2048])
 @pytest.mark.parametrize("t", TOKENS)
-def test_rms_norm_bit_exact(h, t):
+def test_rms_norm_bit_exact(h, t, dtype):
     g = torch.Generator().manual_seed(h * 1000 + t)
-    n = norm(h, t)
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    res = (torch.randn(t, h, generator=g) * 8).to(torch.bfloat16)
+    n = norm(h, t, dtype)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    res = (torch.randn(t, h, generator=g) * 8).to(dtype)
+    assert F._ext_for(x, res, n.weight) is not None  # the kernel's path, not the fallback
     ref_out, ref_res = F.ref_rms_norm(x, n.weight, n.eps, res)
     out, new_res = F.fused_add_rms_norm(x, res, n.weight, n.eps)
     assert same_bits(new_res, ref_res)
@@ -79,14 +84,16 @@ def test_rms_norm_non_contiguous_and_3d():
     assert same_bits(F.rms_norm(x3, n.weight, n.eps), F.ref_rms_norm(x3, n.weight, n.eps))
 
 
+@DTYPES
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 64), (8, 2, 128), (4, 4, 48)])
 @pytest.mark.parametrize("t", TOKENS)
-def test_rotary_bit_exact_in_place(hq, hkv, d, t):
+def test_rotary_bit_exact_in_place(hq, hkv, d, t, dtype):
     rot = RotaryEmbedding(d, 4096, 10000.0, None)
     g = torch.Generator().manual_seed(t * 7 + d)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16) * 3
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype) * 3
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # views, as in LlamaAttention
     q, k = q.view(-1, hq, d), k.view(-1, hkv, d)
+    assert F._ext_for(q, k) is not None
     positions = torch.randint(0, 4096, (t,), generator=g)
     ref_q, ref_k = F.ref_rotary(positions, q, k, rot.cos, rot.sin)
     v_before = v.clone()
@@ -130,7 +137,9 @@ def test_silu_and_mul_3d():
     assert same_bits(F.silu_and_mul(gate_up), F.ref_silu_and_mul(gate_up))
 
 
-def test_float32_takes_the_reference_path():
+def test_float32_odd_sizes_mixed_dtypes_and_float32_silu():
+    """float32 norms and rotary of odd sizes on the kernel; a float32 weight with bf16 activations, and float32
+    SiLU, on the reference path: all as the reference computes them."""
     n = RMSNorm(96, 1e-6)
     n.weight.data = torch.rand(96) + 0.5
     x, res = torch.randn(7, 96), torch.randn(7, 96)

@@ -1,7 +1,8 @@
-// Fused bf16 elementwise kernels for the CPU decoder layers: (add +) RMSNorm, rotary embedding, SiLU-and-mul.
+// Fused elementwise kernels for the CPU decoder layers: (add +) RMSNorm and rotary embedding in bf16 or float32,
+// SiLU-and-mul in bf16.
 //
 // Each kernel reproduces, bit for bit, what folio/models/layers.py computes with eager torch ops on bf16
-// tensors (which is what Transformers computes), but in one pass over memory and without the float32
+// (or float32) tensors (which is what Transformers computes), but in one pass over memory and without the float32
 // temporaries, the broadcasts and the ~10 dispatcher calls per op:
 //
 //   * eager bf16 elementwise ops widen to float32, compute one float op and round back to bf16 (round to
@@ -15,8 +16,13 @@
 //     without it and without the check passing, std::exp, no longer bit-exact), and std::exp for the
 //     per-row tail that ATen runs through its scalar loop (the last I % 64 elements of each row).
 //
+//   * float32 tensors take the same formulas with no rounding to bf16 (Elem<float>); each eager op rounds its own
+//     float result, so the file is built with -ffp-contract=off (fused_ops.py): a product and a sum never fuse
+//     into one FMA where torch runs two ops.
+//
 // Vector paths need: RMSNorm any H (a scalar tail handles H % 16), rotary head_dim % 32 == 0, SiLU any I.
-// Without AVX-512 everything runs through the scalar versions of the same formulas.
+// Without AVX-512, and in float32, everything runs through the scalar versions of the same formulas (their
+// element-wise loops left to the compiler's vectoriser).
 //
 // Only the ATen headers needed (not torch/extension.h): keeps the first-use build short.
 #include <ATen/Parallel.h>
@@ -62,6 +68,24 @@ inline uint16_t rnd(float f) {
 }
 
 inline float rf(float f) { return bf(rnd(f)); }  // round through bf16
+
+// An element of a tensor of type T as the formulas see it: bf16 bits (uint16_t) or float.
+template <typename T>
+struct Elem;
+template <>
+struct Elem<uint16_t> {
+  static constexpr bool BF16 = true;
+  static float get(uint16_t h) { return bf(h); }
+  static uint16_t put(float f) { return rnd(f); }  // an eager op's rounding of its float result
+  static float round(float f) { return rf(f); }  // the same, kept as a float for the next op
+};
+template <>
+struct Elem<float> {
+  static constexpr bool BF16 = false;
+  static float get(float f) { return f; }
+  static float put(float f) { return f; }
+  static float round(float f) { return f; }
+};
 
 #if FOLIO_AVX512
 // ---------------------------------------------------------------------------------------------- vectors
@@ -214,11 +238,13 @@ float aten_row_sum(const float* in, int64_t n, int lanes) {
 
 // One row: [res_out = rnd(x + res)]; h = float(sum); out = rnd(w * rnd(h * rsqrt(mean(h*h) + eps))).
 // sq: scratch of H floats.
-void rms_row(const uint16_t* x, const uint16_t* res, uint16_t* res_out, const uint16_t* w, uint16_t* out,
-             int64_t H, float eps, int lanes, float* sq) {
-  const uint16_t* src = x;
+template <typename T>
+void rms_row(const T* x, const T* res, T* res_out, const T* w, T* out, int64_t H, float eps, int lanes, float* sq) {
+  using E = Elem<T>;
+  const T* src = x;
   int64_t j = 0;
 #if FOLIO_AVX512
+  if constexpr (E::BF16) {
   if (res) {
     for (; j + 16 <= H; j += 16) {
       const __m256i s = vround(_mm512_add_ps(vload(x + j), vload(res + j)));
@@ -232,14 +258,15 @@ void rms_row(const uint16_t* x, const uint16_t* res, uint16_t* res_out, const ui
       _mm512_storeu_ps(sq + j, _mm512_mul_ps(h, h));
     }
   }
+  }
 #endif
   for (; j < H; ++j) {
     float h;
     if (res) {
-      res_out[j] = rnd(bf(x[j]) + bf(res[j]));
-      h = bf(res_out[j]);
+      res_out[j] = E::put(E::get(x[j]) + E::get(res[j]));
+      h = E::get(res_out[j]);
     } else {
-      h = bf(x[j]);
+      h = E::get(x[j]);
     }
     sq[j] = h * h;
   }
@@ -249,34 +276,39 @@ void rms_row(const uint16_t* x, const uint16_t* res, uint16_t* res_out, const ui
   const float r = 1.0f / std::sqrt(mean + eps);
   j = 0;
 #if FOLIO_AVX512
-  const __m512 rv = _mm512_set1_ps(r);
-  for (; j + 16 <= H; j += 16) {
-    const __m512 hb = vrf(_mm512_mul_ps(vload(src + j), rv));
-    vstore(out + j, vround(_mm512_mul_ps(vload(w + j), hb)));
+  if constexpr (E::BF16) {
+    const __m512 rv = _mm512_set1_ps(r);
+    for (; j + 16 <= H; j += 16) {
+      const __m512 hb = vrf(_mm512_mul_ps(vload(src + j), rv));
+      vstore(out + j, vround(_mm512_mul_ps(vload(w + j), hb)));
+    }
   }
 #endif
-  for (; j < H; ++j) out[j] = rnd(bf(w[j]) * rf(bf(src[j]) * r));
+  for (; j < H; ++j) out[j] = E::put(E::get(w[j]) * E::round(E::get(src[j]) * r));
 }
 
-void check_bf16_rows(const at::Tensor& t, const char* name, int64_t H) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
+// bf16 or float32: the kernels' two element types
+void check_rows(const at::Tensor& t, const char* name, int64_t H, at::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == dtype && (dtype == at::kBFloat16 || dtype == at::kFloat), name,
+              " must be bfloat16 or float32, as x");
   TORCH_CHECK(t.dim() == 2 && t.size(1) == H && t.stride(1) == 1, name, " must be [T, ", H, "] with unit stride");
 }
 
+template <typename T>
 void rms_run(const at::Tensor& x, const at::Tensor* res, at::Tensor* res_out, const at::Tensor& w,
              at::Tensor& out, double eps, int64_t lanes) {
-  const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 1 && w.size(0) == H && w.is_contiguous(),
-              "weight must be contiguous bfloat16 [H]");
-  const auto* xp = (const uint16_t*)x.data_ptr();
-  const auto* rp = res ? (const uint16_t*)res->data_ptr() : nullptr;
-  auto* rop = res_out ? (uint16_t*)res_out->data_ptr() : nullptr;
-  const auto* wp = (const uint16_t*)w.data_ptr();
-  auto* op = (uint16_t*)out.data_ptr();
+  const int64_t T_ = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == H && w.is_contiguous(),
+              "weight must be contiguous [H], of x's dtype");
+  const auto* xp = (const T*)x.data_ptr();
+  const auto* rp = res ? (const T*)res->data_ptr() : nullptr;
+  auto* rop = res_out ? (T*)res_out->data_ptr() : nullptr;
+  const auto* wp = (const T*)w.data_ptr();
+  auto* op = (T*)out.data_ptr();
   const int64_t xs = x.stride(0), rs = res ? res->stride(0) : 0, ros = res_out ? res_out->stride(0) : 0,
                 os = out.stride(0);
   const float e = (float)eps;
-  at::parallel_for(0, T, row_grain(H), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T_, row_grain(H), [&](int64_t t0, int64_t t1) {
     std::vector<float> sq((size_t)H + 16);
     for (int64_t t = t0; t < t1; ++t)
       rms_row(xp + t * xs, rp ? rp + t * rs : nullptr, rop ? rop + t * ros : nullptr, wp, op + t * os, H, e,
@@ -291,20 +323,22 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(at::Tensor x, at::Tensor r
                                                       double eps, int64_t lanes) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-d");
   const int64_t H = x.size(1);
-  check_bf16_rows(x, "x", H);
-  check_bf16_rows(residual, "residual", H);
+  check_rows(x, "x", H, x.scalar_type());
+  check_rows(residual, "residual", H, x.scalar_type());
   TORCH_CHECK(residual.size(0) == x.size(0), "x and residual differ in rows");
   at::Tensor out = at::empty({x.size(0), H}, x.options());
   at::Tensor new_res = at::empty({x.size(0), H}, x.options());
-  rms_run(x, &residual, &new_res, weight, out, eps, lanes);
+  if (x.scalar_type() == at::kFloat) rms_run<float>(x, &residual, &new_res, weight, out, eps, lanes);
+  else rms_run<uint16_t>(x, &residual, &new_res, weight, out, eps, lanes);
   return {out, new_res};
 }
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, int64_t lanes) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-d");
-  check_bf16_rows(x, "x", x.size(1));
+  check_rows(x, "x", x.size(1), x.scalar_type());
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
-  rms_run(x, nullptr, nullptr, weight, out, eps, lanes);
+  if (x.scalar_type() == at::kFloat) rms_run<float>(x, nullptr, nullptr, weight, out, eps, lanes);
+  else rms_run<uint16_t>(x, nullptr, nullptr, weight, out, eps, lanes);
   return out;
 }
 
@@ -312,11 +346,14 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, int64_t lanes) 
 namespace {
 
 // One head in place: x[j] = rnd(rnd(x[j] c[j]) + rnd(rot[j] s[j])), rot = cat(-x[half:], x[:half]);
-// cb/sb hold the bf16-rounded cos/sin of the token as floats.
-inline void rope_head(uint16_t* x, const float* cb, const float* sb, int64_t D) {
+// cb/sb hold the cos/sin of the token rounded to T, as floats.
+template <typename T>
+inline void rope_head(T* x, const float* cb, const float* sb, int64_t D) {
+  using E = Elem<T>;
   const int64_t half = D / 2;
   int64_t j = 0;
 #if FOLIO_AVX512
+  if constexpr (E::BF16) {
   if (half % 16 == 0) {
     for (; j < half; j += 16) {
       const __m512 x1 = vload(x + j), x2 = vload(x + half + j);
@@ -330,22 +367,53 @@ inline void rope_head(uint16_t* x, const float* cb, const float* sb, int64_t D) 
     }
     return;
   }
+  }
 #endif
   for (; j < half; ++j) {
-    const float x1 = bf(x[j]), x2 = bf(x[half + j]);
-    const uint16_t o1 = rnd(rf(x1 * cb[j]) + rf(-x2 * sb[j]));
-    const uint16_t o2 = rnd(rf(x2 * cb[half + j]) + rf(x1 * sb[half + j]));
+    const float x1 = E::get(x[j]), x2 = E::get(x[half + j]);
+    const T o1 = E::put(E::round(x1 * cb[j]) + E::round(-x2 * sb[j]));
+    const T o2 = E::put(E::round(x2 * cb[half + j]) + E::round(x1 * sb[half + j]));
     x[j] = o1;
     x[half + j] = o2;
   }
 }
 
+// The rotation of q and k, their checks done.
+template <typename T>
+void rotate(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
+  const int64_t T_ = q.size(0), D = q.size(2);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* ct = cos.data_ptr<float>();
+  const float* st = sin.data_ptr<float>();
+  auto* qp = (T*)q.data_ptr();
+  auto* kp = (T*)k.data_ptr();
+  const int64_t Hq = q.size(1), Hk = k.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  at::parallel_for(0, T_, row_grain((Hq + Hk) * D), [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(2 * (size_t)D + 32);
+    float* cb = buf.data();
+    float* sb = cb + D;
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = ct + pos[t] * D;
+      const float* s = st + pos[t] * D;
+      for (int64_t j = 0; j < D; ++j) {
+        cb[j] = Elem<T>::round(c[j]);
+        sb[j] = Elem<T>::round(s[j]);
+      }
+      for (int64_t h = 0; h < Hq; ++h) rope_head(qp + t * qs0 + h * qs1, cb, sb, D);
+      for (int64_t h = 0; h < Hk; ++h) rope_head(kp + t * ks0 + h * ks1, cb, sb, D);
+    }
+  });
+}
+
 }  // namespace
 
-// q [T, Hq, D], k [T, Hkv, D] bf16 rotated in place; positions int64 [T]; cos/sin float32 [P, D] contiguous.
+// q [T, Hq, D], k [T, Hkv, D] bf16 or float32 rotated in place; positions int64 [T]; cos/sin float32 [P, D]
+// contiguous.
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be 3-d [T, heads, head_dim]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16, "q, k must be bfloat16");
+  TORCH_CHECK((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) &&
+                  k.scalar_type() == q.scalar_type(), "q, k must be both bfloat16 or both float32");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q, k need unit stride along head_dim");
   const int64_t T = q.size(0), D = q.size(2);
   TORCH_CHECK(k.size(0) == T && k.size(2) == D && D % 2 == 0, "q/k shapes do not match");
@@ -358,27 +426,8 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " out of range [0, ", P, ")");
-  const float* ct = cos.data_ptr<float>();
-  const float* st = sin.data_ptr<float>();
-  auto* qp = (uint16_t*)q.data_ptr();
-  auto* kp = (uint16_t*)k.data_ptr();
-  const int64_t Hq = q.size(1), Hk = k.size(1);
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  at::parallel_for(0, T, row_grain((Hq + Hk) * D), [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(2 * (size_t)D + 32);
-    float* cb = buf.data();
-    float* sb = cb + D;
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* c = ct + pos[t] * D;
-      const float* s = st + pos[t] * D;
-      for (int64_t j = 0; j < D; ++j) {
-        cb[j] = rf(c[j]);
-        sb[j] = rf(s[j]);
-      }
-      for (int64_t h = 0; h < Hq; ++h) rope_head(qp + t * qs0 + h * qs1, cb, sb, D);
-      for (int64_t h = 0; h < Hk; ++h) rope_head(kp + t * ks0 + h * ks1, cb, sb, D);
-    }
-  });
+  if (q.scalar_type() == at::kFloat) rotate<float>(positions, q, k, cos, sin);
+  else rotate<uint16_t>(positions, q, k, cos, sin);
 }
 
 // ------------------------------------------------------------------------------------- SiLU and mul

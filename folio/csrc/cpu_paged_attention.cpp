@@ -65,6 +65,8 @@
 #include <limits>
 #include <vector>
 
+#include "exp2_approx.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -186,6 +188,25 @@ Scratch& thread_scratch() {
 // ------------------------------------------------------------------------------------------------------
 // Scalar path (any head_dim, any ISA). Also the reference for the vector path's structure.
 // ------------------------------------------------------------------------------------------------------
+// q . the D values of a cache row (an 8-bit one's codes, before its scale), summed in DOT_LANES partial sums
+// (vector lanes where the compiler has them: without AVX-512 this path is the one that runs) added up in a fixed
+// tree, so that every cache type sums in the same order whatever its loop vectorises to.
+constexpr int DOT_LANES = 16;
+template <typename C>
+inline float dot(const float* q, const C* row, int D) {
+  float part[DOT_LANES] = {};
+  int c = 0;
+  for (; c + DOT_LANES <= D; c += DOT_LANES) {
+#pragma omp simd
+    for (int i = 0; i < DOT_LANES; ++i) part[i] += q[c + i] * Cache<C>::value(row[c + i]);
+  }
+  for (int w = DOT_LANES / 2; w > 0; w /= 2)  // a tree of halves: a few vector adds, not a chain of 16
+    for (int i = 0; i < w; ++i) part[i] += part[i + w];
+  float d = part[0];
+  for (; c < D; ++c) d += q[c] * Cache<C>::value(row[c]);
+  return d;
+}
+
 template <typename T, typename C>
 void attend_item_scalar(const Params& P, const Item& it, float* partial, const Item*) {
   const int D = P.D, G = P.G;
@@ -230,8 +251,7 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial, const I
       float mt = -std::numeric_limits<float>::infinity();
       for (int j = first; j < lim; ++j) {
         const C* kr = kc + tok[j] + hoff;
-        float d = 0.f;
-        for (int c = 0; c < D; ++c) d += qf[(size_t)r * D + c] * Cache<C>::value(kr[c]);
+        float d = dot(qf + (size_t)r * D, kr, D);
         if (Cache<C>::QUANTIZED) d *= Cache<C>::scale(kr, D);
         if (P.softcap2 > 0.f) d = P.softcap2 * std::tanh(d * P.inv_softcap2);
         s[j] = d;
@@ -240,7 +260,11 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial, const I
       const float mn = std::max(m[r], mt);
       const float corr = std::exp2(m[r] - mn);
       float sum = 0.f;
-      for (int j = first; j < lim; ++j) { s[j] = std::exp2(s[j] - mn); sum += s[j]; }
+#pragma omp simd reduction(+ : sum)
+      for (int j = first; j < lim; ++j) {
+        s[j] = exp2_approx(s[j] - mn);
+        sum += s[j];
+      }
       l[r] = l[r] * corr + sum;
       m[r] = mn;
       float* a = acc + (size_t)r * D;

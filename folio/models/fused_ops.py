@@ -1,4 +1,4 @@
-"""Fused bf16 CPU kernels for the elementwise ops of a decoder layer (folio/csrc/cpu_fused_ops.cpp).
+"""Fused CPU kernels for the elementwise ops of a decoder layer (folio/csrc/cpu_fused_ops.cpp).
 
 The ops of folio.models.layers, as the torch reference code below computes them, to the same bits:
 
@@ -7,9 +7,11 @@ The ops of folio.models.layers, as the torch reference code below computes them,
   rotary_embedding_(positions, q, k, cos, sin) -> (q, k), IN PLACE      = RotaryEmbedding.forward
   silu_and_mul(gate_up) -> out                                         = layers.silu_and_mul
 
-The kernel is used for CPU bf16 tensors (weights bf16 too) with unit stride along the last dimension; any
-other case (fp32/fp16, a GPU tensor, a weight of another dtype, the kernel failed to build or
-FOLIO_DISABLE_CPU_KERNELS=1) runs the reference torch code, which gives the same results.
+The kernel is used for CPU bf16 tensors (weights bf16 too) with unit stride along the last dimension, and for
+float32 ones in the norms and the rotary embedding (where no bf16 CPU runs models in float32, its ~10 small torch
+ops a norm were a third of a batch-1 decode step's time outside the linear layers); any other case (fp16, a GPU
+tensor, a weight of another dtype, float32 SiLU, the kernel failed to build or FOLIO_DISABLE_CPU_KERNELS=1) runs
+the reference torch code, which gives the same results.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from folio.csrc_build import CSRC, CppKernel
 
 logger = logging.getLogger(__name__)
 
+# -ffp-contract=off: the float32 formulas are torch's separate ops, each rounding its result (no FMA of a product
+# and a sum)
 KERNEL = CppKernel("folio_cpu_fused_ops", CSRC / "cpu_fused_ops.cpp", what="CPU fused elementwise kernel",
-                   fallback="using the torch reference ops")
+                   fallback="using the torch reference ops", cflags=("-ffp-contract=off",))
 
 
 _lanes: Optional[int] = None
@@ -93,10 +97,14 @@ def extension_error() -> Optional[str]:
     return KERNEL.error
 
 
-def _ext_for(*tensors: torch.Tensor):
+def _ext_for(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)):
+    """The kernel, where every tensor is a CPU one of the same dtype among `dtypes`, unit-strided along its rows."""
     # (kept lean: this runs ~100 times per model step; torch.Size / .view() calls cost microseconds each)
+    dtype = tensors[0].dtype
+    if dtype not in dtypes:
+        return None
     for t in tensors:
-        if t.dtype is not torch.bfloat16 or not t.is_cpu or t.stride(-1) != 1:
+        if t.dtype is not dtype or not t.is_cpu or t.stride(-1) != 1:
             return None
     return KERNEL.load()
 
@@ -176,7 +184,7 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    ext = _ext_for(gate_up)
+    ext = _ext_for(gate_up, dtypes=(torch.bfloat16,))
     if ext is None or gate_up.shape[-1] % 2:
         return ref_silu_and_mul(gate_up)
     if gate_up.dim() == 2:
