@@ -29,11 +29,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -42,6 +40,7 @@
 #include <vector>
 
 #include "exp2_approx.h"
+#include "kv_cache_rows.h"
 
 namespace {
 
@@ -50,38 +49,6 @@ constexpr int TARGET_ROWS = 128;  // query rows (tokens x heads of a group) per 
 constexpr float LOG2E = 1.4426950408889634f;
 
 using bf16 = at::BFloat16;
-
-// How a cache of element type C holds a row of D values: row_width elements; value(row, d) is the d-th value.
-template <typename C>
-struct Rows {
-  static constexpr int SCALE_BYTES = 0;
-  static float scale(const C*, int) { return 1.f; }
-  static float code(C x) { return static_cast<float>(x); }
-};
-template <typename C>
-struct ScaledRows {  // D codes, then the row's float32 scale in the next 4 bytes
-  static constexpr int SCALE_BYTES = 4;
-  static float scale(const C* row, int D) {
-    float s;
-    std::memcpy(&s, row + D, sizeof(s));
-    return s;
-  }
-};
-template <>
-struct Rows<int8_t> : ScaledRows<int8_t> {
-  static float code(int8_t x) { return static_cast<float>(x); }
-};
-// the float of every fp8 e4m3 code, filled as the library loads
-const std::array<float, 256> FP8_E4M3_VALUES = [] {
-  std::array<float, 256> v{};
-  for (int i = 0; i < 256; ++i)
-    v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-  return v;
-}();
-template <>
-struct Rows<uint8_t> : ScaledRows<uint8_t> {
-  static float code(uint8_t x) { return FP8_E4M3_VALUES[x]; }
-};
 
 struct Params {
   const void* q;
@@ -121,9 +88,9 @@ void pack_tile(const Params& P, int b, int h, int t0, int kt, float* kdst, float
     const int64_t row = cache_row(P, b, h, t0 + j);
     const C* k = static_cast<const C*>(P.k_cache) + row;
     const C* v = static_cast<const C*>(P.v_cache) + row;
-    const float ks = Rows<C>::scale(k, D), vs = Rows<C>::scale(v, D);
-    for (int d = 0; d < D; ++d) kdst[(int64_t)d * kt + j] = Rows<C>::code(k[d]) * ks;
-    for (int d = 0; d < D; ++d) vdst[(int64_t)j * D + d] = Rows<C>::code(v[d]) * vs;
+    const float ks = Cache<C>::scale(k, D), vs = Cache<C>::scale(v, D);
+    for (int d = 0; d < D; ++d) kdst[(int64_t)d * kt + j] = Cache<C>::value(k[d]) * ks;
+    for (int d = 0; d < D; ++d) vdst[(int64_t)j * D + d] = Cache<C>::value(v[d]) * vs;
   }
 }
 
