@@ -115,7 +115,8 @@ void attend_item(const Params& P, const Span& span, const float* kpack, const fl
   const int qs = rq[0], L = rq[2], off = L - rq[1];
   const int M = (it.q1 - it.q0) * G;
   for (int r = 0; r < M; ++r) {
-    const Q* src = static_cast<const Q*>(P.q) + (int64_t)(qs + it.q0 + r / G) * P.q_st + (int64_t)(it.h * G + r % G) * P.q_sh;
+    const Q* src =
+        static_cast<const Q*>(P.q) + (int64_t)(qs + it.q0 + r / G) * P.q_st + (int64_t)(it.h * G + r % G) * P.q_sh;
     for (int d = 0; d < D; ++d) buf.q[(size_t)r * D + d] = static_cast<float>(src[d]);
   }
   std::fill(buf.m.begin(), buf.m.begin() + M, -std::numeric_limits<float>::infinity());
