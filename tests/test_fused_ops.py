@@ -1,8 +1,8 @@
 """folio.models.fused_ops' kernels equal its torch reference code (what Transformers computes) bit for bit.
 
 bf16 and float32 inputs of the SmolLM2-135M / Qwen2-0.5B shapes (and odd sizes that take the scalar tails), T = 1,
-7, 64, 300: outputs compared as raw bits (NaN included), residual outputs identical; float32 SiLU, mixed dtypes and a
-disabled kernel take the reference path. The first test builds the kernel (~15 s on 2 cores, once per
+7, 64, 300: outputs compared as raw bits (NaN included), residual outputs identical; mixed dtypes and a disabled
+kernel take the reference path. The first test builds the kernel (~15 s on 2 cores, once per
 machine: later runs load it from ~/.cache/folio/torch_extensions).
 """
 
@@ -34,6 +34,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
     if a.dtype == torch.bfloat16:
         return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+    if a.dtype == torch.float32:
+        return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
     return torch.equal(a, b)
 
 
@@ -121,11 +123,20 @@ def test_rotary_position_out_of_range():
         F.rotary_embedding_(torch.tensor([16]), q, q.clone(), rot.cos, rot.sin)
 
 
+def needs_float32_silu(dtype: torch.dtype) -> None:
+    if dtype == torch.float32 and not F.float32_silu():
+        pytest.skip("float32 SiLU runs the reference here (no SLEEF exp to call, or it differs from torch's)")
+
+
 @pytest.mark.parametrize("i", [1536, 4864, 100])
 @pytest.mark.parametrize("t", TOKENS)
-def test_silu_and_mul_bit_exact(i, t):
+@DTYPES
+def test_silu_and_mul_bit_exact(i, t, dtype):
+    """float32 too: T = 7 rows of 4864 (34048 values) are split between two threads (where two run) inside a
+    row, as torch splits its silu's elements, which sends other values through the scalar exp."""
+    needs_float32_silu(dtype)
     g = torch.Generator().manual_seed(i + t)
-    gate_up = (torch.randn(t, 2 * i, generator=g) * 4).to(torch.bfloat16)
+    gate_up = (torch.randn(t, 2 * i, generator=g) * 4).to(dtype)
     if t == 7:  # extremes: exp overflow/underflow, infinities, NaN
         gate_up[0, :8] = torch.tensor([-200.0, 200.0, float("inf"), float("-inf"), float("nan"), -88.0, 88.0, 0.0])
         gate_up[1, i:i + 8] = torch.tensor([float("inf")] * 4 + [1e38, -1e38, 0.0, float("nan")])
@@ -137,9 +148,9 @@ def test_silu_and_mul_3d():
     assert same_bits(F.silu_and_mul(gate_up), F.ref_silu_and_mul(gate_up))
 
 
-def test_float32_odd_sizes_mixed_dtypes_and_float32_silu():
-    """float32 norms and rotary of odd sizes on the kernel; a float32 weight with bf16 activations, and float32
-    SiLU, on the reference path: all as the reference computes them."""
+def test_float32_odd_sizes_and_mixed_dtypes():
+    """float32 norms, rotary and SiLU of odd sizes on the kernel; a float32 weight with bf16 activations on the
+    reference path: all as the reference computes them."""
     n = RMSNorm(96, 1e-6)
     n.weight.data = torch.rand(96) + 0.5
     x, res = torch.randn(7, 96), torch.randn(7, 96)
@@ -180,9 +191,10 @@ def test_disabled_kernel_falls_back(monkeypatch):
 
 @pytest.mark.parametrize("inline", [True, False])
 def test_silu_float32_intermediate_matches_torch(ext, inline):
-    """Stronger than the bf16 checks: SiLU's float32 result (before rounding) equals torch's float32 silu."""
-    if not ext.has_avx512() or (not inline and not ext.has_sleef()):
-        pytest.skip("vector path not built / Sleef not exported")
+    """Stronger than the bf16 checks: SiLU's float32 result (before rounding) equals torch's float32 silu, with
+    either exp (the inline copy: AVX-512 only)."""
+    if not ext.has_f32_silu(inline):
+        pytest.skip("no vector path with this exp here (inline: AVX-512 only; else Sleef not exported)")
     g = torch.Generator().manual_seed(5)
     x = torch.cat([torch.rand(1 << 19, generator=g) * 240 - 120, torch.randn(1 << 19, generator=g) * 4])
     x[:5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])

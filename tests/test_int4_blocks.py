@@ -1,10 +1,13 @@
-"""int4 weights in column blocks (folio.models.int4_blocks): the packing, the kernel and the dequantiser against
-the torch reference, on the shapes of the supported models and odd ones, and the int4 linear method's use of them.
+"""int4 weights in column blocks (folio.models.int4_blocks): the packing, the kernels (bf16 x on AVX512-BF16,
+float32 x on AVX2) and the dequantisers against the torch reference, on the shapes of the supported models and
+odd ones, and the int4 linear method's use of them. Each test runs for the activation dtypes whose kernel is
+compiled in here (the float32 one wherever AVX2 is, AVX-512 machines included).
 
-Tolerances: the dequantiser computes q * scale + offset by one float32 FMA and rounds once to bf16, so it equals
-the float64 product rounded to float32 and then to bf16, exactly. The kernel multiplies bf16 x by the codes as
-1 + q / 16 (exact products) and sums in float32 in its own order, then rounds to bf16: each result lies within
-one bf16 rounding of the float64 reference plus RTOL of the sum of the magnitudes it adds up."""
+Tolerances: the dequantiser computes q * scale + offset by one float32 FMA and rounds once to bf16 (or not at all),
+so it equals the float64 product rounded to float32 (and then to bf16), exactly. The bf16 kernel multiplies bf16 x
+by the codes as 1 + q / 16 (exact products), the float32 one float32 x by q 16^v (one rounding each), both sum in
+float32 in their own order, and the bf16 one rounds to bf16: each result lies within one rounding to the output
+dtype of the float64 reference plus RTOL of the sum of the magnitudes it adds up."""
 
 from __future__ import annotations
 
@@ -16,9 +19,15 @@ from folio.models import int4_blocks, onednn_layout, packed_scratch, rescored_he
 from folio.models import quant_reference as ref
 from folio.models.int4_linear import Int4LinearMethod
 from folio.models.linear import Linear
+from folio.platforms.cpu_features import has_avx512
 
-pytestmark = pytest.mark.skipif(not int4_blocks.available(),
-                                reason="the int4 block kernel needs AVX512-BF16 and a working compiler")
+_EXT = int4_blocks.KERNEL.load()
+HAS_KERNEL = {torch.bfloat16: _EXT is not None and _EXT.has_kernel(),
+              torch.float32: _EXT is not None and _EXT.has_f32_kernel()}
+DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(not HAS_KERNEL[dtype], reason=reason), id=str(dtype)[6:])
+          for dtype, reason in ((torch.bfloat16, "the bf16 block kernel needs AVX512-BF16 and a working compiler"),
+                                (torch.float32, "the float32 block kernel needs AVX2, FMA, F16C and a compiler"))]
+needs_bf16 = pytest.mark.skipif(not HAS_KERNEL[torch.bfloat16], reason="needs the AVX512-BF16 block kernel")
 
 RTOL = 2 ** -18
 # (N, K, group) of SmolLM2-135M's and Qwen2-0.5B's int4 layers (qkv, o, gate_up, down), groups of 128, and odd
@@ -34,41 +43,45 @@ def _weight(n: int, k: int, group: int, seed: int):
     return ref.quantize_int4(torch.randn(n, k, generator=g) * 0.05, group)
 
 
-def _fma_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """q * scale + offset with one rounding to float32, then to bf16."""
+def _fma(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale + offset with one rounding to float32, then to dtype."""
     q = ref.unpack_int4(packed).double()
     group = q.shape[1] // scales.shape[1]
     exact = q * scales.double().repeat_interleave(group, 1) + offsets.double().repeat_interleave(group, 1)
-    return exact.float().bfloat16()
+    return exact.float().to(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,group", SHAPES)
-def test_dequantize_is_one_fma_rounded_to_bf16(n, k, group):
+def test_dequantize_is_one_fma_rounded_to_the_dtype(n, k, group, dtype):
     packed, scales, offsets = _weight(n, k, group, seed=n + k)
-    weight = int4_blocks.dequantize(int4_blocks.pack(packed, scales, offsets))
-    assert weight.shape == (n, k) and weight.dtype == torch.bfloat16
-    assert torch.equal(weight, _fma_bf16(packed, scales, offsets))
+    weight = int4_blocks.dequantize(int4_blocks.pack(packed, scales, offsets, dtype))
+    assert weight.shape == (n, k) and weight.dtype == dtype
+    assert torch.equal(weight, _fma(packed, scales, offsets, dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,group", SHAPES)
-def test_linear_matches_the_reference(n, k, group):
+def test_linear_matches_the_reference(n, k, group, dtype):
     packed, scales, offsets = _weight(n, k, group, seed=3 * n + k)
-    blocks = int4_blocks.pack(packed, scales, offsets)
+    blocks = int4_blocks.pack(packed, scales, offsets, dtype)
     g = torch.Generator().manual_seed(n * k)
-    x = torch.randn(max(ROWS), k, generator=g).bfloat16()
+    x = torch.randn(max(ROWS), k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g)
     w = ref.dequantize(packed, scales, offsets).double()
     s16 = (scales * 16).double().repeat_interleave(group, 1)
     magnitude = x.double().abs() @ (s16 + w.abs() + offsets.double().abs().repeat_interleave(group, 1)).T
+    rounding = 2 ** -8 if dtype == torch.bfloat16 else 0
     for b in (None, bias):
         want = x.double() @ w.T + (0 if b is None else b.double())
-        bound = 2 ** -8 * want.abs() + RTOL * magnitude + 1e-6
+        bound = rounding * want.abs() + RTOL * magnitude + 1e-6
         for m in ROWS:
             got = int4_blocks.linear(x[:m], blocks, b)
-            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            assert got.dtype == dtype and got.shape == (m, n)
             assert bool(((got.double() - want[:m]).abs() <= bound[:m]).all()), (m, b is None)
 
 
+@needs_bf16
 @pytest.mark.parametrize("n,k,group", [(9728, 896, 32), (896, 4864, 128), (1, 32, 32), (33, 160, 32),
                                      (101, 224, 32)])
 def test_dense_linear_is_onednns_gemm_on_the_dequantised_weight(n, k, group, monkeypatch):
@@ -93,6 +106,17 @@ def test_dense_linear_is_onednns_gemm_on_the_dequantised_weight(n, k, group, mon
     assert torch.equal(int4_blocks.dense_linear(x, blocks, None), torch.nn.functional.linear(x, weight))
 
 
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+def test_float32_dense_linear_is_f_linear_on_the_dequantised_weight(dtype):
+    packed, scales, offsets = _weight(101, 224, 32, seed=4)
+    blocks = int4_blocks.pack(packed, scales, offsets, dtype)
+    x, bias = torch.randn(130, 224), torch.randn(101)
+    weight = int4_blocks.dequantize(blocks)
+    assert weight.dtype == torch.float32
+    assert torch.equal(int4_blocks.dense_linear(x, blocks, bias), torch.nn.functional.linear(x, weight, bias))
+
+
+@needs_bf16
 def test_two_threads_share_a_scratch_one_call_at_a_time():
     """Two layers of one shape, each multiplied on its own thread: the scratch's lock keeps one's weight from being
     overwritten by the other's mid-call, so each thread's results are its own layer's, every time."""
@@ -117,29 +141,35 @@ def test_two_threads_share_a_scratch_one_call_at_a_time():
     assert not wrong
 
 
-def test_strided_rows_padding_and_errors():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_rows_padding_and_errors(dtype):
     packed, scales, offsets = _weight(70, 64, 32, seed=1)
-    blocks = int4_blocks.pack(packed, scales, offsets)
-    assert blocks.codes.shape == (2, 32, 64) and blocks.scales.shape == (2, 2, 64)
+    blocks = int4_blocks.pack(packed, scales, offsets, dtype)
+    assert blocks.codes.shape == (2, 32, 64) and blocks.scales.shape == (2, 2, 64) and blocks.dtype == dtype
     words = blocks.codes[1].view(32, 32, 2)  # block 1: columns 64 .. 69 real, 70 .. 127 padding
     assert not bool((words[:, 12:, 0].any() or (words[..., 0] >> 4).any() or words[..., 1].any()))
     assert not bool(blocks.scales[1, :, 6:].any() or blocks.offsets[1, :, 6:].any())
-    x = torch.randn(3, 128).bfloat16()[:, ::2]  # rows of a larger tensor
+    x = torch.randn(3, 128).to(dtype)[:, ::2]  # rows of a larger tensor
     assert torch.equal(int4_blocks.linear(x, blocks, None), int4_blocks.linear(x.contiguous(), blocks, None))
     ext = int4_blocks.KERNEL.load()
-    with pytest.raises(RuntimeError, match=r"x must be bf16 \[M, 64\]"):
-        int4_blocks.linear(torch.randn(1, 64), blocks, None)
+    with pytest.raises(RuntimeError, match=r"x must be bf16 or float32 \[M, 64\]"):
+        int4_blocks.linear(torch.randn(1, 64).half(), blocks, None)
+    one = torch.randn(1, 64).to(dtype)
     with pytest.raises(RuntimeError, match="N .* must lie within the last block"):
-        ext.linear(torch.randn(1, 64).bfloat16(), blocks.codes, blocks.scales, blocks.offsets, 140, None)
+        ext.linear(one, blocks.codes, blocks.scales, blocks.offsets, 140, None)
     with pytest.raises(RuntimeError, match="bias must be float32"):
-        int4_blocks.linear(torch.randn(1, 64).bfloat16(), blocks, torch.zeros(70).bfloat16())
-    with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
-        ext.linear(torch.randn(1, 64).bfloat16(), blocks.codes, blocks.scales.float(), blocks.offsets, 70, None)
-    assert int4_blocks.pack(packed, scales * 1e6, offsets) is None  # 16 x scale beyond float16: not packed
+        int4_blocks.linear(one, blocks, torch.zeros(70).bfloat16())
+    with pytest.raises(RuntimeError, match="scales must be contiguous float16 or float32"):
+        ext.linear(one, blocks.codes, blocks.scales.double(), blocks.offsets, 70, None)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.float16  # the other kernel's scales
+    with pytest.raises(RuntimeError, match="x takes blocks with"):
+        ext.linear(one, blocks.codes, blocks.scales.to(other), blocks.offsets.to(other), 70, None)
+    # 16 x scale beyond float16: not packed for bf16; float32 keeps it
+    assert (int4_blocks.pack(packed, scales * 1e6, offsets, dtype) is None) == (dtype == torch.bfloat16)
 
 
-def _bf16_layer(group: int = 32) -> tuple[Linear, torch.Tensor]:
-    layer = Linear(256, {"a": 100, "b": 60}, bias=True, params_dtype=torch.bfloat16)
+def _layer(dtype: torch.dtype, group: int = 32) -> tuple[Linear, torch.Tensor]:
+    layer = Linear(256, {"a": 100, "b": 60}, bias=True, params_dtype=dtype)
     method = Int4LinearMethod(group)
     layer.bind(method)
     weight = torch.randn(160, 256) * 0.05
@@ -150,8 +180,11 @@ def _bf16_layer(group: int = 32) -> tuple[Linear, torch.Tensor]:
     return layer, weight
 
 
-def test_a_bf16_layer_keeps_only_the_blocks_and_routes_by_rows(monkeypatch):
-    layer, weight = _bf16_layer()
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layer_keeps_only_the_blocks_and_routes_by_rows(monkeypatch, dtype):
+    """Where the blocks serve the dtype here (float32 ones: on CPUs without AVX-512; forced elsewhere)."""
+    monkeypatch.setattr(int4_blocks, "available", lambda d=torch.bfloat16: d == dtype)
+    layer, weight = _layer(dtype)
     assert layer.weight is None and layer.weight_scale is None and layer.weight_offset is None
     packed, scales, offsets = ref.quantize_int4(weight, 32)
     assert torch.equal(layer.int4_blocks.codes, int4_blocks.pack(packed, scales, offsets).codes)
@@ -159,17 +192,23 @@ def test_a_bf16_layer_keeps_only_the_blocks_and_routes_by_rows(monkeypatch):
     kernel, dense = int4_blocks.linear, int4_blocks.dense_linear
     monkeypatch.setattr(int4_blocks, "linear", lambda *a: calls.append("kernel") or kernel(*a))
     monkeypatch.setattr(int4_blocks, "dense_linear", lambda *a: calls.append("dense") or dense(*a))
-    for rows in (1, int4_blocks.MAX_ROWS, int4_blocks.MAX_ROWS + 1):
-        x = torch.randn(rows, 256).bfloat16()
+    most = int4_blocks.MAX_ROWS[dtype]
+    for rows in (1, most, most + 1):
+        x = torch.randn(rows, 256).to(dtype)
         calls.clear()
         y = layer(x)
-        assert calls == (["kernel"] if rows <= int4_blocks.MAX_ROWS else ["dense"])
+        assert calls == (["kernel"] if rows <= most else ["dense"])
         want = x.double() @ ref.dequantize(packed, scales, offsets).double().T + layer.bias.double()
-        assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=2e-2, atol=2e-2)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        assert y.dtype == dtype and torch.allclose(y.double(), want, rtol=tol, atol=tol)
 
 
-def test_float32_layers_and_w4a8_keep_the_row_major_format():
+def test_float32_blocks_only_without_avx512_and_w4a8_keeps_the_row_major_format():
+    assert int4_blocks.available(torch.float32) == (HAS_KERNEL[torch.float32] and not has_avx512())
+    assert not int4_blocks.available(torch.float16)
     for dtype, int8_activations in ((torch.float32, False), (torch.bfloat16, True)):
+        if int4_blocks.available(dtype) and not int8_activations:
+            continue
         layer = Linear(64, 48, params_dtype=dtype)
         method = Int4LinearMethod(int8_activations=int8_activations)
         layer.bind(method)
@@ -178,6 +217,7 @@ def test_float32_layers_and_w4a8_keep_the_row_major_format():
         assert layer.weight.dtype == torch.uint8 and getattr(layer, "int4_blocks", None) is None
 
 
+@needs_bf16
 @pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False), ("phi3", False)])
 def test_a_bf16_model_in_blocks_scores_as_its_float32_twin(tiny_model_factory, monkeypatch, arch, tie):
     """End to end: the same int4 quantisation run in bf16 through the blocks (prompt in one chunk and in chunks
@@ -191,11 +231,35 @@ def test_a_bf16_model_in_blocks_scores_as_its_float32_twin(tiny_model_factory, m
     def logprobs(dtype: str, **options) -> torch.Tensor:
         llm = LLM(folder, dtype=dtype, quantization="int4", kv_cache_memory=1 << 22, **options)
         blocks = getattr(llm.llm_engine.runner.model.layers[0].mlp.down_proj, "int4_blocks", None)
-        assert (blocks is not None) == (dtype == "bfloat16")
+        assert (blocks is not None) == int4_blocks.available(getattr(torch, dtype))
         out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                            use_tqdm=False)[0]
         return torch.tensor([e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
 
+    monkeypatch.setattr(int4_blocks, "available", lambda d=torch.bfloat16: d == torch.bfloat16)
     want = logprobs("float32")
     for options in ({}, {"max_num_batched_tokens": 16}):
         assert float((logprobs("bfloat16", **options) - want).abs().mean()) < 0.06, options
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)])
+def test_a_float32_model_in_blocks_scores_as_in_the_row_major_format(tiny_model_factory, monkeypatch, arch, tie,
+                                                                     dtype):
+    """End to end in float32: the same int4 weights through the float32 block kernel (forced where the CPU has
+    AVX-512) and through the row-major kernels, which differ in float32 rounding only; the prompt's logprobs
+    agree to 1e-3 (a wrong kernel is off by whole units). Both keep the int8 head."""
+    monkeypatch.setattr(rescored_head, "serves", lambda layer: False)
+    folder = tiny_model_factory(arch, tie)
+    prompt = [1] + list(range(5, 60))
+
+    def logprobs(blocks: bool) -> torch.Tensor:
+        monkeypatch.setattr(int4_blocks, "available", lambda d=torch.bfloat16: blocks and d == torch.float32)
+        llm = LLM(folder, dtype="float32", quantization="int4", kv_cache_memory=1 << 22)
+        layer = llm.llm_engine.runner.model.layers[0].mlp.down_proj
+        assert (getattr(layer, "int4_blocks", None) is not None) == blocks
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        return torch.tensor([e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
+
+    assert float((logprobs(True) - logprobs(False)).abs().max()) < 1e-3

@@ -3,12 +3,14 @@ loading, the tied lm_head, which layers each scheme quantises, and whole models 
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from folio import LLM, SamplingParams
 from folio.config import EngineConfig
-from folio.models import quant_kernels
+from folio.models import int4_blocks, quant_kernels, rescored_head
 from folio.models import quant_reference as ref
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.int4_linear import Int4LinearMethod
@@ -30,6 +32,8 @@ MEAN_LOGPROB_ERROR = {"w8a16": 0.08, "int8": 0.12, "int4": 0.9, "w4a8": 0.9}
 
 
 def _fused_layer(method, bias: bool = False) -> tuple[Linear, dict]:
+    """A float32 layer of the method, its weight in the row-major format (int4 on AVX2 CPUs would keep only
+    column blocks, which tests/test_int4_blocks.py covers)."""
     layer = Linear(64, {"q": 64, "k": 32, "v": 32}, bias=bias, params_dtype=torch.float32)
     layer.bind(method)
     shards = {s: torch.randn(rows, 64) for s, (_, rows) in layer.shards.items()}
@@ -38,7 +42,8 @@ def _fused_layer(method, bias: bool = False) -> tuple[Linear, dict]:
     if bias:
         for shard_id, (_, rows) in layer.shards.items():
             layer.bias.weight_loader(layer.bias, torch.randn(rows), shard_id)
-    method.process_weights_after_loading(layer)
+    with mock.patch.object(int4_blocks, "available", lambda dtype=torch.bfloat16: False):
+        method.process_weights_after_loading(layer)
     return layer, shards
 
 
@@ -155,10 +160,17 @@ def test_schemes_quantise_every_layer_they_can():
 def test_quantised_models_stay_close_to_float_transformers(tiny_model_factory, scheme, arch, tie):
     folder = tiny_model_factory(arch, tie)
     llm = LLM(folder, dtype="float32", quantization=scheme, kv_cache_memory=1 << 22)
-    assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.weight_scale.dtype == torch.float32
     model = llm.llm_engine.runner.model
-    assert int8_weight(model.layers[0].mlp.down_proj).dtype == (torch.uint8 if scheme in ("int4", "w4a8") else torch.int8)
-    assert int8_weight(model.lm_head).dtype == torch.int8
+    down = model.layers[0].mlp.down_proj
+    blocks = getattr(down, "int4_blocks", None)  # weight-only int4 on AVX2: only the column blocks
+    assert (blocks is not None) == (scheme == "int4" and int4_blocks.available(torch.float32))
+    assert (blocks.scales if blocks is not None else down.weight_scale).dtype == torch.float32
+    weight = blocks.codes if blocks is not None else int8_weight(down)
+    assert weight.dtype == (torch.uint8 if scheme in ("int4", "w4a8") else torch.int8)
+    if scheme == "int4" and rescored_head.serves(model.lm_head):  # a tied head of block layers: rescored int4
+        assert isinstance(model.lm_head.method, rescored_head.RescoredInt4Head)
+    else:
+        assert int8_weight(model.lm_head).dtype == torch.int8
     out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
     got = torch.tensor([e[PROMPT[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])

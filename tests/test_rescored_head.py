@@ -1,9 +1,9 @@
 """The rescored int4 lm_head (folio.models.rescored_head): the top-k rescoring kernel against its torch reference,
-the head's logits against int4 logits with each row's largest recomputed from the bf16 table, and its choice by
-the int4 schemes.
+the head's logits against int4 logits with each row's largest recomputed from the bf16 (or float32) table, and its
+choice by the int4 schemes.
 
-Tolerance of a rescored logit: the kernel and the reference sum the same bf16 products in float32 in different
-orders, then round to bf16, so each lies within one bf16 rounding of the float64 sum plus RTOL of the sum of the
+Tolerance of a rescored logit: the kernel and the reference sum the same products in float32 in different orders,
+then round to the logits' dtype, so each lies within one rounding of the float64 sum plus RTOL of the sum of the
 products' magnitudes. Which logits are rescored (the k largest, ties to the lower index) is compared exactly."""
 
 from __future__ import annotations
@@ -25,16 +25,27 @@ RTOL = 2 ** -18
 needs_kernel = pytest.mark.skipif(rescored_head.KERNEL.load() is None, reason="needs the rescoring kernel built")
 needs_blocks = pytest.mark.skipif(not int4_blocks.available(),
                                   reason="the int4 block kernel needs AVX512-BF16 and a working compiler")
+_EXT = int4_blocks.KERNEL.load()
+# the dtypes whose block kernel is compiled in here (float32's wherever AVX2 is: forced where it is not chosen)
+BLOCK_DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(not ok, reason="no int4 block kernel for it here"),
+                             id=str(dtype)[6:])
+                for dtype, ok in ((torch.bfloat16, _EXT is not None and _EXT.has_kernel()),
+                                  (torch.float32, _EXT is not None and _EXT.has_f32_kernel()))]
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 
-def _case(m: int, v: int, h: int, seed: int, ties: bool = False):
+def _case(m: int, v: int, h: int, seed: int, ties: bool = False, dtype: torch.dtype = torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    table = (torch.randn(v, h, generator=g) * 0.05).bfloat16()
-    x = torch.randn(m, h, generator=g).bfloat16()
+    table = (torch.randn(v, h, generator=g) * 0.05).to(dtype)
+    x = torch.randn(m, h, generator=g).to(dtype)
     logits = torch.randn(m, v, generator=g)
     if ties:  # few distinct values: the k-th largest is shared by many tokens
         logits = logits.round()
-    return logits.bfloat16(), x, table
+    return logits.to(dtype), x, table
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
 def _check_rescored(got: torch.Tensor, before: torch.Tensor, x: torch.Tensor, table: torch.Tensor, k: int):
@@ -43,11 +54,11 @@ def _check_rescored(got: torch.Tensor, before: torch.Tensor, x: torch.Tensor, ta
     key = torch.where(key.isnan(), float("-inf"), key)
     top = key.sort(dim=-1, descending=True, stable=True).indices[:, :k]
     chosen = torch.zeros_like(before, dtype=torch.bool).scatter_(1, top, True)
-    assert torch.equal(got[~chosen].view(torch.int16), before[~chosen].view(torch.int16))
+    assert got.dtype == before.dtype and torch.equal(_bits(got[~chosen]), _bits(before[~chosen]))
     products = table[top].double() * x.double().unsqueeze(1)  # [M, k, H]
     exact, magnitude = products.sum(-1), products.abs().sum(-1)
     value = got.gather(1, top).double()
-    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    ulp = torch.finfo(got.dtype).eps * exact.abs().clamp_min(torch.finfo(got.dtype).tiny)
     assert bool(((value - exact).abs() <= ulp + RTOL * magnitude).all())
 
 
@@ -59,8 +70,9 @@ CASES = [(1, 151936, 896, 128), (3, 49152, 576, 128), (2, 1000, 100, 16), (4, 37
 @needs_kernel
 @pytest.mark.parametrize("m,v,h,k", CASES)
 @pytest.mark.parametrize("ties", [False, True])
-def test_kernel_rescores_the_k_largest_of_each_row(m, v, h, k, ties):
-    logits, x, table = _case(m, v, h, seed=m * v + h, ties=ties)
+@DTYPES
+def test_kernel_rescores_the_k_largest_of_each_row(m, v, h, k, ties, dtype):
+    logits, x, table = _case(m, v, h, seed=m * v + h, ties=ties, dtype=dtype)
     got = rescored_head.rescore_top_k(logits.clone(), x, table, k)
     _check_rescored(got, logits, x, table, min(k, v))
 
@@ -73,8 +85,9 @@ def test_reference_rescores_the_k_largest_of_each_row(m, v, h, k):
 
 
 @needs_kernel
-def test_a_nan_logit_ranks_lowest():
-    logits, x, table = _case(2, 200, 64, seed=5)
+@DTYPES
+def test_a_nan_logit_ranks_lowest(dtype):
+    logits, x, table = _case(2, 200, 64, seed=5, dtype=dtype)
     logits[0, :10] = float("nan")  # in the heap's seed and in the scan
     logits[1, 150:] = float("nan")
     got = rescored_head.rescore_top_k(logits.clone(), x, table, 20)
@@ -92,8 +105,10 @@ def test_kernel_refuses_what_it_cannot_take():
     ext = rescored_head.KERNEL.load()
     with pytest.raises(RuntimeError, match="shapes"):
         ext.rescore_top_k(logits, x[:1], table, 4)
-    with pytest.raises(RuntimeError, match="bf16"):
+    with pytest.raises(RuntimeError, match="all of one dtype"):
         ext.rescore_top_k(logits.float(), x, table, 4)
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        ext.rescore_top_k(logits.half(), x.half(), table.half(), 4)
     with pytest.raises(RuntimeError, match="positive"):
         ext.rescore_top_k(logits, x, table, 0)
     # the Python entry point serves the rest by the reference
@@ -101,31 +116,33 @@ def test_kernel_refuses_what_it_cannot_take():
     assert got.dtype == torch.float32
 
 
-def _tied_head(v: int, h: int, seed: int, method) -> tuple[Linear, nn.Parameter]:
+def _tied_head(v: int, h: int, seed: int, method, dtype: torch.dtype = torch.bfloat16) -> tuple[Linear, nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    embedding = nn.Parameter((torch.randn(v, h, generator=g) * 0.05).bfloat16(), requires_grad=False)
-    head = Linear(h, v, tied_to=embedding, params_dtype=torch.bfloat16)
+    embedding = nn.Parameter((torch.randn(v, h, generator=g) * 0.05).to(dtype), requires_grad=False)
+    head = Linear(h, v, tied_to=embedding, params_dtype=dtype)
     head.bind(method)
     method.process_weights_after_loading(head)
     return head, embedding
 
 
-@needs_blocks
-@pytest.mark.parametrize("rows", [1, 3, 64, 65, 150])  # one chunk, several (int4_blocks.MAX_ROWS each)
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 64, 65, 150])  # one chunk, several (rescored_head.CHUNK_ROWS each)
 @pytest.mark.parametrize("group", [32, rescored_head.GROUP])
-def test_head_is_int4_logits_with_the_largest_exact(rows, group):
+@pytest.mark.parametrize("dtype", BLOCK_DTYPES)
+def test_head_is_int4_logits_with_the_largest_exact(rows, group, dtype, monkeypatch):
+    monkeypatch.setattr(int4_blocks, "available", lambda d=torch.bfloat16: d == dtype)
     v, h = 1000, 128
-    head, embedding = _tied_head(v, h, seed=rows, method=rescored_head.RescoredInt4Head(group, top_k=40))
-    plain, _ = _tied_head(v, h, seed=rows, method=Int4LinearMethod(group))  # the same int4 copy
+    head, embedding = _tied_head(v, h, seed=rows, method=rescored_head.RescoredInt4Head(group, top_k=40), dtype=dtype)
+    plain, _ = _tied_head(v, h, seed=rows, method=Int4LinearMethod(group), dtype=dtype)  # the same int4 copy
     assert head.int4_blocks.scales.shape[1] == h // group
     assert head.exact_table.data_ptr() == embedding.data_ptr()  # the embedding's storage, not a copy
     assert head.weight is None and head.int4_blocks is not None  # the head keeps only the int4 blocks
-    x = torch.randn(rows, h).bfloat16()
-    approx = torch.cat([plain(chunk) for chunk in x.split(int4_blocks.MAX_ROWS)])
+    x = torch.randn(rows, h).to(dtype)
+    approx = torch.cat([plain(chunk) for chunk in x.split(rescored_head.CHUNK_ROWS)])
     got = head(x)
     _check_rescored(got, approx, x, embedding.detach(), 40)
-    # greedy decoding takes the bf16 head's choice when it is among the int4 head's 40 largest
-    exact = (x.float() @ embedding.float().t()).bfloat16()
+    # greedy decoding takes the exact head's choice when it is among the int4 head's 40 largest
+    exact = (x.double() @ embedding.double().t()).to(dtype)
     assert torch.equal(got.float().argmax(-1), exact.float().argmax(-1))
 
 
@@ -135,7 +152,7 @@ def test_head_needs_a_tied_layer_without_bias():
         Linear(64, 100, params_dtype=torch.bfloat16).bind(method)
 
 
-def test_int4_schemes_rescore_a_tied_bf16_head_only():
+def test_int4_schemes_rescore_a_tied_head_of_block_layers_only():
     dense = DenseLinearMethod()
     embedding = nn.Parameter(torch.zeros(100, 64, dtype=torch.bfloat16), requires_grad=False)
     tied = Linear(64, 100, tied_to=embedding, params_dtype=torch.bfloat16)
@@ -149,7 +166,9 @@ def test_int4_schemes_rescore_a_tied_bf16_head_only():
         else:
             assert isinstance(choose("lm_head", tied), Int8LinearMethod)
         assert isinstance(choose("lm_head", untied), Int8LinearMethod)  # no exact table without a copy
-        assert isinstance(choose("lm_head", tied_float), Int8LinearMethod)
+        float_blocks = int4_blocks.available(torch.float32) and rescored_head.KERNEL.load() is not None
+        assert isinstance(choose("lm_head", tied_float),
+                          rescored_head.RescoredInt4Head if float_blocks else Int8LinearMethod)
     for scheme in ("int8", "w8a16", "w4a8"):
         assert isinstance(quantization_chooser(scheme, dense)("lm_head", tied), Int8LinearMethod)
 
@@ -168,4 +187,23 @@ def test_a_tied_bf16_int4_model_rescores_its_head(tiny_model_factory):
     got = torch.tensor([e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
     want = hf_logprobs(folder, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     # measured 0.54 here; int4 with the int8 head: 0.53 in float32 (test_quantization.MEAN_LOGPROB_ERROR)
+    assert float((got - want).abs().mean()) < 0.9
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", BLOCK_DTYPES[1:])
+def test_a_tied_float32_int4_model_rescores_its_head_from_the_float32_table(tiny_model_factory, monkeypatch, dtype):
+    """Where float32 int4 layers are blocks (AVX2 without AVX-512; forced elsewhere), the tied head is rescored
+    from the float32 embedding: the prompt's logprobs stay as close to Transformers' as the bf16 model's."""
+    monkeypatch.setattr(int4_blocks, "available", lambda d=torch.bfloat16: d == torch.float32)
+    folder = tiny_model_factory("llama", True)
+    llm = LLM(folder, dtype="float32", quantization="int4", kv_cache_memory=1 << 22)
+    model = llm.llm_engine.runner.model
+    assert isinstance(model.lm_head.method, rescored_head.RescoredInt4Head)
+    assert model.lm_head.exact_table.data_ptr() == model.embed_tokens.weight.data_ptr()
+    prompt = [1] + list(range(5, 60))
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    got = torch.tensor([e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
+    want = hf_logprobs(folder, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert float((got - want).abs().mean()) < 0.9

@@ -1,5 +1,5 @@
-// Fused elementwise kernels for the CPU decoder layers: (add +) RMSNorm and rotary embedding in bf16 or float32,
-// SiLU-and-mul in bf16.
+// Fused elementwise kernels for the CPU decoder layers: (add +) RMSNorm, rotary embedding and SiLU-and-mul in bf16
+// or float32.
 //
 // Each kernel reproduces, bit for bit, what folio/models/layers.py computes with eager torch ops on bf16
 // (or float32) tensors (which is what Transformers computes), but in one pass over memory and without the float32
@@ -12,17 +12,18 @@
 //     accumulators, levels of 16 steps, in-order horizontal sum), then divide by H as at::mean does;
 //     `lanes` is measured by folio/models/fused_ops.py against torch.sum (8 for torch 2.13 on x86);
 //   * SiLU uses SLEEF's expf u10, the function ATen's vectorized silu calls: an inline copy (checked at
-//     load time against torch's float32 silu) or libtorch_cpu's exported Sleef_expf16_u10 (weakly linked:
-//     without it and without the check passing, std::exp, no longer bit-exact), and std::exp for the
-//     per-row tail that ATen runs through its scalar loop (the last I % 64 elements of each row).
+//     load time against torch's float32 silu) or libtorch_cpu's exported Sleef_expf16_u10 (AVX2:
+//     Sleef_expf8_u10; weakly linked: without it and without the check passing, std::exp, no longer bit-exact),
+//     and std::exp for the per-row tail that ATen runs through its scalar loop (bf16: the last I % 64 elements
+//     of each row; float32: see silu_segment).
 //
 //   * float32 tensors take the same formulas with no rounding to bf16 (Elem<float>); each eager op rounds its own
 //     float result, so the file is built with -ffp-contract=off (fused_ops.py): a product and a sum never fuse
 //     into one FMA where torch runs two ops.
 //
 // Vector paths need: RMSNorm any H (a scalar tail handles H % 16), rotary head_dim % 32 == 0, SiLU any I.
-// Without AVX-512, and in float32, everything runs through the scalar versions of the same formulas (their
-// element-wise loops left to the compiler's vectoriser).
+// Without AVX-512, and in float32, the norms and the rotary embedding run through the scalar versions of the same
+// formulas (their element-wise loops left to the compiler's vectoriser); float32 SiLU has its own vector loop.
 //
 // Only the ATen headers needed (not torch/extension.h): keeps the first-use build short.
 #include <ATen/Parallel.h>
@@ -45,6 +46,13 @@
 extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 #else
 #define FOLIO_AVX512 0
+#endif
+#if !FOLIO_AVX512 && defined(__AVX2__)
+#include <immintrin.h>
+#define FOLIO_AVX2 1
+extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));  // what ATen's AVX2 Vectorized<float>::exp calls
+#else
+#define FOLIO_AVX2 0
 #endif
 
 namespace {
@@ -136,7 +144,8 @@ inline __m512 exp_sleef(__m512 d) {
 }
 #endif
 
-// Elements of work below which a kernel stays on the calling thread (an OpenMP fork costs a few us).
+// Elements of work below which a kernel stays on the calling thread (an OpenMP fork costs a few us); also
+// at::internal::GRAIN_SIZE (ATen/TensorIterator.h), by which TensorIterator's loops split a tensor over threads.
 constexpr int64_t GRAIN_ELEMS = 32768;
 
 inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, GRAIN_ELEMS / std::max<int64_t>(1, row_elems)); }
@@ -431,10 +440,14 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
 }
 
 // ------------------------------------------------------------------------------------- SiLU and mul
-// gate_up [T, 2I] bf16 -> [T, I]: rnd(rnd(silu(gate)) * up), silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_and_mul_f32(const at::Tensor& gate_up, bool inline_exp);
+
+// gate_up [T, 2I] bf16 -> [T, I]: rnd(rnd(silu(gate)) * up), silu(g) = g / (1 + exp(-g)); float32: below.
 at::Tensor silu_and_mul(at::Tensor gate_up, bool inline_exp) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1 &&
-                  gate_up.size(1) % 2 == 0, "gate_up must be bfloat16 [T, 2I] with unit stride");
+  TORCH_CHECK(gate_up.dim() == 2 && (gate_up.scalar_type() == at::kBFloat16 || gate_up.scalar_type() == at::kFloat) &&
+                  gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be bfloat16 or float32 [T, 2I] with unit stride");
+  if (gate_up.scalar_type() == at::kFloat) return silu_and_mul_f32(gate_up, inline_exp);
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
   at::Tensor out = at::empty({T, I}, gate_up.options());
   const auto* gp = (const uint16_t*)gate_up.data_ptr();
@@ -493,32 +506,103 @@ at::Tensor row_sums(at::Tensor x, int64_t lanes) {
 
 bool has_avx512() { return FOLIO_AVX512 != 0; }
 
-// float32 silu x / (1 + exp(-x)) with the inline SLEEF port (inline_exp) or libtorch's Sleef_expf16_u10,
-// scalar std::exp for the tail: to check either against torch's own float32 silu.
+// ------------------------------------------------------------------------------ float32 SiLU and mul
+// ATen's float32 silu, x / (1 + exp(-x)), runs each contiguous segment TensorIterator hands its loop two
+// Vectorized<float> at a time (Sleef's expf u10 at the vector width: 16 lanes with AVX-512, 8 with AVX2) and the
+// last n % (2 lanes) values through std::exp. A tensor of GRAIN_ELEMS values or more is handed out by
+// at::parallel_for over its elements, so that a thread's range may start or end inside a row: aten_segments
+// replays that split (the same call, the same thread count) and silu_segment the loop, so the float32 results
+// equal torch's bit for bit (fused_ops.py checks silu_f32 against torch at load; the multiply by up is one
+// rounding as in torch).
+
+// Whether the vector path exists: the exp it takes (inline_exp: the inline SLEEF copy, AVX-512 only) is at hand.
+bool has_f32_silu(bool inline_exp) {
+#if FOLIO_AVX512
+  return inline_exp || Sleef_expf16_u10 != nullptr;
+#elif FOLIO_AVX2
+  return !inline_exp && Sleef_expf8_u10 != nullptr;
+#else
+  return false;
+#endif
+}
+
+// o[j] = silu(g[j]) (* u[j] unless u is null) for j < n, as ATen's vectorized loop computes a segment of n values.
+inline void silu_segment(const float* g, const float* u, float* o, int64_t n, bool inline_exp) {
+  int64_t j = 0;
+#if FOLIO_AVX512
+  const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+  auto vec = [&](int64_t i) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 m = _mm512_xor_ps(x, sign);  // Vectorized::neg
+    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, inline_exp ? exp_sleef(m) : Sleef_expf16_u10(m)));
+    _mm512_storeu_ps(o + i, u ? _mm512_mul_ps(s, _mm512_loadu_ps(u + i)) : s);
+  };
+  constexpr int64_t L = 16;
+#elif FOLIO_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  auto vec = [&](int64_t i) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(x, sign))));
+    _mm256_storeu_ps(o + i, u ? _mm256_mul_ps(s, _mm256_loadu_ps(u + i)) : s);
+  };
+  constexpr int64_t L = 8;
+#endif
+#if FOLIO_AVX512 || FOLIO_AVX2
+  for (; j + 2 * L <= n; j += 2 * L) {
+    vec(j);
+    vec(j + L);
+  }
+#endif
+  for (; j < n; ++j) {
+    const float s = g[j] / (1.0f + std::exp(-g[j]));
+    o[j] = u ? s * u[j] : s;
+  }
+}
+
+// seg(t, c, n) for the pieces (row t, columns c .. c + n) of a [T, I] tensor that ATen's TensorIterator hands its
+// loop, on the threads it would run them on.
+template <class Seg>
+void aten_segments(int64_t T, int64_t I, const Seg& seg) {
+  auto range = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end;) {
+      const int64_t t = i / I, c = i % I, n = std::min(I - c, end - i);
+      seg(t, c, n);
+      i += n;
+    }
+  };
+  if (T * I < GRAIN_ELEMS || at::get_num_threads() == 1) range(0, T * I);
+  else at::parallel_for(0, T * I, GRAIN_ELEMS, range);
+}
+
+// gate_up float32 [T, 2I] (unit stride along rows) -> silu(gate) * up [T, I].
+at::Tensor silu_and_mul_f32(const at::Tensor& gate_up, bool inline_exp) {
+  TORCH_CHECK(has_f32_silu(inline_exp), "no vector exp for float32 silu here");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  aten_segments(T, I, [&](int64_t t, int64_t c, int64_t n) {
+    silu_segment(gp + t * gs + c, gp + t * gs + I + c, op + t * I + c, n, inline_exp);
+  });
+  return out;
+}
+
+// float32 silu of a contiguous tensor as silu_and_mul computes it (as one row): to check against torch's own.
 at::Tensor silu_f32(at::Tensor x, bool inline_exp) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float");
+  TORCH_CHECK(has_f32_silu(inline_exp), "no vector exp for float32 silu here");
   at::Tensor out = at::empty(x.sizes(), x.options());
   const float* p = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const int64_t n = x.numel();
-  int64_t i = 0;
-#if FOLIO_AVX512
-  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-  if (inline_exp || Sleef_expf16_u10 != nullptr)
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(p + i);
-      const __m512 m = _mm512_sub_ps(zero, v);
-      const __m512 e = inline_exp ? exp_sleef(m) : Sleef_expf16_u10(m);
-      _mm512_storeu_ps(o + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
-    }
-#endif
-  for (; i < n; ++i) o[i] = p[i] / (1.0f + std::exp(-p[i]));
+  aten_segments(1, x.numel(), [&](int64_t, int64_t c, int64_t n) { silu_segment(p + c, nullptr, o + c, n, inline_exp); });
   return out;
 }
 
 bool has_sleef() {
 #if FOLIO_AVX512
   return Sleef_expf16_u10 != nullptr;
+#elif FOLIO_AVX2
+  return Sleef_expf8_u10 != nullptr;
 #else
   return false;
 #endif
@@ -534,5 +618,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_sums", &row_sums, "row sums in ATen's cascade order with lanes-wide vectors");
   m.def("silu_f32", &silu_f32, "float32 silu as the kernel computes it (checks)");
   m.def("has_avx512", &has_avx512, "whether the vector paths were compiled");
-  m.def("has_sleef", &has_sleef, "whether Sleef_expf16_u10 was found in libtorch_cpu");
+  m.def("has_sleef", &has_sleef, "whether Sleef_expf16_u10 (AVX2: Sleef_expf8_u10) was found in libtorch_cpu");
+  m.def("has_f32_silu", &has_f32_silu, "whether float32 silu has its vector path with this exp");
 }

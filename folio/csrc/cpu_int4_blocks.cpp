@@ -1,32 +1,36 @@
-// int4 weight-only linear layers for bf16 activations on AVX512-BF16, with the weight in column blocks.
+// int4 weight-only linear layers with the weight in column blocks: for bf16 activations on AVX512-BF16, and
+// for float32 ones on AVX2.
 //
 // Decode reads every weight once per token, so a 4-bit weight should take a quarter of bf16's time. The
 // row-major int4 kernel (cpu_quant_linear.cpp) did not get there: per 32 values it widened the nibbles with a
 // table permute, ran one vdpbf16ps and then an FMA for the group's scale and a horizontal sum per output, and
-// streamed 15 GB/s where bf16's small-batch kernel streams 43. Here the weight is laid out as that bf16 kernel
-// reads oneDNN's (packed once at load by `pack`, from the row-major format):
+// streamed 15 GB/s where bf16's small-batch kernel streams 43 (on AVX2, widening to float32: 6.5 GB/s where
+// float32's GEMM streams 13). Here the weight is laid out as that bf16 kernel reads oneDNN's (packed once at
+// load by `pack`, from the row-major format):
 //
 //   codes   uint8 [N / 64, K / 2, 64]: per block of 64 output columns and pair of K (k = 2p, 2p + 1), 64 bytes
 //           as 32 16-bit words; word i holds 4 nibbles, nibble v (bits 4v .. 4v + 3) the code of column
 //           16v + i / 2 at k = 2p + i % 2. Columns past N in the last block are zero.
-//   scales  float16 [N / 64, K / G, 64]: 16 times each group's scale; offsets float16 alike (the scale and
-//           offset in float16, as GGUF's Q4_0 and Q4_1 store them: 0.625 bytes per weight in groups of 32,
-//           where float32 took 0.75).
+//   scales  [N / 64, K / G, 64]: 16 times each group's scale; offsets alike. For bf16 x in float16 (as GGUF's
+//           Q4_0 and Q4_1 store them: 0.625 bytes per weight in groups of 32, where float32 took 0.75; Q4_K's
+//           products of a scale and an integer round to within 2^-12, below bf16's resolution); for float32 x
+//           in float32, which every format's scales are exact in.
 //
-// One 64-byte load gives four vectors of 32 bf16 values, each by one shift and one ternary-logic op: the
+// bf16 x: one 64-byte load gives four vectors of 32 bf16 values, each by one shift and one ternary-logic op: the
 // bf16 with the exponent of 1 and the code in the top four bits of the mantissa is c = 1 + q / 16, exact.
 // A pair of x's values broadcast as one 32-bit lane times such a vector adds to 16 columns' sums
 // (vdpbf16ps, products exact, sums in float32), so no sum is reduced across lanes. Per group g and column,
 // W = s q + o = 16 s (c - 1) + o, so
 //     y += 16 s (sum_k x_k c_k - X_g) + o X_g,   X_g = sum of x over the group,
 // two FMAs per 16 columns per group. Rows of x go in chunks of up to 4, a block read from memory for the
-// first chunk and from cache for the others.
+// first chunk and from cache for the others. (float32 x: see block_f32.)
 //
-// Batches that run the dense GEMM take the bf16 weight (q s + o by one FMA in float32, rounded once to bf16)
-// written into oneDNN's packed layout (`dequantize_packed`), or as W^T [K, N] (`dequantize_transposed`).
+// Batches that run the dense GEMM take the weight (q s + o by one FMA in float32, for bf16 rounded once) written
+// into oneDNN's packed layout (`dequantize_packed`, bf16), or as W^T [K, N] (`dequantize_transposed`).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
@@ -38,9 +42,16 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define FOLIO_INT4_BLOCKS 1
-#include <immintrin.h>
 #else
 #define FOLIO_INT4_BLOCKS 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define FOLIO_INT4_F32 1
+#else
+#define FOLIO_INT4_F32 0
+#endif
+#if FOLIO_INT4_BLOCKS || FOLIO_INT4_F32
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -52,10 +63,15 @@ constexpr int MAX_CHUNK = 4;         // rows of x per pass over a block
 
 struct Blocks {
   const uint8_t* codes;     // [NB, K / 2, 64]
-  const at::Half* scales;   // [NB, ng, 64], 16 x the group's scale
-  const at::Half* offsets;  // [NB, ng, 64]
+  const void* scales;       // [NB, ng, 64], 16 x the group's scale: float16 for bf16 x, float32 for float32 x
+  const void* offsets;      // [NB, ng, 64], the same dtype
+  bool half;                // whether scales and offsets are float16
   int64_t N, K, G, ng;
   int64_t pairs() const { return K / 2; }
+  template <class S>
+  const S* scales_of(int64_t b) const { return static_cast<const S*>(scales) + b * ng * COLUMNS; }
+  template <class S>
+  const S* offsets_of(int64_t b) const { return static_cast<const S*>(offsets) + b * ng * COLUMNS; }
 };
 
 #if FOLIO_INT4_BLOCKS
@@ -86,8 +102,8 @@ void block(const Blocks& w, int64_t b, const c10::BFloat16* x, int64_t xs, const
   constexpr int SETS = MR == 1 ? 2 : 1;
   const int64_t gp = w.G / 2;  // pairs per group, a multiple of 16
   const uint8_t* codes = w.codes + b * w.pairs() * STEP_BYTES;
-  const at::Half* sc = w.scales + b * w.ng * COLUMNS;
-  const at::Half* of = w.offsets + b * w.ng * COLUMNS;
+  const at::Half* sc = w.scales_of<at::Half>(b);
+  const at::Half* of = w.offsets_of<at::Half>(b);
   const int32_t* xp[MR];
   for (int m = 0; m < MR; ++m) xp[m] = reinterpret_cast<const int32_t*>(x + m * xs);
   alignas(64) float tot[MR][4][16];
@@ -157,30 +173,128 @@ void group_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, int64_
 }
 #endif
 
+#if FOLIO_INT4_F32
+// ------------------------------------------------------------------------------------------ float32 x
+// The same blocks times float32 x with AVX2 FMAs, 8 columns to a vector. Read as eight 32-bit lanes, the half h
+// of a step (bytes 32 h .. 32 h + 31) holds in lane j the codes of column 16 v + 8 h + j (v = 0..3) at k = 2p
+// (nibble v of the low word) and at 2p + 1 (of the high word, which a shift by 16 brings down). One AND leaves
+// nibble v in place, q 16^v, which converts to float32 exactly; the group's scale takes the 16^-v back:
+//     y += (16 s) 2^-4 16^-v (sum_k x_k q_k 16^v) + o X_g,   X_g = sum of x over the group,
+// per vector of columns, the products rounded once each as the weight-only kernels' are. Where the row-major
+// kernel widened 32 nibbles to float by twelve instructions and reduced each output across lanes, a step's 64
+// values take one shift, eight ANDs and eight conversions, shared by the rows of a pass.
+
+// Rows m .. m + MR of y for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps: one row takes
+// both halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come
+// from the L2 cache), so that the accumulators and codes fit AVX2's 16 registers.
+template <int MR, int HP>
+void block_f32(const Blocks& w, int64_t b, int h0, const float* x, int64_t xs, const float* xsum, const float* bias,
+               float* y, int64_t ys) {
+  constexpr int NV = 4 * HP;  // vectors of 8 columns: (h, v) at NV index 4 h + v
+  const int64_t gp = w.G / 2;
+  const uint8_t* codes = w.codes + b * w.pairs() * STEP_BYTES + 32 * h0;
+  const float* sc = w.scales_of<float>(b);
+  const float* of = w.offsets_of<float>(b);
+  alignas(32) float tot[MR][NV][8];
+  for (int m = 0; m < MR; ++m)
+    for (int i = 0; i < NV; ++i) _mm256_store_ps(tot[m][i], _mm256_setzero_ps());
+  for (int64_t g = 0; g < w.ng; ++g) {
+    __m256 acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int i = 0; i < NV; ++i) acc[m][i] = _mm256_setzero_ps();
+    for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
+      const uint8_t* step = codes + p * STEP_BYTES;
+      if (h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH), _MM_HINT_T0);
+      __m256 xe[MR], xo[MR];
+      for (int m = 0; m < MR; ++m) {
+        xe[m] = _mm256_broadcast_ss(x + m * xs + 2 * p);
+        xo[m] = _mm256_broadcast_ss(x + m * xs + 2 * p + 1);
+      }
+      for (int h = 0; h < HP; ++h) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * h));
+        const __m256i hi = _mm256_srli_epi32(lo, 16);
+        for (int v = 0; v < 4; ++v) {
+          const __m256i mask = _mm256_set1_epi32(15 << (4 * v));
+          const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
+          const __m256 odd = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
+          for (int m = 0; m < MR; ++m)
+            acc[m][4 * h + v] = _mm256_fmadd_ps(odd, xo[m], _mm256_fmadd_ps(even, xe[m], acc[m][4 * h + v]));
+        }
+      }
+    }
+    for (int h = 0; h < HP; ++h)
+      for (int v = 0; v < 4; ++v) {
+        const int64_t c0 = g * COLUMNS + 16 * v + 8 * (h0 + h);
+        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(sc + c0), _mm256_set1_ps(1.f / float(16 << (4 * v))));
+        const __m256 o = _mm256_loadu_ps(of + c0);
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xg = _mm256_set1_ps(xsum[m * w.ng + g]);
+          const __m256 t = _mm256_fmadd_ps(acc[m][4 * h + v], s, _mm256_load_ps(tot[m][4 * h + v]));
+          _mm256_store_ps(tot[m][4 * h + v], _mm256_fmadd_ps(o, xg, t));
+        }
+      }
+  }
+  for (int h = 0; h < HP; ++h)
+    for (int v = 0; v < 4; ++v) {
+      const int64_t n0 = b * COLUMNS + 16 * v + 8 * (h0 + h);
+      const int64_t lanes = std::min<int64_t>(8, w.N - n0);
+      if (lanes <= 0) continue;  // (vectors run over columns 16 v + 8 h: not in increasing order)
+      for (int m = 0; m < MR; ++m) {
+        const float* t = tot[m][4 * h + v];
+        float* dst = y + m * ys + n0;
+        for (int64_t i = 0; i < lanes; ++i) dst[i] = bias ? t[i] + bias[n0 + i] : t[i];
+      }
+    }
+}
+
+// Sums of each row of x over each group: xsum [M, ng], float32.
+void group_sums_f32(const float* x, int64_t xs, int64_t M, int64_t K, int64_t G, float* xsum) {
+  const int64_t ng = K / G;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + m * xs + k));
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      xsum[m * ng + g] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+}
+#endif
+
 bool has_kernel() { return FOLIO_INT4_BLOCKS; }
+bool has_f32_kernel() { return FOLIO_INT4_F32; }
 
 Blocks checked(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t N) {
-  TORCH_CHECK(FOLIO_INT4_BLOCKS, "built without AVX512-BF16");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.size(2) == STEP_BYTES,
               "codes must be contiguous uint8 [N / 64, K / 2, 64]");
   const int64_t NB = codes.size(0), K = 2 * codes.size(1);
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+  const auto st = scales.scalar_type();
+  TORCH_CHECK(scales.dim() == 3 && (st == at::kHalf || st == at::kFloat) && scales.is_contiguous() &&
                   scales.size(0) == NB && scales.size(2) == COLUMNS,
-              "scales must be contiguous float16 [N / 64, K / G, 64]");
-  TORCH_CHECK(offsets.sizes() == scales.sizes() && offsets.scalar_type() == at::kHalf && offsets.is_contiguous(),
-              "offsets must be float16 shaped like scales");
+              "scales must be contiguous float16 or float32 [N / 64, K / G, 64]");
+  TORCH_CHECK(offsets.sizes() == scales.sizes() && offsets.scalar_type() == st && offsets.is_contiguous(),
+              "offsets must be shaped like scales, in their dtype");
   const int64_t ng = scales.size(1);
   TORCH_CHECK(ng >= 1 && K % ng == 0 && (K / ng) % 32 == 0, "K (", K, ") must be split in groups of a multiple of 32");
   TORCH_CHECK(N > (NB - 1) * COLUMNS && N <= NB * COLUMNS, "N (", N, ") must lie within the last block");
-  return Blocks{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), N, K, K / ng, ng};
+  return Blocks{codes.data_ptr<uint8_t>(), scales.data_ptr(), offsets.data_ptr(), st == at::kHalf, N, K, K / ng, ng};
+}
+
+// The blocks as a kernel for x in bf16 (float16 scales, AVX512-BF16) or float32 (float32 scales, AVX2) reads them.
+Blocks checked_for(bool f32, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t N) {
+  const Blocks w = checked(codes, scales, offsets, N);
+  TORCH_CHECK(f32 ? FOLIO_INT4_F32 : FOLIO_INT4_BLOCKS,
+              f32 ? "built without AVX2 and FMA" : "built without AVX512-BF16");
+  TORCH_CHECK(w.half != f32, f32 ? "float32 x takes blocks with float32 scales" : "bf16 x takes blocks with float16 scales");
+  return w;
 }
 
 // The blocks of a weight in the row-major int4 format (cpu_quant_linear.cpp: packed uint8 [N, K / 2], 32
 // values per 16 bytes, value j of a block in byte j's low nibble and j + 16 in its high one; scales and
-// offsets float32 [N, K / G]): (codes, 16 x scales, offsets), the last two rounded to float16 (to nearest even,
-// as torch rounds), padding columns zero.
-std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales, at::Tensor offsets) {
+// offsets float32 [N, K / G]): (codes, 16 x scales, offsets), the last two in float32 or (`half`) rounded to
+// float16 (to nearest even, as torch rounds), padding columns zero.
+std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales, at::Tensor offsets, bool half) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be contiguous uint8 [N, K / 2]");
   const int64_t N = w.size(0), K = 2 * w.size(1);
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
@@ -189,14 +303,14 @@ std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales, at::Tensor offsets
   const int64_t ng = scales.size(1), NB = (N + COLUMNS - 1) / COLUMNS;
   TORCH_CHECK(N >= 1 && ng >= 1 && K % ng == 0 && (K / ng) % 32 == 0, "K (", K, ") must be split in groups of a multiple of 32");
   at::Tensor codes = at::empty({NB, K / 2, STEP_BYTES}, w.options());
-  at::Tensor s16 = at::empty({NB, ng, COLUMNS}, scales.options().dtype(at::kHalf));
-  at::Tensor o16 = at::empty({NB, ng, COLUMNS}, scales.options().dtype(at::kHalf));
+  at::Tensor block_scales = at::empty({NB, ng, COLUMNS}, scales.options().dtype(half ? at::kHalf : at::kFloat));
+  at::Tensor block_offsets = at::empty_like(block_scales);
+  void* bsp = block_scales.data_ptr();
+  void* bop = block_offsets.data_ptr();
   const uint8_t* src = w.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* opp = offsets.data_ptr<float>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
-  at::Half* s16p = s16.data_ptr<at::Half>();
-  at::Half* o16p = o16.data_ptr<at::Half>();
   const int64_t row_bytes = K / 2;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -216,21 +330,29 @@ std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales, at::Tensor offsets
       for (int64_t g = 0; g < ng; ++g)
         for (int64_t c = 0; c < COLUMNS; ++c) {
           const int64_t col = b * COLUMNS + c, at = (b * ng + g) * COLUMNS + c;
-          s16p[at] = col < N ? at::Half(16 * sp[col * ng + g]) : at::Half(0.f);
-          o16p[at] = col < N ? at::Half(opp[col * ng + g]) : at::Half(0.f);
+          const float sv = col < N ? 16 * sp[col * ng + g] : 0.f, ov = col < N ? opp[col * ng + g] : 0.f;
+          if (half) {
+            static_cast<at::Half*>(bsp)[at] = at::Half(sv);
+            static_cast<at::Half*>(bop)[at] = at::Half(ov);
+          } else {
+            static_cast<float*>(bsp)[at] = sv;
+            static_cast<float*>(bop)[at] = ov;
+          }
         }
     }
   });
-  return {codes, s16, o16};
+  return {codes, block_scales, block_offsets};
 }
 
-// y = x W^T (+ bias) in bf16, x bf16 [M, K] with unit stride.
+// y = x W^T (+ bias) in x's dtype, x bf16 (AVX512-BF16 kernel) or float32 (AVX2 kernel) [M, K] with unit stride.
 at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N,
                   c10::optional<at::Tensor> bias) {
-  const Blocks w = checked(codes, scales, offsets, N);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) == w.K &&
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const int64_t K = codes.dim() == 3 ? 2 * codes.size(1) : -1;  // (checked_for says what is wrong with codes)
+  TORCH_CHECK(x.dim() == 2 && (f32 || x.scalar_type() == at::kBFloat16) && x.stride(1) == 1 && x.size(1) == K &&
                   x.size(0) >= 1,
-              "x must be bf16 [M, ", w.K, "] with unit stride");
+              "x must be bf16 or float32 [M, ", K, "] with unit stride");
+  const Blocks w = checked_for(f32, codes, scales, offsets, N);
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be float32 [N]");
@@ -238,8 +360,25 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor 
   }
   const int64_t M = x.size(0), xs = x.stride(0);
   at::Tensor y = at::empty({M, N}, x.options());
-#if FOLIO_INT4_BLOCKS
   std::vector<float> xsum(M * w.ng);
+#if FOLIO_INT4_F32
+  if (f32) {
+    const float* xp = x.data_ptr<float>();
+    group_sums_f32(xp, xs, M, w.K, w.G, xsum.data());
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        int64_t m0 = 0;
+        for (; m0 + 2 <= M; m0 += 2)
+          for (int h0 = 0; h0 < 2; ++h0)
+            block_f32<2, 1>(w, b, h0, xp + m0 * xs, xs, xsum.data() + m0 * w.ng, bp, yp + m0 * N, N);
+        if (m0 < M) block_f32<1, 2>(w, b, 0, xp + m0 * xs, xs, xsum.data() + m0 * w.ng, bp, yp + m0 * N, N);
+      }
+    });
+    return y;
+  }
+#endif
+#if FOLIO_INT4_BLOCKS
   const auto* xp = x.data_ptr<c10::BFloat16>();
   group_sums(xp, xs, M, w.K, w.G, xsum.data());
   auto* yp = y.data_ptr<c10::BFloat16>();
@@ -268,8 +407,8 @@ void dequantized_columns(const Blocks& w, int64_t num_blocks, const Emit& emit) 
       for (int64_t g = 0; g < w.ng; ++g) {
         __m512 s[4], o[4];
         for (int v = 0; v < nv; ++v) {
-          s[v] = _mm512_mul_ps(halves(w.scales + (b * w.ng + g) * COLUMNS + v * 16), _mm512_set1_ps(1.f / 16));
-          o[v] = halves(w.offsets + (b * w.ng + g) * COLUMNS + v * 16);
+          s[v] = _mm512_mul_ps(halves(w.scales_of<at::Half>(b) + g * COLUMNS + v * 16), _mm512_set1_ps(1.f / 16));
+          o[v] = halves(w.offsets_of<at::Half>(b) + g * COLUMNS + v * 16);
         }
         for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
           const __m512i codes_p = _mm512_loadu_si512(codes_b + p * STEP_BYTES);
@@ -289,11 +428,68 @@ void dequantized_columns(const Blocks& w, int64_t num_blocks, const Emit& emit) 
 }
 #endif
 
-// The transposed weight [K, N] in bf16 (as W^T it feeds the GEMM without a transpose), each value rounded once:
-// each row of W^T gets 16 contiguous values per store.
+#if FOLIO_INT4_F32
+// The float32 twin of dequantized_columns, 8 columns at a time (the halves of a step, as block_f32 reads them):
+// emit(p, n0, lanes, even, odd) gets columns n0 .. n0 + lanes - 1 at k = 2p and 2p + 1, q s + o by one FMA.
+template <class Emit>
+void dequantized_columns_f32(const Blocks& w, int64_t num_blocks, const Emit& emit) {
+  const int64_t gp = w.G / 2;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* codes_b = w.codes + b * w.pairs() * STEP_BYTES;
+      for (int64_t g = 0; g < w.ng; ++g) {
+        __m256 s[2][4], o[2][4];
+        for (int h = 0; h < 2; ++h)
+          for (int v = 0; v < 4; ++v) {
+            const int64_t at = g * COLUMNS + 16 * v + 8 * h;
+            s[h][v] = _mm256_mul_ps(_mm256_loadu_ps(w.scales_of<float>(b) + at), _mm256_set1_ps(1.f / 16));
+            o[h][v] = _mm256_loadu_ps(w.offsets_of<float>(b) + at);
+          }
+        for (int64_t p = g * gp; p < (g + 1) * gp; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i codes_p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes_b + p * STEP_BYTES + 32 * h));
+            for (int v = 0; v < 4; ++v) {
+              const int64_t n0 = b * COLUMNS + 16 * v + 8 * h, lanes = std::min<int64_t>(8, w.N - n0);
+              if (lanes <= 0) continue;
+              const __m256i d = _mm256_srli_epi32(codes_p, 4 * v);
+              const __m256i even = _mm256_and_si256(d, _mm256_set1_epi32(15));
+              const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(d, 16), _mm256_set1_epi32(15));
+              emit(p, n0, lanes, _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), s[h][v], o[h][v]),
+                   _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), s[h][v], o[h][v]));
+            }
+          }
+      }
+    }
+  });
+}
+
+inline void store_lanes(float* dst, int64_t lanes, __m256 v) {
+  if (lanes == 8) {
+    _mm256_storeu_ps(dst, v);
+  } else {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(dst, mask, v);
+  }
+}
+#endif
+
+// The transposed weight [K, N] (as W^T it feeds the GEMM without a transpose) in the dtype its kernel serves:
+// bf16 for blocks with float16 scales (AVX512-BF16), float32 for float32 ones (AVX2). Each value is q s + o by
+// one FMA (then rounded once to bf16); each row of W^T gets 16 (float32: 8) contiguous values per store.
 at::Tensor dequantize_transposed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N) {
-  const Blocks w = checked(codes, scales, offsets, N);
-  at::Tensor out = at::empty({w.K, N}, codes.options().dtype(at::kBFloat16));
+  const bool f32 = scales.scalar_type() == at::kFloat;
+  const Blocks w = checked_for(f32, codes, scales, offsets, N);
+  at::Tensor out = at::empty({w.K, N}, codes.options().dtype(f32 ? at::kFloat : at::kBFloat16));
+#if FOLIO_INT4_F32
+  if (f32) {
+    float* op = out.data_ptr<float>();
+    dequantized_columns_f32(w, codes.size(0), [&](int64_t p, int64_t n0, int64_t lanes, __m256 even, __m256 odd) {
+      store_lanes(op + 2 * p * N + n0, lanes, even);
+      store_lanes(op + (2 * p + 1) * N + n0, lanes, odd);
+    });
+    return out;
+  }
+#endif
 #if FOLIO_INT4_BLOCKS
   auto* op = out.data_ptr<c10::BFloat16>();
   dequantized_columns(w, codes.size(0), [&](int64_t p, int64_t n0, __mmask16 mask, __m512 even, __m512 odd) {
@@ -309,7 +505,7 @@ at::Tensor dequantize_transposed(at::Tensor codes, at::Tensor scales, at::Tensor
 // n >= N) is left as it is (oneDNN's zeros). The same values as dequantize_transposed. 16 columns of a block
 // fall in one W block, each column's pair (k = 2p, 2p + 1) one 32-bit lane: 16 contiguous lanes per store.
 void dequantize_packed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N, at::Tensor out) {
-  const Blocks w = checked(codes, scales, offsets, N);
+  const Blocks w = checked_for(false, codes, scales, offsets, N);
   TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(3) == 2 &&
                   out.size(2) % 16 == 0 && 2 * out.size(1) >= w.K && out.size(0) * out.size(2) >= N,
               "out must be contiguous bf16 [N' / W, K' / 2, W, 2] with W a multiple of 16, K' >= K, N' >= N");
@@ -331,14 +527,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x W^T (+ b) for bf16 x, W int4 in column blocks", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
         pybind11::arg("bias"), pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("dequantize_transposed", &dequantize_transposed, "the bf16 weight of int4 column blocks as [K, N]",
-        pybind11::arg("codes"),
-        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
+  m.def("dequantize_transposed", &dequantize_transposed, "the weight of int4 column blocks as [K, N]",
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize_packed", &dequantize_packed, "the bf16 weight of int4 column blocks into oneDNN's packed layout",
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
         pybind11::arg("out"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack", &pack, "(codes, 16 x scales, offsets) of a row-major int4 weight", pybind11::arg("w"),
-        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("half"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_kernel", &has_kernel, "whether the AVX512-BF16 kernel was compiled in");
+  m.def("has_f32_kernel", &has_f32_kernel, "whether the float32 (AVX2) kernel was compiled in");
 }

@@ -1,5 +1,6 @@
-// rescore_top_k: per row of bf16 logits [M, V] computed from a 4-bit copy of an lm_head, the k largest
-// replaced in place by their exact values x[m] . table[token] from the bf16 table (folio.models.rescored_head).
+// rescore_top_k: per row of bf16 (or float32) logits [M, V] computed from a 4-bit copy of an lm_head, the k
+// largest replaced in place by their exact values x[m] . table[token] from the table of the same dtype
+// (folio.models.rescored_head).
 //
 // Selection without sorting the row: the first k logits seed a heap whose root is the lowest ranked (lower
 // value, or equal value and higher index); the rest of the row is scanned 16 at a time against the root's
@@ -7,8 +8,8 @@
 // stable descending sort ranks them. A NaN ranks as minus infinity. Past the first few hundred logits hardly
 // any passes the threshold, so the scan costs about a read of the row (V = 151936: ~10 us). The k exact dot
 // products read k rows of the table, which lie anywhere in it: each row is prefetched a few rows ahead of its
-// product. Sums in float32 (vdpbf16ps where the CPU has AVX512-BF16, else 16 scalar partial sums), rounded to
-// bf16 to nearest even, as a bf16 GEMM rounds its float32 sums.
+// product. Sums in float32 (vdpbf16ps where the CPU has AVX512-BF16, else 16 scalar partial sums; float32 rows by
+// FMAs in 16 lanes), rounded to bf16 to nearest even, as a bf16 GEMM rounds its float32 sums.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -27,6 +29,12 @@
 #define FOLIO_AVX512 1
 #else
 #define FOLIO_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FOLIO_AVX2 1
+#else
+#define FOLIO_AVX2 0
 #endif
 
 namespace {
@@ -43,13 +51,15 @@ inline bool above(const Candidate& a, const Candidate& b) {
   return a.value > b.value || (a.value == b.value && a.index < b.index);
 }
 
-inline float logit(const c10::BFloat16* row, int64_t i) {
+template <class T>
+inline float logit(const T* row, int64_t i) {
   const float v = static_cast<float>(row[i]);
   return std::isnan(v) ? -std::numeric_limits<float>::infinity() : v;
 }
 
 // heap (by `above`, so its front is the lowest ranked) becomes the k highest-ranked logits of row[0, V)
-void select(const c10::BFloat16* row, int64_t V, int64_t k, std::vector<Candidate>& heap) {
+template <class T>
+void select(const T* row, int64_t V, int64_t k, std::vector<Candidate>& heap) {
   heap.resize(k);
   for (int64_t i = 0; i < k; ++i) heap[i] = {logit(row, i), i};
   std::make_heap(heap.begin(), heap.end(), above);
@@ -62,16 +72,44 @@ void select(const c10::BFloat16* row, int64_t V, int64_t k, std::vector<Candidat
     }
   };
   int64_t i = k;
-#if FOLIO_AVX512
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
-  for (; i + 16 <= V; i += 16) {
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i))), 16));
-    __mmask16 pass = _mm512_cmp_ps_mask(v, _mm512_set1_ps(heap.front().value), _CMP_GT_OQ);
-    for (; pass; pass &= pass - 1) offer(i + __builtin_ctz(pass));
-  }
+  if constexpr (std::is_same_v<T, float>) {
+#if FOLIO_AVX2
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      int pass = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap.front().value), _CMP_GT_OQ));
+      for (; pass; pass &= pass - 1) offer(i + __builtin_ctz(pass));
+    }
 #endif
+  } else {
+#if FOLIO_AVX512
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+    for (; i + 16 <= V; i += 16) {
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i))), 16));
+      __mmask16 pass = _mm512_cmp_ps_mask(v, _mm512_set1_ps(heap.front().value), _CMP_GT_OQ);
+      for (; pass; pass &= pass - 1) offer(i + __builtin_ctz(pass));
+    }
+#endif
+  }
   for (; i < V; ++i) offer(i);
+}
+
+// float32 rows: 16 lanes of FMAs (two AVX2 vectors), added up at the end
+float dot(const float* a, const float* b, int64_t H) {
+  int64_t h = 0;
+  float sum = 0;
+#if FOLIO_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; h + 16 <= H; h += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + h), _mm256_loadu_ps(b + h), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + h + 8), _mm256_loadu_ps(b + h + 8), acc1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
+  for (float v : lanes) sum += v;
+#endif
+  for (; h < H; ++h) sum += a[h] * b[h];
+  return sum;
 }
 
 float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t H) {
@@ -95,29 +133,18 @@ float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t H) {
 #endif
 }
 
-void prefetch_row(const c10::BFloat16* row, int64_t H) {
-#if FOLIO_AVX512
+template <class T>
+void prefetch_row(const T* row, int64_t H) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t byte = 0; byte < H * 2; byte += 64) _mm_prefetch(p + byte, _MM_HINT_T0);
-#else
-  (void)row;
-  (void)H;
-#endif
+  for (int64_t byte = 0; byte < H * (int64_t)sizeof(T); byte += 64) __builtin_prefetch(p + byte);
 }
 
-void rescore_top_k(at::Tensor logits, const at::Tensor& x, const at::Tensor& table, int64_t k) {
-  TORCH_CHECK(logits.dim() == 2 && x.dim() == 2 && table.dim() == 2, "rescore_top_k: 2-D tensors");
-  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
-                  table.scalar_type() == at::kBFloat16, "rescore_top_k: bf16 tensors");
-  TORCH_CHECK(logits.is_contiguous() && x.is_contiguous() && table.is_contiguous(),
-              "rescore_top_k: contiguous tensors");
+template <class T>
+void rescore(at::Tensor& logits, const at::Tensor& x, const at::Tensor& table, int64_t k) {
   const int64_t M = logits.size(0), V = logits.size(1), H = x.size(1);
-  TORCH_CHECK(x.size(0) == M && table.size(0) == V && table.size(1) == H, "rescore_top_k: shapes do not match");
-  TORCH_CHECK(k > 0, "rescore_top_k: k must be positive");
-  k = std::min(k, V);
-  c10::BFloat16* out = logits.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* xs = x.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* rows = table.data_ptr<c10::BFloat16>();
+  T* out = logits.data_ptr<T>();
+  const T* xs = x.data_ptr<T>();
+  const T* rows = table.data_ptr<T>();
   std::vector<int64_t> top(M * k);  // each row's selected tokens
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<Candidate> heap;
@@ -132,15 +159,30 @@ void rescore_top_k(at::Tensor logits, const at::Tensor& x, const at::Tensor& tab
     for (int64_t j = begin; j < end; ++j) {
       if (j + PREFETCH_ROWS < end) prefetch_row(rows + top[j + PREFETCH_ROWS] * H, H);
       const int64_t m = j / k;
-      out[m * V + top[j]] = c10::BFloat16(dot(rows + top[j] * H, xs + m * H, H));
+      out[m * V + top[j]] = T(dot(rows + top[j] * H, xs + m * H, H));
     }
   });
+}
+
+void rescore_top_k(at::Tensor logits, const at::Tensor& x, const at::Tensor& table, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && x.dim() == 2 && table.dim() == 2, "rescore_top_k: 2-D tensors");
+  const auto dt = logits.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && x.scalar_type() == dt && table.scalar_type() == dt,
+              "rescore_top_k: bf16 or float32 tensors, all of one dtype");
+  TORCH_CHECK(logits.is_contiguous() && x.is_contiguous() && table.is_contiguous(),
+              "rescore_top_k: contiguous tensors");
+  TORCH_CHECK(x.size(0) == logits.size(0) && table.size(0) == logits.size(1) && table.size(1) == x.size(1),
+              "rescore_top_k: shapes do not match");
+  TORCH_CHECK(k > 0, "rescore_top_k: k must be positive");
+  k = std::min(k, logits.size(1));
+  if (dt == at::kFloat) rescore<float>(logits, x, table, k);
+  else rescore<c10::BFloat16>(logits, x, table, k);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rescore_top_k", &rescore_top_k,
-        "per row of bf16 logits, the k largest replaced in place by x . table[token] (bf16 sums in float32)",
+        "per row of bf16 or float32 logits, the k largest replaced in place by x . table[token] (sums in float32)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

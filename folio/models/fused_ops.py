@@ -8,10 +8,10 @@ The ops of folio.models.layers, as the torch reference code below computes them,
   silu_and_mul(gate_up) -> out                                         = layers.silu_and_mul
 
 The kernel is used for CPU bf16 tensors (weights bf16 too) with unit stride along the last dimension, and for
-float32 ones in the norms and the rotary embedding (where no bf16 CPU runs models in float32, its ~10 small torch
-ops a norm were a third of a batch-1 decode step's time outside the linear layers); any other case (fp16, a GPU
-tensor, a weight of another dtype, float32 SiLU, the kernel failed to build or FOLIO_DISABLE_CPU_KERNELS=1) runs
-the reference torch code, which gives the same results.
+float32 ones (where no bf16 CPU runs models in float32, its ~10 small torch ops a norm were a third of a batch-1
+decode step's time outside the linear layers; SiLU where its SLEEF exp matched torch's at load, float32_silu);
+any other case (fp16, a GPU tensor, a weight of another dtype, the kernel failed to build or
+FOLIO_DISABLE_CPU_KERNELS=1) runs the reference torch code, which gives the same results.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ KERNEL = CppKernel("folio_cpu_fused_ops", CSRC / "cpu_fused_ops.cpp", what="CPU 
 
 _lanes: Optional[int] = None
 _inline_exp: Optional[bool] = None
+_float32_silu: Optional[bool] = None
 
 
 def load_extension(verbose: bool = False):
@@ -66,24 +67,39 @@ def sum_lanes() -> int:
     return _lanes
 
 
+def _silu_matches_torch(ext, inline: bool) -> bool:
+    """Whether the kernel's float32 silu with that exp equals torch's own (which uses SLEEF's) bit for bit, on 1M
+    values over [-120, 120] plus specials (one tensor of more than a thread's grain: split as torch splits it)."""
+    if not ext.has_f32_silu(inline):
+        return False
+    g = torch.Generator().manual_seed(99)
+    x = torch.cat([torch.rand(1 << 20, generator=g) * 240 - 120,
+                   torch.tensor([0.0, -0.0, 88.7, -88.8, 87.0, 103.9, 104.0, 104.1, -100.0, -100.1,
+                                 float("inf"), float("-inf"), float("nan"), 1e-30, -1e-30, 3e38] * 16)])
+    return torch.equal(ext.silu_f32(x, inline).view(torch.int32), nn.functional.silu(x).view(torch.int32))
+
+
 def inline_exp() -> bool:
-    """Whether SiLU may use the kernel's inline copy of SLEEF's expf: checked once, the kernel's float32
-    silu against torch's own (which uses the same exp) bit for bit on 1M values over [-120, 120] plus
-    specials; else the kernel calls libtorch's Sleef_expf16_u10 (slower: not inlined)."""
+    """Whether SiLU may use the kernel's inline copy of SLEEF's expf (AVX-512): checked once against torch
+    (_silu_matches_torch); else the kernel calls libtorch's Sleef_expf16_u10 (slower: not inlined)."""
     global _inline_exp
     if _inline_exp is None:
         ext = KERNEL.load()
-        ok = False
-        if ext is not None and ext.has_avx512():
-            g = torch.Generator().manual_seed(99)
-            x = torch.cat([torch.rand(1 << 20, generator=g) * 240 - 120,
-                           torch.tensor([0.0, -0.0, 88.7, -88.8, 87.0, 103.9, 104.0, 104.1, -100.0, -100.1,
-                                         float("inf"), float("-inf"), float("nan"), 1e-30, -1e-30, 3e38] * 16)])
-            ok = torch.equal(ext.silu_f32(x, True).view(torch.int32), nn.functional.silu(x).view(torch.int32))
-            if not ok:
-                logger.info("inline SLEEF exp differs from torch's here; SiLU calls libtorch's Sleef_expf16_u10")
+        ok = ext is not None and ext.has_avx512() and _silu_matches_torch(ext, True)
+        if ext is not None and ext.has_avx512() and not ok:
+            logger.info("inline SLEEF exp differs from torch's here; SiLU calls libtorch's Sleef_expf16_u10")
         _inline_exp = ok
     return _inline_exp
+
+
+def float32_silu() -> bool:
+    """Whether float32 SiLU-and-mul takes the kernel: its vector exp is at hand (libtorch's Sleef entry point
+    where the exp is not inline) and its silu matched torch's at load; else the reference ops run it."""
+    global _float32_silu
+    if _float32_silu is None:
+        ext = KERNEL.load()
+        _float32_silu = ext is not None and _silu_matches_torch(ext, inline_exp())
+    return _float32_silu
 
 
 def prepare() -> None:
@@ -91,6 +107,7 @@ def prepare() -> None:
     if load_extension() is not None:
         sum_lanes()
         inline_exp()
+        float32_silu()
 
 
 def extension_error() -> Optional[str]:
@@ -184,8 +201,9 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    ext = _ext_for(gate_up, dtypes=(torch.bfloat16,))
-    if ext is None or gate_up.shape[-1] % 2:
+    ext = _ext_for(gate_up)
+    if ext is None or gate_up.shape[-1] % 2 or (gate_up.dtype is torch.float32 and not
+                                                (_float32_silu if _float32_silu is not None else float32_silu())):
         return ref_silu_and_mul(gate_up)
     if gate_up.dim() == 2:
         return ext.silu_and_mul(gate_up, _inline_exp if _inline_exp is not None else inline_exp())

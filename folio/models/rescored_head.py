@@ -1,4 +1,5 @@
-"""The lm_head of the int4 schemes when it is tied to a bf16 embedding: int4 logits, the best of them exact.
+"""The lm_head of the int4 schemes when it is tied to a bf16 (or float32) embedding: int4 logits, the best of them
+exact.
 
 At batch 1 the head is the largest single read of a small model's step (Qwen2-0.5B: 151936 x 896, 136 MB in
 int8, 77 MB in int4 groups of 64), but 4 bits cost the logits more than any other layer: the default model's
@@ -7,9 +8,10 @@ anyway, as the embedding table the lookup reads. So this head streams its int4 c
 for every logit, then recomputes the TOP_K largest of each row from the bf16 table (k rows of the table, a few
 hundred KB, and a partial selection over the row: folio/csrc/cpu_top_k_rescore.cpp): a token greedy decoding
 or a sampler's top candidates pick gets the bf16 head's logit, and only the tail, which enters a softmax as
-a small share of its mass, keeps the 4-bit error.
+a small share of its mass, keeps the 4-bit error. A float32 model does the same where its int4 layers are
+blocks (AVX2 CPUs without AVX-512, folio.models.int4_blocks), from its float32 table.
 
-The same at every batch size (chunks of int4_blocks.MAX_ROWS rows), so a token's logits do not depend on the
+The same at every batch size (chunks of CHUNK_ROWS rows), so a token's logits do not depend on the
 batch it ran in, and perplexity over prompt logprobs measures what decoding samples from.
 """
 
@@ -32,6 +34,8 @@ TOP_K = 128
 # error, and groups of 64 scored as well as 32 on the default model (26.1424 against 26.1746) with a head
 # 8.6 % faster to stream (0.5625 bytes a weight against 0.625).
 GROUP = 64
+CHUNK_ROWS = int4_blocks.MAX_ROWS[torch.bfloat16]  # the block kernels' batches (float32 ones take more)
+SERVED = (torch.bfloat16, torch.float32)  # the dtypes the rescoring kernel takes
 
 
 def rescore_top_k_reference(logits: torch.Tensor, x: torch.Tensor, table: torch.Tensor, k: int) -> torch.Tensor:
@@ -48,17 +52,17 @@ def rescore_top_k_reference(logits: torch.Tensor, x: torch.Tensor, table: torch.
 def rescore_top_k(logits: torch.Tensor, x: torch.Tensor, table: torch.Tensor, k: int) -> torch.Tensor:
     """rescore_top_k_reference, by the C++ kernel where it serves these tensors."""
     ext = KERNEL.load()
-    if (ext is not None and logits.dtype == x.dtype == table.dtype == torch.bfloat16 and logits.is_contiguous()
-            and x.is_contiguous() and table.is_contiguous()):
+    if (ext is not None and logits.dtype == x.dtype == table.dtype and logits.dtype in SERVED
+            and logits.is_contiguous() and x.is_contiguous() and table.is_contiguous()):
         ext.rescore_top_k(logits, x, table, k)
         return logits
     return rescore_top_k_reference(logits, x, table, k)
 
 
 class RescoredInt4Head(Int4LinearMethod):
-    """Int4 weight-only logits with each row's TOP_K largest recomputed from the tied bf16 embedding table.
+    """Int4 weight-only logits with each row's TOP_K largest recomputed from the tied embedding table.
 
-    Only for a tied layer of a bf16 model (the quantization chooser checks; elsewhere the int4 schemes keep
+    Only for a tied layer of a model whose int4 layers are blocks (`serves`; elsewhere the int4 schemes keep
     an int8 head). layer.exact_table: the embedding's weight (the same storage, not a copy)."""
 
     def __init__(self, group_size: int, top_k: int = TOP_K) -> None:
@@ -75,9 +79,9 @@ class RescoredInt4Head(Int4LinearMethod):
         super().process_weights_after_loading(layer)
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= int4_blocks.MAX_ROWS:
+        if x.shape[0] <= CHUNK_ROWS:
             return self.rescored(layer, x)
-        return torch.cat([self.rescored(layer, chunk) for chunk in x.split(int4_blocks.MAX_ROWS)])
+        return torch.cat([self.rescored(layer, chunk) for chunk in x.split(CHUNK_ROWS)])
 
     def rescored(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
@@ -85,8 +89,8 @@ class RescoredInt4Head(Int4LinearMethod):
 
 
 def serves(layer: Linear) -> bool:
-    """Whether a layer can be a rescored head: tied to a bf16 table, with the int4 block kernel and the
-    rescoring kernel at hand (the reference sorts whole rows: 20 ms a row, slower than the int8 head it
-    replaces)."""
-    return (layer.tied and not layer.with_bias and layer.params_dtype == torch.bfloat16 and int4_blocks.available()
-            and KERNEL.load() is not None)
+    """Whether a layer can be a rescored head: tied to a bf16 or float32 table, with the int4 block kernel for
+    its dtype and the rescoring kernel at hand (the reference sorts whole rows: 20 ms a row, slower than the
+    int8 head it replaces)."""
+    return (layer.tied and not layer.with_bias and layer.params_dtype in SERVED
+            and int4_blocks.available(layer.params_dtype) and KERNEL.load() is not None)

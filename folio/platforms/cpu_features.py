@@ -35,6 +35,11 @@ def has_amx_int8() -> bool:
     return "amx_int8" in cpu_flags().split()
 
 
+def has_avx512() -> bool:
+    """AVX-512 F and BW, which the kernels' 16-lane paths need."""
+    return {"avx512f", "avx512bw"} <= set(cpu_flags().split())
+
+
 def has_avx512_vnni() -> bool:
     """AVX512-VNNI (vpdpbusd: 64 int8 products an instruction), which oneDNN's int8 GEMMs use without AMX."""
     return "avx512_vnni" in cpu_flags().split()
