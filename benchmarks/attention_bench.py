@@ -144,11 +144,18 @@ def bench_case(name, specs, shape, dtype, args, rng, backends):
 def kernel_at(revision: str) -> CPUPagedAttentionBackend:
     """The paged backend (long-query paths as now) on the kernel as it was at a git revision, built under a name
     of its own."""
-    source = subprocess.run(["git", "show", f"{revision}:folio/csrc/cpu_paged_attention.cpp"], check=True,
-                            capture_output=True, text=True, cwd=Path(__file__).resolve().parent).stdout
-    path = Path(tempfile.mkdtemp()) / "cpu_paged_attention.cpp"
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], check=True, capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent).stdout
+
+    folder = Path(tempfile.mkdtemp())
+    headers = [name for name in git("ls-tree", "--full-tree", "--name-only", f"{revision}:folio/csrc").split() if name.endswith(".h")]
+    for name in headers:  # the headers it includes, as they were then
+        (folder / name).write_text(git("show", f"{revision}:folio/csrc/{name}"))
+    source = git("show", f"{revision}:folio/csrc/cpu_paged_attention.cpp")
+    path = folder / "cpu_paged_attention.cpp"
     path.write_text(source)
-    digest = hashlib.sha1(source.encode()).hexdigest()[:12]
+    digest = hashlib.sha1("".join([source] + [(folder / n).read_text() for n in headers]).encode()).hexdigest()[:12]
     ext = CppKernel(f"folio_cpu_paged_attention_{digest}", path, what=f"paged attention kernel at {revision}",
                     fallback="no comparison").load()
     if ext is None:

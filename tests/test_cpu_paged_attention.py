@@ -112,7 +112,8 @@ def test_mixed_batch_matches_reference(paged, block_size, group, head_dim, dtype
 def test_other_head_dims(paged, head_dim, dtype, group):
     # 16/80: vector path with an odd number of 16-lane chunks (bf16 widened to float32); 32/96/256: bf16 dot
     # products with 1, 3 and 8 chunks of 32 (12, 4 and 1 rows of accumulators in registers), and with 5 query
-    # heads per kv head the bf16 decodes take the grouped-query decode path; 40: scalar path
+    # heads per kv head the bf16 decodes take the grouped-query decode path; 40: scalar path. On AVX2: 32/96/256
+    # hold 4 vectors of a row's accumulator in registers for P.V, 80 holds 2; 16 and 40 take the scalar path
     step = make_step(MIXED[:8] + [(1, 200)], 8, 3, group, head_dim, dtype, seed=head_dim)
     check_against_reference(paged, step, dtype)
 

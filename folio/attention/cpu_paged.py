@@ -72,9 +72,10 @@ PathMaker = Callable[[], Optional[LongQueryPath]]
 
 def long_query_paths(kernel_has_avx512: bool) -> dict[torch.dtype, PathMaker]:
     """Where long queries go on this CPU instead of the kernel, by cache dtype (each path made at first use; None
-    or no entry: the kernel). Without AVX-512 the kernel's loops are scalar, and both matrix-product paths beat
-    it; with AVX-512 its vector code stays (bf16 and 8-bit caches), except bf16 on AMX, whose tiles only
-    oneDNN's GEMMs reach."""
+    or no entry: the kernel). Without AVX-512 the kernel's loop is AVX2 in float32, and both matrix-product paths
+    beat it on long queries (float32 from longer ones than bf16 and 8-bit caches: sdpa_prefill's rule); with
+    AVX-512 its vector code stays (bf16 and 8-bit caches), except bf16 on AMX, whose tiles only oneDNN's GEMMs
+    reach."""
     if not kernel_has_avx512:
         eight_bit = {quant.storage_dtype: flash_prefill.if_built for quant in kv_quant.KV_QUANTIZATIONS.values()}
         return {torch.float32: functools.partial(sdpa_prefill.SdpaPrefill, *sdpa_prefill.FLOAT32_WITHOUT_AVX512),

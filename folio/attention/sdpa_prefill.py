@@ -13,12 +13,16 @@ Grouped-query heads read their kv head through `enable_gqa` (no copy of K/V per 
 (Gemma 2) are not expressible there: such layers keep their long queries on the paged kernel.
 
 Measured on an AVX2 EPYC (2 threads, Qwen2-0.5B shapes, float32, one layer). Against the paged kernel's scalar
-float32 loop (benchmarks/attention_bench.py --long-queries --dtype float32): an 1852-token prompt 780 -> 92 ms,
-a 256-token chunk after 1000 of context 140 -> 15 ms, a 64-token prompt 1.2 -> 0.7 ms, a 16-token chunk with 15
-decodes in the step 11.6 -> 5.9 ms; it wins from about 32 tokens of prompt or 1000 (query, key) pairs. Side by
-side with the blocked-GEMM path it replaced: 233 -> 133 ms on the 1852-token prompt, 11.8 -> 6.2 ms on a 256-token
-one. On AMX machines the bf16 rule is a first guess (the paged kernel's AVX-512 loop is far faster than the scalar
-one): scripts/gpu_check.sh measures it.
+float32 loop of then (benchmarks/attention_bench.py --long-queries --dtype float32): an 1852-token prompt 780 -> 92
+ms, a 256-token chunk after 1000 of context 140 -> 15 ms. Side by side with the blocked-GEMM path it replaced: 233 ->
+133 ms on the 1852-token prompt, 11.8 -> 6.2 ms on a 256-token one. Since the kernel's AVX2 vector loop (Zen 3, the
+kernel alone against this path): an 1852-token prompt 125 against 83 ms, a 256-token chunk after 1000 21.3 against
+16.1, a 128-token one 10.2 against 8.5, a 64-token one 6.0 against 5.0 (SmolLM2's shapes, 3 query heads per kv
+head: 3.7 against 3.9); but prompts of 512 tokens 9.2 against 10.4, of 256 2.6 against 3.5, and a 16-token chunk
+with 15 decodes 2.3 against 3.0. The rule below sends a request here from 64 query tokens and 2^17 (query, key)
+pairs: the 128-token chunk comes here, the 64-token one and prompts up to 362 tokens stay, a 512-token prompt
+comes here though 1.13x slower (its pairs are the chunk's, in a triangle). On AMX machines the bf16 rule is a first guess (the paged kernel's AVX-512 loop is far faster than the
+scalar one): scripts/gpu_check.sh measures it.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ from folio.attention.long_query import LongQueryPath
 # the query's dtype inside SDPA: 16 MiB in float32)
 MASK_ELEMENTS = 1 << 22
 MIN_TILE_QUERIES = 16
-# (min query tokens, min (query token, key) pairs) of a request sent here: measured above for float32 caches where
-# the kernel's loop is scalar; for bf16 on AMX a guess that keeps decodes and short chunks on the AVX-512 kernel
-FLOAT32_WITHOUT_AVX512 = (4, 1024)
+# (min query tokens, min (query token, key) pairs) of a request sent here: measured above for float32 caches
+# against the kernel's AVX2 loop; for bf16 on AMX a guess that keeps decodes and short chunks on the AVX-512 kernel
+FLOAT32_WITHOUT_AVX512 = (64, 1 << 17)
 BF16_ON_AMX = (32, 1 << 15)
 
 

@@ -26,8 +26,10 @@
 // several rows per kv head (grouped-query decode, prefill tiles) also transposes each tile of K once into
 // bf16 pairs, so that a row's 16 scores come out of D/2 dot products with a broadcast pair of q instead of
 // 16 dot products and a horizontal sum. Other bf16 cases widen K and V tiles to float32. The AVX-512 path
-// needs head_dim to be a multiple of 16 (16..256 listed in pick_kernel); any other head_dim, or a build
-// without AVX-512, uses the scalar path.
+// needs head_dim to be a multiple of 16 (16..256 listed in pick_kernel). A build with AVX2 and FMA but no
+// AVX-512 takes the AVX2 path (cpu_paged_attention_avx2.h: float32 arithmetic, 8-lane vectors, tiles of 32 keys)
+// for the head_dims it lists (32, 64, 80, 96, 128, 256); any other head_dim, or a build without either, uses the
+// scalar path.
 //
 // 8-bit caches (folio.attention.kv_quant): a row is D codes, int8 (int8 cache) or fp8 e4m3 bits (uint8
 // cache), followed by the 4 bytes of its float32 scale (max |value| / 127 or / 448); the new K/V rows are
@@ -68,7 +70,7 @@
 #include "exp2_approx.h"
 #include "kv_cache_rows.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -253,6 +255,56 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial, const I
 }
 
 // ------------------------------------------------------------------------------------------------------
+// Prefetching of the next keys' rows (the AVX-512 and AVX2 paths), and the AVX2 path.
+// ------------------------------------------------------------------------------------------------------
+#if defined(__AVX2__)
+// Issues the prefetches of a tile's K and V rows (up to N keys) into L2, a few keys (step) or a few cache lines
+// (step_lines) at a time.
+template <int N = TILE>
+struct LinePrefetcher {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t rows[N];  // byte offset of each key's row
+  int n = 0, lines = 0, per_step = 0, j = 0;
+  int lines_per_step = 0, e = 0;  // step_lines: lines of K and of V a step, the next line of key j
+  inline void step() {
+    for (const int end = std::min(n, j + per_step); j < end; ++j) {
+      for (int e = 0; e < lines; ++e) {
+        _mm_prefetch(k + rows[j] + 64 * e, _MM_HINT_T1);
+        _mm_prefetch(v + rows[j] + 64 * e, _MM_HINT_T1);
+      }
+    }
+  }
+  inline void step_lines() {
+    for (int i = 0; i < lines_per_step && j < n; ++i) {
+      _mm_prefetch(k + rows[j] + 64 * e, _MM_HINT_T1);
+      _mm_prefetch(v + rows[j] + 64 * e, _MM_HINT_T1);
+      if (++e == lines) { e = 0; ++j; }
+    }
+  }
+};
+
+// Aims pf at N keys of an item's request from key t on (its kv heads' K and V rows), to be issued over `steps`
+// calls of pf.step() or of pf.step_lines().
+template <typename C, int N>
+void aim(LinePrefetcher<N>& pf, const Params& P, const Item& it, int t, int steps) {
+  const int64_t row_bytes = (int64_t)P.Hkv * P.RS * (int64_t)sizeof(C);
+  pf.n = std::min(N, it.k1 - t);
+  pf.lines = ((it.h1 - it.h0) * P.RS * (int)sizeof(C) + 63) / 64;
+  pf.k = static_cast<const char*>(P.k_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(C);
+  pf.v = static_cast<const char*>(P.v_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(C);
+  key_rows(P, P.block_tables + it.b * P.max_blocks, t, pf.n, row_bytes, pf.rows);
+  pf.per_step = (pf.n + steps - 1) / steps;
+  pf.lines_per_step = (pf.n * pf.lines + steps - 1) / steps;
+}
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include "cpu_paged_attention_avx2.h"
+#endif
+
+// ------------------------------------------------------------------------------------------------------
 // AVX-512 path: head_dim = 16 * NV.
 // ------------------------------------------------------------------------------------------------------
 #if defined(__AVX512F__)
@@ -309,23 +361,6 @@ inline __m512 tanh_ps(__m512 a) {
   const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(0.0004f), _CMP_LT_OQ);
   return _mm512_mask_blend_ps(tiny, _mm512_div_ps(p, q), a);
 }
-
-// Issues the prefetches of a tile's K and V rows (up to N keys) into L2, a few keys at a time.
-template <int N = TILE>
-struct LinePrefetcher {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t rows[N];  // byte offset of each key's row
-  int n = 0, lines = 0, per_step = 0, j = 0;
-  inline void step() {
-    for (const int end = std::min(n, j + per_step); j < end; ++j) {
-      for (int e = 0; e < lines; ++e) {
-        _mm_prefetch(k + rows[j] + 64 * e, _MM_HINT_T1);
-        _mm_prefetch(v + rows[j] + 64 * e, _MM_HINT_T1);
-      }
-    }
-  }
-};
 
 // The accumulators of rows r0 .. r0 + rc (rc <= RC, D = 16 NV floats each) into registers, each times its
 // row's softmax correction, and back.
@@ -791,19 +826,6 @@ constexpr int DECODE_TILE = 64;
 constexpr int DECODE_SUBS = DECODE_TILE / TILE;
 constexpr int DECODE_RB = 4;  // rows whose scores are computed together (DECODE_SUBS accumulators each)
 
-// Aims pf at DECODE_TILE keys of an item's request from key t on (its kv heads' K and V rows), to be issued
-// over `steps` calls of pf.step().
-template <typename C>
-void aim(LinePrefetcher<DECODE_TILE>& pf, const Params& P, const Item& it, int t, int steps) {
-  const int64_t row_bytes = (int64_t)P.Hkv * P.RS * (int64_t)sizeof(C);
-  pf.n = std::min(DECODE_TILE, it.k1 - t);
-  pf.lines = ((it.h1 - it.h0) * P.RS * (int)sizeof(C) + 63) / 64;
-  pf.k = static_cast<const char*>(P.k_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(C);
-  pf.v = static_cast<const char*>(P.v_cache) + (int64_t)it.h0 * P.RS * (int64_t)sizeof(C);
-  key_rows(P, P.block_tables + it.b * P.max_blocks, t, pf.n, row_bytes, pf.rows);
-  pf.per_step = (pf.n + steps - 1) / steps;
-}
-
 template <typename C, int NC>
 void attend_decode_bf16(const Params& P, const Item& it, float* partial, const Item* ahead) {
   constexpr int NV = 2 * NC, D = NV * 16, D2 = D / 2;
@@ -972,6 +994,16 @@ ItemFn<T> pick_kernel(int D) {
     case 160: return attend_item_avx512<T, C, 10>;
     case 192: return attend_item_avx512<T, C, 12>;
     case 256: return attend_item_avx512<T, C, 16>;
+    default: break;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (std::is_same<T, C>::value || Cache<C>::QUANTIZED) switch (D) {
+    case 32: return avx2::attend_item<T, C, 4>;
+    case 64: return avx2::attend_item<T, C, 8>;
+    case 80: return avx2::attend_item<T, C, 10>;
+    case 96: return avx2::attend_item<T, C, 12>;
+    case 128: return avx2::attend_item<T, C, 16>;
+    case 256: return avx2::attend_item<T, C, 32>;
     default: break;
   }
 #endif
