@@ -15,11 +15,9 @@
 // An 8-bit cache's key scale multiplies the key's scores and its value scale the probabilities (as the portable
 // loop does): with rows whose scales are powers of two, an 8-bit cache then attends bit for bit as a bf16 cache of
 // the same values, since every cache type's values reach the same float32 arithmetic in the same order.
+// Included inside that file's anonymous namespace, after <immintrin.h>.
 #pragma once
 
-#include <immintrin.h>
-
-namespace {
 namespace avx2 {
 
 constexpr int LANES = 8;
@@ -282,4 +280,3 @@ void attend_item(const Params& P, const Item& it, float* partial, const Item* ah
 }
 
 }  // namespace avx2
-}  // namespace
