@@ -123,6 +123,25 @@ struct Group {  // one (request, kv heads, query tile) whose keys were split int
 
 // Row r of an item: kv head h0 + r / RH, query token q0 + (r % RH) / G, query head (kv head) * G + r % G,
 // with RH = (q1 - q0) * G rows per kv head.
+struct ItemRows {
+  int RH, NH, R;  // rows per kv head, kv heads, rows
+  int qs, off;  // the request's first token in the batch, and its context before this step's queries
+  int kend;  // the item reads keys [k0, kend)
+  ItemRows(const Params& P, const Item& it)
+      : RH((it.q1 - it.q0) * P.G), NH(it.h1 - it.h0), R(RH * NH), qs(P.reqs[3 * it.b]),
+        off(P.reqs[3 * it.b + 2] - P.reqs[3 * it.b + 1]), kend(std::min(it.k1, off + it.q1)) {}
+  // row r's q and its output row, D values each
+  template <typename T>
+  const T* q(const Params& P, const Item& it, int r) const {
+    return static_cast<const T*>(P.q) + (int64_t)token(P, it, r) * P.q_st + (int64_t)head(P, it, r) * P.q_sh;
+  }
+  template <typename T>
+  T* out(const Params& P, const Item& it, int r) const {
+    return static_cast<T*>(P.out) + ((int64_t)token(P, it, r) * P.Hkv * P.G + head(P, it, r)) * P.D;
+  }
+  int token(const Params& P, const Item& it, int r) const { return qs + it.q0 + (r % RH) / P.G; }
+  int head(const Params& P, const Item& it, int r) const { return (it.h0 + r / RH) * P.G + r % RH % P.G; }
+};
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
@@ -174,10 +193,8 @@ inline float dot(const float* q, const C* row, int D) {
 template <typename T, typename C>
 void attend_item_scalar(const Params& P, const Item& it, float* partial, const Item*) {
   const int D = P.D, G = P.G;
-  const int RH = (it.q1 - it.q0) * G, R = RH * (it.h1 - it.h0);
-  const int32_t* rq = P.reqs + 3 * it.b;
-  const int qs = rq[0], qlen = rq[1], L = rq[2], off = L - qlen;
-  const int kend = std::min(it.k1, off + it.q1);
+  const ItemRows rows(P, it);
+  const int RH = rows.RH, R = rows.R, off = rows.off, kend = rows.kend;
 
   float* mem = thread_scratch().get((size_t)R * (2 * D + TILE + 3));
   float* qf = mem;
@@ -185,11 +202,8 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial, const I
   float* S = acc + (size_t)R * D;
   float* m = S + (size_t)R * TILE;
   float* l = m + R;
-  const T* q = static_cast<const T*>(P.q);
   for (int r = 0; r < R; ++r) {
-    const int hh = r / RH, rr = r % RH;
-    const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
-    const T* src = q + (qs + qi) * P.q_st + head * P.q_sh;
+    const T* src = rows.q<T>(P, it, r);
     for (int c = 0; c < D; ++c) qf[(size_t)r * D + c] = to_f(src[c]) * P.scale_log2;
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
@@ -245,9 +259,7 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial, const I
     if (partial) {
       store_partial(partial, r, D, m[r], l[r], a);
     } else {
-      const int hh = r / RH, rr = r % RH;
-      const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
-      T* dst = static_cast<T*>(P.out) + ((int64_t)(qs + qi) * P.Hkv * G + head) * D;
+      T* dst = rows.out<T>(P, it, r);
       const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
       for (int c = 0; c < D; ++c) dst[c] = static_cast<T>(a[c] * inv);
     }
@@ -547,7 +559,7 @@ template <typename T, bool DP, int NV>
 void finish_rows(const Params& P, const Item& it, int R, float* acc, const float* lv, const float* m,
                  float* partial) {
   constexpr int D = NV * 16;
-  const int G = P.G, RH = (it.q1 - it.q0) * G, qs = P.reqs[3 * it.b];
+  const ItemRows rows(P, it);
   alignas(64) static const int32_t lo_idx[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
   alignas(64) static const int32_t hi_idx[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
   for (int r = 0; r < R; ++r) {
@@ -561,12 +573,10 @@ void finish_rows(const Params& P, const Item& it, int R, float* acc, const float
       }
     }
     const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(lv + (size_t)r * TILE));
-    const int hh = r / RH, rr = r % RH;
     if (partial) {
       store_partial(partial, r, D, m[r], l, a);
     } else {
-      const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
-      T* dst = static_cast<T*>(P.out) + ((int64_t)(qs + qi) * P.Hkv * G + head) * D;
+      T* dst = rows.out<T>(P, it, r);
       const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
       for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), inv));
     }
@@ -595,12 +605,8 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
   constexpr int RC = NV >= 24 ? 1 : 24 / NV;  // rows whose V accumulators stay in registers together
 
   const int G = P.G;
-  const int RH = (it.q1 - it.q0) * G;  // rows per kv head
-  const int NH = it.h1 - it.h0;
-  const int R = RH * NH;
-  const int32_t* rq = P.reqs + 3 * it.b;
-  const int qs = rq[0], qlen = rq[1], L = rq[2], off = L - qlen;
-  const int kend = std::min(it.k1, off + it.q1);
+  const ItemRows rows(P, it);
+  const int RH = rows.RH, NH = rows.NH, R = rows.R, off = rows.off, kend = rows.kend;
 
   float* mem = thread_scratch().get((size_t)R * (2 * D + 2 * TILE + 2) + (DP && Q8 ? 3 : 2) * TILE * D + 64);
   float* qf = mem;  // DP: raw bf16 q rows (D halves per row)
@@ -615,12 +621,9 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
   at::BFloat16* codes = reinterpret_cast<at::BFloat16*>(vbuf + TILE * D);
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-  const T* q = static_cast<const T*>(P.q);
   const __m512 sc = _mm512_set1_ps(P.scale_log2);
   for (int r = 0; r < R; ++r) {
-    const int hh = r / RH, rr = r % RH;
-    const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
-    const T* src = q + (qs + qi) * P.q_st + head * P.q_sh;
+    const T* src = rows.q<T>(P, it, r);
     if constexpr (DP) {
       std::memcpy(reinterpret_cast<uint16_t*>(qf) + (size_t)r * D, src, sizeof(T) * D);
     } else {

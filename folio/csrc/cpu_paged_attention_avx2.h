@@ -90,12 +90,8 @@ void attend_item(const Params& P, const Item& it, float* partial, const Item* ah
   constexpr int RC = 12 / CW;  // and rows
 
   const int G = P.G;
-  const int RH = (it.q1 - it.q0) * G;  // rows per kv head
-  const int NH = it.h1 - it.h0;
-  const int R = RH * NH;
-  const int32_t* rq = P.reqs + 3 * it.b;
-  const int qs = rq[0], qlen = rq[1], L = rq[2], off = L - qlen;
-  const int kend = std::min(it.k1, off + it.q1);
+  const ItemRows rows(P, it);
+  const int RH = rows.RH, NH = rows.NH, R = rows.R, off = rows.off, kend = rows.kend;
 
   float* mem = thread_scratch().get((size_t)R * (2 * D + KEYS + LANES + 2) + (IN_PLACE ? 0 : 2 * KEYS * D));
   float* qf = mem;  // q times the softmax scale (base 2)
@@ -107,11 +103,8 @@ void attend_item(const Params& P, const Item& it, float* partial, const Item* ah
   float* kbuf = corr + R;  // a tile's K and V rows widened (not IN_PLACE)
   float* vbuf = kbuf + KEYS * D;
 
-  const T* q = static_cast<const T*>(P.q);
   for (int r = 0; r < R; ++r) {
-    const int hh = r / RH, rr = r % RH;
-    const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
-    const T* src = q + (qs + qi) * P.q_st + head * P.q_sh;
+    const T* src = rows.q<T>(P, it, r);
     for (int c = 0; c < D; ++c) qf[(size_t)r * D + c] = to_f(src[c]) * P.scale_log2;
     std::fill(acc + (size_t)r * D, acc + (size_t)(r + 1) * D, 0.f);
     std::fill(lv + (size_t)r * LANES, lv + (size_t)(r + 1) * LANES, 0.f);
@@ -270,9 +263,7 @@ void attend_item(const Params& P, const Item& it, float* partial, const Item* ah
     if (partial) {
       store_partial(partial, r, D, m[r], l, a);
     } else {
-      const int hh = r / RH, rr = r % RH;
-      const int qi = it.q0 + rr / G, head = (it.h0 + hh) * G + rr % G;
-      T* dst = static_cast<T*>(P.out) + ((int64_t)(qs + qi) * P.Hkv * G + head) * D;
+      T* dst = rows.out<T>(P, it, r);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       for (int c = 0; c < D; ++c) dst[c] = static_cast<T>(a[c] * inv);
     }
