@@ -278,7 +278,7 @@ struct LinePrefetcher {
   const char* v = nullptr;
   int64_t rows[N];  // byte offset of each key's row
   int n = 0, lines = 0, per_step = 0, j = 0;
-  int lines_per_step = 0, e = 0;  // step_lines: lines of K and of V a step, the next line of key j
+  int lines_per_step = 0, line = 0;  // step_lines: lines of K and of V a step, the next line of key j
   inline void step() {
     for (const int end = std::min(n, j + per_step); j < end; ++j) {
       for (int e = 0; e < lines; ++e) {
@@ -289,9 +289,9 @@ struct LinePrefetcher {
   }
   inline void step_lines() {
     for (int i = 0; i < lines_per_step && j < n; ++i) {
-      _mm_prefetch(k + rows[j] + 64 * e, _MM_HINT_T1);
-      _mm_prefetch(v + rows[j] + 64 * e, _MM_HINT_T1);
-      if (++e == lines) { e = 0; ++j; }
+      _mm_prefetch(k + rows[j] + 64 * line, _MM_HINT_T1);
+      _mm_prefetch(v + rows[j] + 64 * line, _MM_HINT_T1);
+      if (++line == lines) { line = 0; ++j; }
     }
   }
 };

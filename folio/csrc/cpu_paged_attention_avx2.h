@@ -122,8 +122,10 @@ void attend_item(const Params& P, const Item& it, float* partial, const Item* ah
     const int nt = std::min(KEYS, kend - t0);
     int64_t tok[KEYS];  // start of each key's row [Hkv, D] in the cache
     key_rows(P, bt, t0, nt, row_stride, tok);
-    // the next tile's rows (into L2) over this tile's score blocks; in the last tile, the first ones of the item
-    // this thread runs next: a block may be anywhere in the cache, where the hardware prefetchers cannot guess it
+    // the next tile's rows into L2 (in the last tile, the first ones of the item this thread runs next: a block
+    // may be anywhere in the cache, where the hardware prefetchers cannot guess it), a line of K and one of V at a
+    // time spread over this tile's inner loops: issued a key's whole rows at a time, they stalled the core on its
+    // outstanding misses (a 32-request decode over 1024 keys, 3 kv heads: 8.8 GB/s of KV read, 15.6 spread)
     LinePrefetcher<KEYS> pf;
     if (t0 + KEYS < kend) aim<C>(pf, P, it, t0 + KEYS, steps);
     else if (ahead) aim<C>(pf, P, *ahead, ahead->k0, steps);
