@@ -23,7 +23,7 @@
 // W = s q + o = 16 s (c - 1) + o, so
 //     y += 16 s (sum_k x_k c_k - X_g) + o X_g,   X_g = sum of x over the group,
 // two FMAs per 16 columns per group. Rows of x go in chunks of up to 4, a block read from memory for the
-// first chunk and from cache for the others. (float32 x: see block_f32.)
+// first chunk and from cache for the others. (float32 x: see block_int16.)
 //
 // Batches that run the dense GEMM take the weight (q s + o by one FMA in float32, for bf16 rounded once) written
 // into oneDNN's packed layout (`dequantize_packed`, bf16), or as W^T [K, N] (`dequantize_transposed`).
@@ -175,63 +175,105 @@ void group_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, int64_
 
 #if FOLIO_INT4_F32
 // ------------------------------------------------------------------------------------------ float32 x
-// The same blocks times float32 x with AVX2 FMAs, 8 columns to a vector. Read as eight 32-bit lanes, the half h
-// of a step (bytes 32 h .. 32 h + 31) holds in lane j the codes of column 16 v + 8 h + j (v = 0..3) at k = 2p
-// (nibble v of the low word) and at 2p + 1 (of the high word, which a shift by 16 brings down). One AND leaves
-// nibble v in place, q 16^v, which converts to float32 exactly; the group's scale takes the 16^-v back:
-//     y += (16 s) 2^-4 16^-v (sum_k x_k q_k 16^v) + o X_g,   X_g = sum of x over the group,
-// per vector of columns, the products rounded once each as the weight-only kernels' are. Where the row-major
-// kernel widened 32 nibbles to float by twelve instructions and reduced each output across lanes, a step's 64
-// values take one shift, eight ANDs and eight conversions, shared by the rows of a pass.
+// The same blocks times float32 x on AVX2, each row of x first quantised to 16-bit codes (q_x = round(x / s_x),
+// s_x = max |x| / INT16_CODE_MAX, as quant_reference.quantize_rows_int16), so that the products are integer
+// ones: vpmaddwd multiplies 16 pairs of int16 and adds adjacent pairs into 8 int32 lanes in one instruction,
+// where float32 needed a conversion and an FMA per 8 products (measured: 20-26 cycles a step there, bound by
+// instructions, not memory). Read as eight 32-bit lanes, the half h of a step (bytes 32 h .. 32 h + 31) holds in
+// lane j the codes of column 16 v + 8 h + j (v = 0..3) at k = 2p (nibble v of the low word) and at 2p + 1 (of
+// the high word): nibble v of both words isolated in place gives the pair (q_2p, q_2p+1) times f_v (1, 16, 16,
+// 1 for v = 0..3: one AND, one AND, a shift and an AND, one shift), and vpmaddwd by x's codes at (2p, 2p + 1),
+// broadcast as one 32-bit lane, adds f_v (q_2p q_x,2p + q_2p+1 q_x,2p+1) to column j's int32 sum, exactly.
+// Per group, and per 64 pairs within a longer one (so that no sum exceeds 64 * 2 * 240 * 32639 < 2^31),
+//     y += s_x s 2^-4 / f_v * float(sum) + o X_g,   X_g = the float32 sum of x over the group.
+// The codes of x cost 2^-16 of its row's largest value: far below int4's rounding of the weight (2^-4 of the
+// group's range), and llama.cpp's CPU kernels round activations to 8 bits for the same product.
+
+constexpr float INT16_CODE_MAX = 32639.f;  // quant_reference.INT16_CODE_MAX
+constexpr int64_t MAX_SUM_PAIRS = 64;      // pairs summed in int32 before a float32 update
+// Unrolled early, so that GCC keeps the accumulator arrays in registers: without it two of the eight were
+// spilled, and their loads and stores through the stack took the step from ~13 to ~20 cycles.
+#define UNROLL _Pragma("GCC unroll 8")
+
+// Row m of x [M, K] (K a multiple of 32) as 16-bit codes into q [K]; returns s_x. Bit for bit
+// quant_reference.quantize_rows_int16: s_x = amax / INT16_CODE_MAX (1 for a zero row), q = round(x / s_x) half
+// to even, within +-INT16_CODE_MAX.
+float quantize_row_int16(const float* x, int64_t K, int16_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float a = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  const float s = a > 0.f ? a / INT16_CODE_MAX : 1.f;
+  const __m256 vs = _mm256_set1_ps(s), lim = _mm256_set1_ps(INT16_CODE_MAX), neg = _mm256_set1_ps(-INT16_CODE_MAX);
+  for (int64_t k = 0; k < K; k += 16) {
+    __m256i c[2];
+    for (int i = 0; i < 2; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k + 8 * i), vs),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c[i] = _mm256_cvtps_epi32(_mm256_max_ps(neg, _mm256_min_ps(lim, r)));
+    }
+    // packs works within 128-bit lanes: (c0 lo, c1 lo, c0 hi, c1 hi), put back in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), packed);
+  }
+  return s;
+}
 
 // Rows m .. m + MR of y for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps: one row takes
 // both halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come
-// from the L2 cache), so that the accumulators and codes fit AVX2's 16 registers.
+// from the L1 or L2 cache), so that the accumulators, masks and codes fit AVX2's 16 registers. xq: each row's
+// codes as 32-bit pairs, sx: each row's scale.
 template <int MR, int HP>
-void block_f32(const Blocks& w, int64_t b, int h0, const float* x, int64_t xs, const float* xsum, const float* bias,
-               float* y, int64_t ys) {
+void block_int16(const Blocks& w, int64_t b, int h0, const int32_t* const* xq, const float* sx, const float* xsum,
+                 const float* bias, float* y, int64_t ys) {
   constexpr int NV = 4 * HP;  // vectors of 8 columns: (h, v) at NV index 4 h + v
-  const int64_t gp = w.G / 2;
+  const int64_t gp = w.G / 2, run = std::min(gp, MAX_SUM_PAIRS);
   const uint8_t* codes = w.codes + b * w.pairs() * STEP_BYTES + 32 * h0;
   const float* sc = w.scales_of<float>(b);
   const float* of = w.offsets_of<float>(b);
+  const __m256i low = _mm256_set1_epi16(0x000F), high = _mm256_set1_epi16(0x00F0);
+  __m256 unit[MR][4];  // s_x 2^-4 / f_v
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 4; ++v) unit[m][v] = _mm256_set1_ps(sx[m] * (v == 1 || v == 2 ? 1.f / 256 : 1.f / 16));
   alignas(32) float tot[MR][NV][8];
   for (int m = 0; m < MR; ++m)
     for (int i = 0; i < NV; ++i) _mm256_store_ps(tot[m][i], _mm256_setzero_ps());
   for (int64_t g = 0; g < w.ng; ++g) {
-    __m256 acc[MR][NV];
-    for (int m = 0; m < MR; ++m)
-      for (int i = 0; i < NV; ++i) acc[m][i] = _mm256_setzero_ps();
-    for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
-      const uint8_t* step = codes + p * STEP_BYTES;
-      if (h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH), _MM_HINT_T0);
-      __m256 xe[MR], xo[MR];
-      for (int m = 0; m < MR; ++m) {
-        xe[m] = _mm256_broadcast_ss(x + m * xs + 2 * p);
-        xo[m] = _mm256_broadcast_ss(x + m * xs + 2 * p + 1);
-      }
-      for (int h = 0; h < HP; ++h) {
-        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * h));
-        const __m256i hi = _mm256_srli_epi32(lo, 16);
-        for (int v = 0; v < 4; ++v) {
-          const __m256i mask = _mm256_set1_epi32(15 << (4 * v));
-          const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
-          const __m256 odd = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
-          for (int m = 0; m < MR; ++m)
-            acc[m][4 * h + v] = _mm256_fmadd_ps(odd, xo[m], _mm256_fmadd_ps(even, xe[m], acc[m][4 * h + v]));
+    for (int64_t p0 = g * gp, end = (g + 1) * gp; p0 < end; p0 += run) {
+      __m256i acc[MR][NV];
+      UNROLL for (int m = 0; m < MR; ++m)
+        UNROLL for (int i = 0; i < NV; ++i) acc[m][i] = _mm256_setzero_si256();
+      for (int64_t p = p0; p < std::min(p0 + run, end); ++p) {
+        const uint8_t* step = codes + p * STEP_BYTES;
+        if (h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH), _MM_HINT_T0);
+        __m256i xv[MR];
+        UNROLL for (int m = 0; m < MR; ++m) xv[m] = _mm256_set1_epi32(xq[m][p]);
+        UNROLL for (int h = 0; h < HP; ++h) {
+          const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * h));
+          const __m256i q[4] = {_mm256_and_si256(c, low), _mm256_and_si256(c, high),
+                                _mm256_and_si256(_mm256_srli_epi16(c, 4), high), _mm256_srli_epi16(c, 12)};
+          UNROLL for (int v = 0; v < 4; ++v)
+            UNROLL for (int m = 0; m < MR; ++m)
+              acc[m][4 * h + v] = _mm256_add_epi32(acc[m][4 * h + v], _mm256_madd_epi16(q[v], xv[m]));
         }
       }
+      for (int h = 0; h < HP; ++h)
+        for (int v = 0; v < 4; ++v) {
+          const __m256 s = _mm256_loadu_ps(sc + g * COLUMNS + 16 * v + 8 * (h0 + h));
+          for (int m = 0; m < MR; ++m)
+            _mm256_store_ps(tot[m][4 * h + v], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][4 * h + v]),
+                                                               _mm256_mul_ps(s, unit[m][v]),
+                                                               _mm256_load_ps(tot[m][4 * h + v])));
+        }
     }
     for (int h = 0; h < HP; ++h)
       for (int v = 0; v < 4; ++v) {
-        const int64_t c0 = g * COLUMNS + 16 * v + 8 * (h0 + h);
-        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(sc + c0), _mm256_set1_ps(1.f / float(16 << (4 * v))));
-        const __m256 o = _mm256_loadu_ps(of + c0);
-        for (int m = 0; m < MR; ++m) {
-          const __m256 xg = _mm256_set1_ps(xsum[m * w.ng + g]);
-          const __m256 t = _mm256_fmadd_ps(acc[m][4 * h + v], s, _mm256_load_ps(tot[m][4 * h + v]));
-          _mm256_store_ps(tot[m][4 * h + v], _mm256_fmadd_ps(o, xg, t));
-        }
+        const __m256 o = _mm256_loadu_ps(of + g * COLUMNS + 16 * v + 8 * (h0 + h));
+        for (int m = 0; m < MR; ++m)
+          _mm256_store_ps(tot[m][4 * h + v], _mm256_fmadd_ps(o, _mm256_set1_ps(xsum[m * w.ng + g]),
+                                                             _mm256_load_ps(tot[m][4 * h + v])));
       }
   }
   for (int h = 0; h < HP; ++h)
@@ -365,14 +407,22 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor 
   if (f32) {
     const float* xp = x.data_ptr<float>();
     group_sums_f32(xp, xs, M, w.K, w.G, xsum.data());
+    std::vector<int16_t> codes16(M * w.K);
+    std::vector<float> sx(M);
+    std::vector<const int32_t*> xq(M);
+    for (int64_t m = 0; m < M; ++m) {
+      sx[m] = quantize_row_int16(xp + m * xs, w.K, codes16.data() + m * w.K);
+      xq[m] = reinterpret_cast<const int32_t*>(codes16.data() + m * w.K);
+    }
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         int64_t m0 = 0;
         for (; m0 + 2 <= M; m0 += 2)
           for (int h0 = 0; h0 < 2; ++h0)
-            block_f32<2, 1>(w, b, h0, xp + m0 * xs, xs, xsum.data() + m0 * w.ng, bp, yp + m0 * N, N);
-        if (m0 < M) block_f32<1, 2>(w, b, 0, xp + m0 * xs, xs, xsum.data() + m0 * w.ng, bp, yp + m0 * N, N);
+            block_int16<2, 1>(w, b, h0, xq.data() + m0, sx.data() + m0, xsum.data() + m0 * w.ng, bp, yp + m0 * N, N);
+        if (m0 < M)
+          block_int16<1, 2>(w, b, 0, xq.data() + m0, sx.data() + m0, xsum.data() + m0 * w.ng, bp, yp + m0 * N, N);
       }
     });
     return y;
@@ -429,7 +479,7 @@ void dequantized_columns(const Blocks& w, int64_t num_blocks, const Emit& emit) 
 #endif
 
 #if FOLIO_INT4_F32
-// The float32 twin of dequantized_columns, 8 columns at a time (the halves of a step, as block_f32 reads them):
+// The float32 twin of dequantized_columns, 8 columns at a time (the halves of a step, as block_int16 reads them):
 // emit(p, n0, lanes, even, odd) gets columns n0 .. n0 + lanes - 1 at k = 2p and 2p + 1, q s + o by one FMA.
 template <class Emit>
 void dequantized_columns_f32(const Blocks& w, int64_t num_blocks, const Emit& emit) {

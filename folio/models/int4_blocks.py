@@ -10,9 +10,11 @@ kernel reads oneDNN's packed weights, where the row-major kernel was bound by wi
 43 on Zen 4). Larger batches run oneDNN's GEMM on the weight dequantised from the blocks for the call, into
 a packed scratch weight (`dense_linear`, folio.models.packed_scratch).
 
-On CPUs with AVX2 and no AVX-512 a float32 layer does the same with float32 FMAs, 8 columns to a vector (its
-codes by one AND and one conversion each; scales and offsets stay float32), and batches past MAX_ROWS run
-F.linear on the float32 weight dequantised for the call.
+On CPUs with AVX2 and no AVX-512 a float32 layer reads the same blocks with integer products: each row of x
+rounded to 16-bit codes (quant_reference.w4_int16_linear is the reference), the nibbles isolated in place and
+multiplied by vpmaddwd, 16 products in one instruction summed exactly in int32, then scaled in float32 once a
+group (scales and offsets stay float32); batches past MAX_ROWS run F.linear on the float32 weight dequantised
+for the call.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ COLUMNS = 64  # output columns per block
 # on Zen 4 (all linear layers of the 0.5B Qwen2 from memory) 63-72 ms at 64 rows against 100-120 for
 # dequantising and oneDNN's GEMM, even at 128 rows (benchmarks/int4_blocks_bench.py); with AMX oneDNN's tiles
 # win sooner (not yet measured there).
-# float32 (AVX2 EPYC, all linear layers of the 0.5B Qwen2 from memory): the kernel took 0.3-0.6x the row-major
-# kernel's time from 1 to 64 rows, and against F.linear on the dequantised weight 0.29x at 32 rows, 0.44x at 64,
-# 0.76x at 128, 1.08x at 256.
+# float32 (AVX2 EPYC, all linear layers of the 0.5B Qwen2 from memory): the float32-FMA kernel before took
+# 0.3-0.6x the row-major kernel's time from 1 to 64 rows, and against F.linear on the dequantised weight 0.29x
+# at 32 rows, 0.44x at 64, 0.76x at 128, 1.08x at 256; the integer one (the default model's layers, Zen 3)
+# 0.8-1.0x F.linear's from 128 to 512 rows, within that machine's noise of it, so the bound stays.
 MAX_ROWS = {torch.bfloat16: small_batch_gemm.MAX_ROWS[torch.bfloat16], torch.float32: 191}
 
 

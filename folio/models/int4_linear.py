@@ -44,7 +44,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
     def process_weights_after_loading(self, layer: Linear) -> None:
         """A weight-only layer keeps its weight only as column blocks (folio.models.int4_blocks) where a block
         kernel serves the model's dtype: bf16 on AVX512-BF16 (read four times as fast as the row-major format),
-        float32 with AVX2 and no AVX-512 (three times)."""
+        float32 with AVX2 and no AVX-512 (three times; its kernel rounds x to 16-bit codes, folio.models.int4_blocks)."""
         super().process_weights_after_loading(layer)
         if not self.int8_activations and int4_blocks.available(layer.params_dtype):
             layer.int4_blocks = int4_blocks.pack(layer.weight.detach(), layer.weight_scale, layer.weight_offset,

@@ -178,6 +178,23 @@ def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: Op
     return y.to(x.dtype)
 
 
+def w4_int16_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                    bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """int4 W (packed, with scales and offsets per group) times x quantised per row to 16-bit codes, in x's
+    dtype: per group the exact integer sum of W's codes times x's, times the group's scale and x's row scale,
+    plus offsets times x's exact group sums (float64 here; the float32 block kernel sums in float32)."""
+    m, k = x.shape
+    q = unpack_int4(w).double()  # [N, K] in 0..15
+    xq, sx = quantize_rows_int16(x)
+    group = k // scales.shape[1]
+    dots = torch.einsum("mgj,ngj->mng", xq.double().reshape(m, -1, group), q.reshape(q.shape[0], -1, group))
+    y = (dots * scales.double()[None]).sum(dim=2) * sx.double()[:, None]
+    y = y + x.double().reshape(m, scales.shape[1], -1).sum(dim=2) @ offsets.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
 def w8_int16_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> torch.Tensor:
     """int8 W [N, K] with one scale per row times x quantised per row to 16-bit codes, in x's dtype: the exact
