@@ -62,11 +62,12 @@ ARCH_CONFIGS = {
 }
 
 
-def runs_float32_int4_blocks(llm) -> bool:
-    """Whether int4 layers of the engine's model run the float32 column-block kernel (AVX2 CPUs without AVX-512),
-    which rounds each row of x to 16-bit codes: logprobs then agree with float x's to a few 1e-4 relative, not
-    to float32 summation order."""
-    return any(getattr(m, "int4_blocks", None) is not None for m in llm.llm_engine.runner.model.modules())
+def runs_float32_int16_codes(llm) -> bool:
+    """Whether quantised layers of the engine's model run a float32 column-block kernel (int4 or int8 weights, AVX2
+    CPUs without AVX-512), which rounds each row of x to 16-bit codes: logprobs then agree with float x's to a few
+    1e-4 relative, not to float32 summation order."""
+    return any(getattr(m, "int4_blocks", None) is not None or getattr(m, "int8_blocks", None) is not None
+               for m in llm.llm_engine.runner.model.modules())
 
 
 def build_tiny_model(folder: str, arch: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> str:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import build_tiny_model, hf_greedy
+from int8_weights import int8_weight
 from folio import LLM, SamplingParams
 from test_gguf_loader import _byte_level_vocab
 from test_phi3 import VARIANTS as PHI3_VARIANTS
@@ -147,7 +148,7 @@ def test_phi3_fused_q8_0_layers_run_natively(tmp_path):
     path = hf_to_gguf(folder, str(tmp_path / "phi3.gguf"), "phi3", layer_type=Q.Q8_0)
     native = LLM(path, dtype="float32", quantization="gguf", kv_cache_memory=1 << 22)
     layer = native.llm_engine.runner.model.layers[0]
-    assert layer.self_attn.qkv_proj.weight.dtype == layer.mlp.gate_up_proj.weight.dtype == torch.int8
+    assert int8_weight(layer.self_attn.qkv_proj).dtype == int8_weight(layer.mlp.gate_up_proj).dtype == torch.int8
     dequantised = LLM(path, dtype="float32", kv_cache_memory=1 << 22)
     assert sum(g == w for g, w in zip(_greedy(native, 8), _greedy(dequantised, 8))) >= 2
 
@@ -157,6 +158,6 @@ def test_q8_0_experts_run_natively(tmp_path):
     path = hf_to_gguf(folder, str(tmp_path / "q3.gguf"), "qwen3moe", expert_type=Q.Q8_0)
     native = LLM(path, dtype="float32", quantization="gguf", kv_cache_memory=1 << 22)
     expert = native.llm_engine.runner.model.layers[1].mlp.experts[7]
-    assert expert.gate_up_proj.weight.dtype == expert.down_proj.weight.dtype == torch.int8
+    assert int8_weight(expert.gate_up_proj).dtype == int8_weight(expert.down_proj).dtype == torch.int8
     dequantised = LLM(path, dtype="float32", kv_cache_memory=1 << 22)
     assert sum(g == w for g, w in zip(_greedy(native, 8), _greedy(dequantised, 8))) >= 2

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from conftest import runs_float32_int4_blocks
+from conftest import runs_float32_int16_codes
 from folio import LLM, SamplingParams
 from folio.loader.gguf_loader import read_gguf_cached
 from folio.loader.gguf_native import FORMAT_OF, GGUFBlocks
@@ -58,10 +58,10 @@ def test_native_layers_give_the_dequantised_models_logprobs(tmp_path, arch, qtyp
     assert ("DenseLinearMethod" in methods) == (qtype is None or (ARCHS[arch][2] and not tied_int8))
     got = _prompt_logprobs(native)
     want = _prompt_logprobs(LLM(path, dtype="float32", quantization="none", kv_cache_memory=1 << 22))
-    # exact conversions agree up to float32 summation order, int4 layers kept as float32 column blocks (AVX2
-    # CPUs without AVX-512) up to their kernel's 16-bit codes of x (measured within 2e-4 relative); the
+    # exact conversions agree up to float32 summation order, int4 and int8 layers kept as float32 column blocks
+    # (AVX2 CPUs without AVX-512) up to their kernels' 16-bit codes of x (measured within 2e-4 relative); the
     # requantised head within its int8 rounding (this random model's logprobs run to -1500)
-    rtol = 1e-2 if tied_int8 else 1e-3 if runs_float32_int4_blocks(native) else 1e-5
+    rtol = 1e-2 if tied_int8 else 1e-3 if runs_float32_int16_codes(native) else 1e-5
     assert torch.allclose(got, want, rtol=rtol, atol=1e-4)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import build_tiny_model, runs_float32_int4_blocks
+from conftest import build_tiny_model, runs_float32_int16_codes
 from folio import LLM, SamplingParams
 from folio.models import int4_blocks, quant_kernels
 from folio.models.int4_checkpoints import Int4CheckpointConfig, Int4CheckpointMethod
@@ -128,9 +128,9 @@ def wide_llama(tmp_path_factory) -> str:
 
 def _tolerance(llm: LLM) -> dict:
     """The logprobs' tolerance against the float model's: float32 summation order, and the float32 block
-    kernel's 16-bit codes of x where it runs (measured within 5e-4 relative; a wrong repacking is off by whole
+    kernels' 16-bit codes of x where they run (measured within 5e-4 relative; a wrong repacking is off by whole
     units)."""
-    return {"atol": 1e-4, "rtol": 2e-3 if runs_float32_int4_blocks(llm) else 0}
+    return {"atol": 1e-4, "rtol": 2e-3 if runs_float32_int16_codes(llm) else 0}
 
 
 @pytest.mark.parametrize("fmt,group_size,model", [

@@ -10,7 +10,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.config import EngineConfig
-from folio.models import int4_blocks, quant_kernels, rescored_head
+from folio.models import int4_blocks, int8_blocks, quant_kernels, rescored_head
 from folio.models import quant_reference as ref
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.int4_linear import Int4LinearMethod
@@ -42,7 +42,8 @@ def _fused_layer(method, bias: bool = False) -> tuple[Linear, dict]:
     if bias:
         for shard_id, (_, rows) in layer.shards.items():
             layer.bias.weight_loader(layer.bias, torch.randn(rows), shard_id)
-    with mock.patch.object(int4_blocks, "available", lambda dtype=torch.bfloat16: False):
+    with mock.patch.object(int4_blocks, "available", lambda dtype=torch.bfloat16: False), \
+            mock.patch.object(int8_blocks, "available", lambda dtype: False):
         method.process_weights_after_loading(layer)
     return layer, shards
 
@@ -164,7 +165,10 @@ def test_quantised_models_stay_close_to_float_transformers(tiny_model_factory, s
     down = model.layers[0].mlp.down_proj
     blocks = getattr(down, "int4_blocks", None)  # weight-only int4 on AVX2: only the column blocks
     assert (blocks is not None) == (scheme == "int4" and int4_blocks.available(torch.float32))
-    assert (blocks.scales if blocks is not None else down.weight_scale).dtype == torch.float32
+    int8 = getattr(down, "int8_blocks", None)  # and weight-only int8
+    assert (int8 is not None) == (scheme == "w8a16" and int8_blocks.available(torch.float32))
+    scales = down.weight_scale if down.weight_scale is not None else (blocks or int8).scales
+    assert scales.dtype == torch.float32
     weight = blocks.codes if blocks is not None else int8_weight(down)
     assert weight.dtype == (torch.uint8 if scheme in ("int4", "w4a8") else torch.int8)
     if scheme == "int4" and rescored_head.serves(model.lm_head):  # a tied head of block layers: rescored int4

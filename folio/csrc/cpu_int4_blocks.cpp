@@ -53,6 +53,7 @@
 #if FOLIO_INT4_BLOCKS || FOLIO_INT4_F32
 #include <immintrin.h>
 #endif
+#include "int16_codes.h"
 
 namespace {
 
@@ -189,38 +190,10 @@ void group_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, int64_
 // The codes of x cost 2^-16 of its row's largest value: far below int4's rounding of the weight (2^-4 of the
 // group's range), and llama.cpp's CPU kernels round activations to 8 bits for the same product.
 
-constexpr float INT16_CODE_MAX = 32639.f;  // quant_reference.INT16_CODE_MAX
 constexpr int64_t MAX_SUM_PAIRS = 64;      // pairs summed in int32 before a float32 update
 // Unrolled early, so that GCC keeps the accumulator arrays in registers: without it two of the eight were
 // spilled to the stack (one row of a 3072 x 576 layer in cache: 7.4 against 6.6 ns a step, Zen 3).
 #define UNROLL _Pragma("GCC unroll 8")
-
-// A row of x [K] (K a multiple of 32) as 16-bit codes into q [K], written by vector stores only (the buffer
-// is read back as 32-bit pairs: int32 storage); returns s_x. Bit for bit
-// quant_reference.quantize_rows_int16: s_x = amax / INT16_CODE_MAX (1 for a zero row), q = round(x / s_x) half
-// to even, within +-INT16_CODE_MAX.
-float quantize_row_int16(const float* x, int64_t K, int16_t* q) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 amax = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  const float a = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  const float s = a > 0.f ? a / INT16_CODE_MAX : 1.f;
-  const __m256 vs = _mm256_set1_ps(s), lim = _mm256_set1_ps(INT16_CODE_MAX), neg = _mm256_set1_ps(-INT16_CODE_MAX);
-  for (int64_t k = 0; k < K; k += 16) {
-    __m256i c[2];
-    for (int i = 0; i < 2; ++i) {
-      const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k + 8 * i), vs),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      c[i] = _mm256_cvtps_epi32(_mm256_max_ps(neg, _mm256_min_ps(lim, r)));
-    }
-    // packs works within 128-bit lanes: (c0 lo, c1 lo, c0 hi, c1 hi), put back in order
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), packed);
-  }
-  return s;
-}
 
 // Rows m .. m + MR of y for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps: one row takes
 // both halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come

@@ -23,8 +23,9 @@ perplexity in bf16: "w8a16" 25.9674 against 25.9753 with float activations and 2
 151936 x 896 head on Zen 4: 3.54 ms against the W8A8 kernel's 3.42 and the weight-only kernel's 3.83) and twice
 W8A8's GEMM in larger batches (two int8 GEMMs: 64 rows 33 ms against 15.5, and the weight-only head's
 dequantised GEMM 54). Scheme "int8" keeps its W8A8 head: W1 would lose 10 % for 0.04 % of perplexity. CPUs
-without VNNI or AMX-INT8 run these layers weight-only: the int8 weight times float activations, bound on the
-CPUs measured by widening int8 to float rather than by memory.
+without VNNI or AMX-INT8 run these layers weight-only: with AVX-512, the int8 weight times float activations
+(bound on the CPUs measured by widening int8 to float rather than by memory); with AVX2 alone, float32 layers
+keep their weight as column blocks and multiply it with x's 16-bit codes (folio.models.int8_blocks).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from folio.models import onednn_int8, quant_kernels
+from folio.models import int8_blocks, onednn_int8, quant_kernels
 from folio.models.linear import Linear
 from folio.models.quant_reference import quantize_int8, rotate, rotation_block
 from folio.models.quantized_linear import QuantizedLinearMethod
@@ -58,6 +59,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def create_weights(self, layer: Linear) -> None:
         super().create_weights(layer)
         layer.onednn_weight = None  # the weight in oneDNN's layout, once loaded (self.onednn only)
+        layer.int8_blocks = None  # the weight in column blocks, once loaded (weight-only float32 layers on AVX2)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         super().process_weights_after_loading(layer)
@@ -65,6 +67,11 @@ class Int8LinearMethod(QuantizedLinearMethod):
             layer.onednn_weight = onednn_int8.prepack(layer.weight.detach(), layer.weight_scale.view(-1))
             if layer.onednn_weight.blocks is not None:
                 layer.weight = None  # every batch reads oneDNN's copy: the layer keeps one
+        elif (not self.int8_activations and int8_blocks.available(layer.params_dtype)
+              and int8_blocks.packable(layer.input_size, layer.weight_scale)):
+            # every batch reads the blocks (folio.models.int8_blocks): the layer keeps only them
+            layer.int8_blocks = int8_blocks.pack(layer.weight.detach(), layer.weight_scale)
+            layer.weight = layer.weight_scale = None
 
     def packed_shape(self, rows: int, input_size: int) -> tuple[tuple[int, ...], torch.dtype, int]:
         return (rows, input_size), torch.int8, 1
@@ -74,6 +81,8 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return q, scales, None
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.int8_blocks is not None:
+            return int8_blocks.linear(x, layer.int8_blocks, layer.bias)
         packed = layer.onednn_weight
         if self.int16_activations and packed is not None:
             return onednn_int8.linear_int16(x, packed, layer.bias)

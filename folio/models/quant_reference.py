@@ -178,18 +178,34 @@ def w8a8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: Op
     return y.to(x.dtype)
 
 
+def _int16_group_products(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x quantised per row to 16-bit codes times integer codes q [N, K] with scales [N, K / G], float64 [M, N]: per
+    group the exact integer sum of q's codes times x's, times the group's scale and x's row scale."""
+    m, k = x.shape
+    xq, sx = quantize_rows_int16(x)
+    group = k // scales.shape[1]
+    dots = torch.einsum("mgj,ngj->mng", xq.double().reshape(m, -1, group), q.double().reshape(q.shape[0], -1, group))
+    return (dots * scales.double()[None]).sum(dim=2) * sx.double()[:, None]
+
+
 def w4_int16_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> torch.Tensor:
     """int4 W (packed, with scales and offsets per group) times x quantised per row to 16-bit codes, in x's
-    dtype: per group the exact integer sum of W's codes times x's, times the group's scale and x's row scale,
-    plus offsets times x's exact group sums (float64 here; the float32 block kernel sums in float32)."""
-    m, k = x.shape
-    q = unpack_int4(w).double()  # [N, K] in 0..15
-    xq, sx = quantize_rows_int16(x)
-    group = k // scales.shape[1]
-    dots = torch.einsum("mgj,ngj->mng", xq.double().reshape(m, -1, group), q.reshape(q.shape[0], -1, group))
-    y = (dots * scales.double()[None]).sum(dim=2) * sx.double()[:, None]
-    y = y + x.double().reshape(m, scales.shape[1], -1).sum(dim=2) @ offsets.double().T
+    dtype: `_int16_group_products` plus offsets times x's exact group sums (float64 here; the float32 block
+    kernel sums in float32)."""
+    y = _int16_group_products(x, unpack_int4(w), scales)
+    y = y + x.double().reshape(x.shape[0], scales.shape[1], -1).sum(dim=2) @ offsets.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+def w8_int16_grouped_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                            bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """int8 W [N, K] with scales per group (one per row included) times x quantised per row to 16-bit codes, in
+    x's dtype: `_int16_group_products` (float64 here; the AVX2 block kernel, folio.models.int8_blocks, sums in
+    float32 per group and per 256 pairs of a longer one)."""
+    y = _int16_group_products(x, w, scales)
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype)
