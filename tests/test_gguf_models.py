@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import build_tiny_model, hf_greedy
-from int8_weights import int8_weight
 from folio import LLM, SamplingParams
+from int8_weights import int8_weight
 from test_gguf_loader import _byte_level_vocab
 from test_phi3 import VARIANTS as PHI3_VARIANTS
 

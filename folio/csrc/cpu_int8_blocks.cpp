@@ -164,20 +164,15 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t N, 
   at::Tensor y = at::empty({M, N}, x.options());
 #if FOLIO_INT8_BLOCKS
   const float* xp = x.data_ptr<float>();
-  std::vector<int32_t> pairs(M * w.K / 2);  // each row's codes, (k = 2p, 2p + 1) in one 32-bit lane
-  std::vector<float> sx(M);
-  std::vector<const int32_t*> xq(M);
-  for (int64_t m = 0; m < M; ++m) {
-    xq[m] = pairs.data() + m * w.K / 2;
-    sx[m] = quantize_row_int16(xp + m * xs, w.K, reinterpret_cast<int16_t*>(pairs.data() + m * w.K / 2));
-  }
+  const Int16Rows rows(xp, xs, M, w.K);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t m0 = 0;
       for (; m0 + 2 <= M; m0 += 2)
-        for (int h0 = 0; h0 < 2; ++h0) block<2, 1>(w, b, h0, xq.data() + m0, sx.data() + m0, bp, yp + m0 * N, N);
-      if (m0 < M) block<1, 2>(w, b, 0, xq.data() + m0, sx.data() + m0, bp, yp + m0 * N, N);
+        for (int h0 = 0; h0 < 2; ++h0)
+          block<2, 1>(w, b, h0, rows.xq.data() + m0, rows.sx.data() + m0, bp, yp + m0 * N, N);
+      if (m0 < M) block<1, 2>(w, b, 0, rows.xq.data() + m0, rows.sx.data() + m0, bp, yp + m0 * N, N);
     }
   });
 #endif

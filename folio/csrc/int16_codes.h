@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -39,6 +40,20 @@ inline float quantize_row_int16(const float* x, int64_t K, int16_t* q) {
   }
   return s;
 }
+
+// Every row of x [M, K] (row stride xs) as 16-bit codes: row m's codes as 32-bit pairs (k = 2p, 2p + 1 in lane p)
+// at xq[m], its scale at sx[m]. Made once per call, before the kernels' parallel loop.
+struct Int16Rows {
+  std::vector<int32_t> pairs;
+  std::vector<float> sx;
+  std::vector<const int32_t*> xq;
+  Int16Rows(const float* x, int64_t xs, int64_t M, int64_t K) : pairs(M * K / 2), sx(M), xq(M) {
+    for (int64_t m = 0; m < M; ++m) {
+      xq[m] = pairs.data() + m * K / 2;
+      sx[m] = quantize_row_int16(x + m * xs, K, reinterpret_cast<int16_t*>(pairs.data() + m * K / 2));
+    }
+  }
+};
 
 }  // namespace
 #endif
