@@ -11,7 +11,9 @@ Formats (the C++ kernels, folio/csrc/cpu_quant_linear.cpp, read the same tensors
   quantised with a rotation, after `rotate`.
 - int16 activations (an int8 lm_head's, folio.models.int8_linear): each row of x quantised symmetrically to
   16-bit codes within +-INT16_CODE_MAX, q = 256 * high + low with both signed bytes (low in [-128, 127]), each
-  byte's products with the int8 weight summed exactly (the int8 kernels' instructions, twice).
+  byte's products with the int8 weight summed exactly (the int8 kernels' instructions, twice). The AVX2 block
+  kernels (folio.models.int4_blocks, int8_blocks) multiply the same codes whole by int4 or int8 weights
+  (w4_int16_linear, w8_int16_grouped_linear).
 
 The references are the definitions the kernels are tested against, and run in their place when the kernel
 cannot be built.
