@@ -176,24 +176,21 @@ void group_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, int64_
 
 #if FOLIO_INT4_F32
 // ------------------------------------------------------------------------------------------ float32 x
-// The same blocks times float32 x on AVX2, each row of x first quantised to 16-bit codes (q_x = round(x / s_x),
-// s_x = max |x| / INT16_CODE_MAX, as quant_reference.quantize_rows_int16), so that the products are integer
-// ones: vpmaddwd multiplies 16 pairs of int16 and adds adjacent pairs into 8 int32 lanes in one instruction,
-// where float32 needed a conversion and an FMA per 8 products (Zen 3, one thread, a block in cache: 13.4
-// against 17.3 ns a step at 2 rows; at one row from memory both are bound by memory). Read as eight 32-bit lanes, the half h of a step (bytes 32 h .. 32 h + 31) holds in
-// lane j the codes of column 16 v + 8 h + j (v = 0..3) at k = 2p (nibble v of the low word) and at 2p + 1 (of
-// the high word): nibble v of both words isolated in place gives the pair (q_2p, q_2p+1) times f_v (1, 16, 16,
-// 1 for v = 0..3: one AND, one AND, a shift and an AND, one shift), and vpmaddwd by x's codes at (2p, 2p + 1),
-// broadcast as one 32-bit lane, adds f_v (q_2p q_x,2p + q_2p+1 q_x,2p+1) to column j's int32 sum, exactly.
-// Per group, and per 64 pairs within a longer one (so that no sum exceeds 64 * 2 * 240 * 32639 < 2^31),
+// The same blocks times float32 x on AVX2, each row of x first quantised to 16-bit codes (q_x = round(x / s_x), s_x
+// = max |x| / INT16_CODE_MAX, as quant_reference.quantize_rows_int16), so that the products are integer ones:
+// vpmaddwd multiplies 16 pairs of int16 and adds adjacent pairs into 8 int32 lanes in one instruction, where float32
+// needed a conversion and an FMA per 8 products (Zen 3, one thread, a block in cache: 13.4 against 17.3 ns a step at
+// 2 rows; at one row from memory both are bound by memory). Read as eight 32-bit lanes, the half h of a step (bytes
+// 32 h .. 32 h + 31) holds in lane j the codes of column 16 v + 8 h + j (v = 0..3) at k = 2p (nibble v of the low
+// word) and at 2p + 1 (of the high word): nibble v of both words isolated in place gives the pair (q_2p, q_2p+1)
+// times f_v (1, 16, 16, 1 for v = 0..3: one AND, one AND, a shift and an AND, one shift), and vpmaddwd by x's codes
+// at (2p, 2p + 1), broadcast as one 32-bit lane, adds f_v (q_2p q_x,2p + q_2p+1 q_x,2p+1) to column j's int32 sum,
+// exactly. Per group, and per 64 pairs within a longer one (so that no sum exceeds 64 * 2 * 240 * 32639 < 2^31),
 //     y += s_x s 2^-4 / f_v * float(sum) + o X_g,   X_g = the float32 sum of x over the group.
 // The codes of x cost 2^-16 of its row's largest value: far below int4's rounding of the weight (2^-4 of the
 // group's range), and llama.cpp's CPU kernels round activations to 8 bits for the same product.
 
 constexpr int64_t MAX_SUM_PAIRS = 64;      // pairs summed in int32 before a float32 update
-// Unrolled early, so that GCC keeps the accumulator arrays in registers: without it two of the eight were
-// spilled to the stack (one row of a 3072 x 576 layer in cache: 7.4 against 6.6 ns a step, Zen 3).
-#define UNROLL _Pragma("GCC unroll 8")
 
 // Rows m .. m + MR of y for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps: one row takes
 // both halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come

@@ -100,9 +100,6 @@ std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales) {
 }
 
 #if FOLIO_INT8_BLOCKS
-// Unrolled early, so that GCC keeps the accumulator arrays in registers (as in cpu_int4_blocks.cpp).
-#define UNROLL _Pragma("GCC unroll 8")
-
 // Rows m .. m + MR of y for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps: one row takes both
 // halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come from the
 // L1 or L2 cache), so that the accumulators fit AVX2's 16 registers. xq: each row's codes as 32-bit pairs, sx:

@@ -14,6 +14,11 @@ namespace {
 
 constexpr float INT16_CODE_MAX = 32639.f;  // quant_reference.INT16_CODE_MAX
 
+// For the kernels' step loops over these codes: unrolled early, so that GCC keeps the accumulator arrays in
+// registers (without it two of the int4 kernel's eight were spilled to the stack: one row of a 3072 x 576 layer
+// in cache 7.4 against 6.6 ns a step, Zen 3).
+#define UNROLL _Pragma("GCC unroll 8")
+
 // A row of x [K] (K a multiple of 16) as 16-bit codes into q [K], written by vector stores only (the kernels read
 // the buffer back as 32-bit pairs: give it int32 storage); returns s_x. Bit for bit
 // quant_reference.quantize_rows_int16: s_x = amax / INT16_CODE_MAX (1 for a zero row), q = round(x / s_x) half
