@@ -18,7 +18,7 @@ from folio.models import quant_reference as ref
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear
 from folio.platforms.cpu_features import has_avx512
-from int16_rows import hard_rows
+from int16_rows import assert_batch_invariant, hard_rows
 
 _EXT = int8_blocks.KERNEL.load()
 pytestmark = pytest.mark.skipif(_EXT is None or not _EXT.has_kernel(),
@@ -30,7 +30,7 @@ RTOL = 2 ** -16
 # K of one group, K past the 256 pairs summed in int32 at once (with a remainder)
 SHAPES = [(49152, 576, 576), (960, 576, 576), (3072, 576, 32), (576, 1536, 1536), (576, 1536, 32), (1, 32, 32),
           (7, 96, 96), (33, 160, 32), (101, 224, 224), (130, 1024, 1024), (70, 4864, 4864)]
-ROWS = [1, 2, 3, 4, 5, 64]
+ROWS = [1, 2, 3, 4, 5, 64, 100]
 
 
 def _weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +54,16 @@ def test_linear_matches_the_reference(n, k, group):
             got = int8_blocks.linear(x[:m], blocks, b)
             assert got.dtype == torch.float32 and got.shape == (m, n)
             assert bool(((got.double() - want[:m]).abs() <= RTOL * magnitude[:m] + 1e-6).all()), (m, b is None)
+
+
+@pytest.mark.parametrize("n,k,group", [(960, 576, 576), (576, 1536, 32), (101, 224, 224), (70, 1024, 1024)])
+def test_a_row_gives_the_same_bits_in_every_batch(n, k, group):
+    """From 3 rows the kernel decodes the blocks into tiles once per panel of rows; its sums are the row loops'
+    in the same order, so a request's results do not depend on its batch (K past 256 pairs included)."""
+    q, scales = _weight(n, k, group, seed=k)
+    blocks = int8_blocks.pack(q, scales)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    assert_batch_invariant(lambda x: int8_blocks.linear(x, blocks, bias), k)
 
 
 def test_rows_are_rounded_to_the_references_16_bit_codes():
@@ -81,10 +91,11 @@ def test_the_int32_sums_do_not_overflow_at_the_extremes():
     q = torch.full((3, k), -128, dtype=torch.int8)
     q[1] = 127
     blocks = int8_blocks.pack(q, torch.ones(3, 1))
-    x = torch.full((2, k), float(ref.INT16_CODE_MAX))
-    x[1, ::4] = -ref.INT16_CODE_MAX
-    want = ref.w8_int16_grouped_linear(x.double(), q, torch.ones(3, 1), None)
-    assert torch.equal(int8_blocks.linear(x, blocks, None), want.float())
+    x = torch.full((4, k), float(ref.INT16_CODE_MAX))
+    x[1::2, ::4] = -ref.INT16_CODE_MAX
+    want = ref.w8_int16_grouped_linear(x.double(), q, torch.ones(3, 1), None).float()
+    for m in (2, 4):  # the row loops, the tiles
+        assert torch.equal(int8_blocks.linear(x[:m], blocks, None), want[:m]), m
 
 
 def test_padding_strides_and_errors():

@@ -25,8 +25,8 @@
 // two FMAs per 16 columns per group. Rows of x go in chunks of up to 4, a block read from memory for the
 // first chunk and from cache for the others. (float32 x: see block_int16.)
 //
-// Batches that run the dense GEMM take the weight (q s + o by one FMA in float32, for bf16 rounded once) written
-// into oneDNN's packed layout (`dequantize_packed`, bf16), or as W^T [K, N] (`dequantize_transposed`).
+// Batches that run the dense GEMM (bf16 only) take the weight (q s + o by one FMA in float32, rounded once to
+// bf16) written into oneDNN's packed layout (`dequantize_packed`), or as W^T [K, N] (`dequantize_transposed`).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -54,6 +54,7 @@
 #include <immintrin.h>
 #endif
 #include "int16_codes.h"
+#include "int16_tiles.h"
 
 namespace {
 
@@ -192,8 +193,8 @@ void group_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, int64_
 
 constexpr int64_t MAX_SUM_PAIRS = 64;      // pairs summed in int32 before a float32 update
 
-// Rows m .. m + MR of y for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps: one row takes
-// both halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come
+// Batches of one or two rows (int16_tiles.h takes larger ones, with the same arithmetic): rows m .. m + MR of y
+// for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps. One row takes both halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come
 // from the L1 or L2 cache), so that the accumulators, masks and codes fit AVX2's 16 registers. xq: each row's
 // codes as 32-bit pairs, sx: each row's scale.
 template <int MR, int HP>
@@ -260,17 +261,47 @@ void block_int16(const Blocks& w, int64_t b, int h0, const int32_t* const* xq, c
     }
 }
 
+// The blocks as int16_tiles.h decodes them: nibble v of a step's half h, plain (0 .. 15), is tile vector 2v + h
+// (columns 16v + 8h .. 16v + 8h + 7). The scales are 16 times the group's: unit(s_x) = s_x / 16.
+struct Int4Tiles {
+  static constexpr int64_t max_run = MAX_SUM_PAIRS;
+  const Blocks& w;
+  int64_t N, K, G, ng;
+  explicit Int4Tiles(const Blocks& blocks) : w(blocks), N(blocks.N), K(blocks.K), G(blocks.G), ng(blocks.ng) {}
+  int64_t num_blocks() const { return (N + COLUMNS - 1) / COLUMNS; }
+  float unit(float sx) const { return sx * (1.f / 16); }
+  const float* scales(int64_t b, int64_t g) const { return w.scales_of<float>(b) + g * COLUMNS; }
+  const float* offsets(int64_t b, int64_t g) const { return w.offsets_of<float>(b) + g * COLUMNS; }
+  void decode(int64_t b, int64_t p0, int64_t np, int16_t* tile) const {
+    const uint8_t* codes = w.codes + (b * w.pairs() + p0) * STEP_BYTES;
+    const __m256i low = _mm256_set1_epi16(0x000F);
+    for (int64_t p = 0; p < np; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (np + p) * STEP_BYTES), _MM_HINT_T0);  // the next run's
+      for (int h = 0; h < 2; ++h) {
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * STEP_BYTES + 32 * h));
+        __m256i* out = reinterpret_cast<__m256i*>(tile + p * TILE_PAIR_WORDS) + h;
+        _mm256_store_si256(out, _mm256_and_si256(c, low));
+        _mm256_store_si256(out + 2, _mm256_and_si256(_mm256_srli_epi16(c, 4), low));
+        _mm256_store_si256(out + 4, _mm256_and_si256(_mm256_srli_epi16(c, 8), low));
+        _mm256_store_si256(out + 6, _mm256_srli_epi16(c, 12));
+      }
+    }
+  }
+};
+
 // Sums of each row of x over each group: xsum [M, ng], float32.
 void group_sums_f32(const float* x, int64_t xs, int64_t M, int64_t K, int64_t G, float* xsum) {
   const int64_t ng = K / G;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < ng; ++g) {
-      __m256 s = _mm256_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + m * xs + k));
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      xsum[m * ng + g] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
+  at::parallel_for(0, M, PARALLEL_ROWS, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < ng; ++g) {
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + m * xs + k));
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        xsum[m * ng + g] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      }
+  });
 }
 #endif
 
@@ -380,6 +411,10 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor 
     group_sums_f32(xp, xs, M, w.K, w.G, xsum.data());
     const Int16Rows rows(xp, xs, M, w.K);
     float* yp = y.data_ptr<float>();
+    if (M >= TILE_MIN_ROWS) {
+      tiled_linear(Int4Tiles(w), rows, M, xsum.data(), bp, yp);
+      return y;
+    }
     at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         int64_t m0 = 0;
@@ -445,68 +480,12 @@ void dequantized_columns(const Blocks& w, int64_t num_blocks, const Emit& emit) 
 }
 #endif
 
-#if FOLIO_INT4_F32
-// The float32 twin of dequantized_columns, 8 columns at a time (the halves of a step, as block_int16 reads them):
-// emit(p, n0, lanes, even, odd) gets columns n0 .. n0 + lanes - 1 at k = 2p and 2p + 1, q s + o by one FMA.
-template <class Emit>
-void dequantized_columns_f32(const Blocks& w, int64_t num_blocks, const Emit& emit) {
-  const int64_t gp = w.G / 2;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* codes_b = w.codes + b * w.pairs() * STEP_BYTES;
-      for (int64_t g = 0; g < w.ng; ++g) {
-        __m256 s[2][4], o[2][4];
-        for (int h = 0; h < 2; ++h)
-          for (int v = 0; v < 4; ++v) {
-            const int64_t at = g * COLUMNS + 16 * v + 8 * h;
-            s[h][v] = _mm256_mul_ps(_mm256_loadu_ps(w.scales_of<float>(b) + at), _mm256_set1_ps(1.f / 16));
-            o[h][v] = _mm256_loadu_ps(w.offsets_of<float>(b) + at);
-          }
-        for (int64_t p = g * gp; p < (g + 1) * gp; ++p)
-          for (int h = 0; h < 2; ++h) {
-            const __m256i codes_p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes_b + p * STEP_BYTES + 32 * h));
-            for (int v = 0; v < 4; ++v) {
-              const int64_t n0 = b * COLUMNS + 16 * v + 8 * h, lanes = std::min<int64_t>(8, w.N - n0);
-              if (lanes <= 0) continue;
-              const __m256i d = _mm256_srli_epi32(codes_p, 4 * v);
-              const __m256i even = _mm256_and_si256(d, _mm256_set1_epi32(15));
-              const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(d, 16), _mm256_set1_epi32(15));
-              emit(p, n0, lanes, _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), s[h][v], o[h][v]),
-                   _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), s[h][v], o[h][v]));
-            }
-          }
-      }
-    }
-  });
-}
-
-inline void store_lanes(float* dst, int64_t lanes, __m256 v) {
-  if (lanes == 8) {
-    _mm256_storeu_ps(dst, v);
-  } else {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    _mm256_maskstore_ps(dst, mask, v);
-  }
-}
-#endif
-
-// The transposed weight [K, N] (as W^T it feeds the GEMM without a transpose) in the dtype its kernel serves:
-// bf16 for blocks with float16 scales (AVX512-BF16), float32 for float32 ones (AVX2). Each value is q s + o by
-// one FMA (then rounded once to bf16); each row of W^T gets 16 (float32: 8) contiguous values per store.
+// The transposed weight [K, N] in bf16 (as W^T it feeds the GEMM without a transpose), of blocks with float16
+// scales: each value q s + o by one FMA, rounded once to bf16; each row of W^T gets 16 contiguous values per store.
+// (float32 layers take the kernel at every batch size: int16_tiles.h.)
 at::Tensor dequantize_transposed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, int64_t N) {
-  const bool f32 = scales.scalar_type() == at::kFloat;
-  const Blocks w = checked_for(f32, codes, scales, offsets, N);
-  at::Tensor out = at::empty({w.K, N}, codes.options().dtype(f32 ? at::kFloat : at::kBFloat16));
-#if FOLIO_INT4_F32
-  if (f32) {
-    float* op = out.data_ptr<float>();
-    dequantized_columns_f32(w, codes.size(0), [&](int64_t p, int64_t n0, int64_t lanes, __m256 even, __m256 odd) {
-      store_lanes(op + 2 * p * N + n0, lanes, even);
-      store_lanes(op + (2 * p + 1) * N + n0, lanes, odd);
-    });
-    return out;
-  }
-#endif
+  const Blocks w = checked_for(false, codes, scales, offsets, N);
+  at::Tensor out = at::empty({w.K, N}, codes.options().dtype(at::kBFloat16));
 #if FOLIO_INT4_BLOCKS
   auto* op = out.data_ptr<c10::BFloat16>();
   dequantized_columns(w, codes.size(0), [&](int64_t p, int64_t n0, __mmask16 mask, __m512 even, __m512 odd) {
@@ -544,7 +523,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x W^T (+ b) for bf16 x, W int4 in column blocks", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
         pybind11::arg("bias"), pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("dequantize_transposed", &dequantize_transposed, "the weight of int4 column blocks as [K, N]",
+  m.def("dequantize_transposed", &dequantize_transposed, "the bf16 weight of int4 column blocks (float16 scales) as [K, N]",
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize_packed", &dequantize_packed, "the bf16 weight of int4 column blocks into oneDNN's packed layout",

@@ -11,12 +11,13 @@
 //   scales  float32 [N / 64, K / G, 64]: each group's scale (G = K: one per output channel; 32: GGUF's Q8_0).
 //
 // vpmaddwd by x's codes at (2p, 2p + 1), broadcast as one 32-bit lane, adds q_2p x_2p + q_2p+1 x_2p+1 to 8
-// columns' int32 sums exactly: 16 products per instruction, and a block's widened weights serve two rows of x
-// at a time. Per group, and per 256 pairs within a longer one (no sum exceeds 256 * 2 * 128 * 32639 < 2^31),
+// columns' int32 sums exactly: 16 products per instruction. Per group, and per 256 pairs within a longer one
+// (no sum exceeds 256 * 2 * 128 * 32639 < 2^31),
 //     y += s_x s * float(sum).
-// It runs every batch size: 16 exact products per instruction beat MKL's float32 GEMM on the dequantised
-// weight even at prefill sizes (Zen 3, 2 threads: the 49152 x 576 head at 1024 rows 421 against 685 ms,
-// 576 x 3072 at 2048 rows 46 against 46).
+// It runs every batch size: one or two rows widen a block's weights as they stream them, larger batches decode
+// them once per panel of rows into int16_tiles.h's tiles (the same sums, bit for bit). 16 exact products per
+// instruction beat MKL's float32 GEMM on the dequantised weight even at prefill sizes (Zen 3, 2 threads, before
+// the tiles: the 49152 x 576 head at 1024 rows 421 against 685 ms, 576 x 3072 at 2048 rows 46 against 46).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,6 +37,7 @@
 #define FOLIO_INT8_BLOCKS 0
 #endif
 #include "int16_codes.h"
+#include "int16_tiles.h"
 
 namespace {
 
@@ -100,8 +102,30 @@ std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales) {
 }
 
 #if FOLIO_INT8_BLOCKS
-// Rows m .. m + MR of y for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps: one row takes both
-// halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come from the
+// The blocks as int16_tiles.h decodes them: a step's 16-byte vector i sign-extended is tile vector i.
+struct Int8Tiles {
+  static constexpr int64_t max_run = MAX_SUM_PAIRS;
+  const Blocks& w;
+  int64_t N, K, G, ng;
+  explicit Int8Tiles(const Blocks& blocks) : w(blocks), N(blocks.N), K(blocks.K), G(blocks.G), ng(blocks.ng) {}
+  int64_t num_blocks() const { return (N + COLUMNS - 1) / COLUMNS; }
+  float unit(float sx) const { return sx; }
+  const float* scales(int64_t b, int64_t g) const { return w.scales + (b * ng + g) * COLUMNS; }
+  const float* offsets(int64_t, int64_t) const { return nullptr; }
+  void decode(int64_t b, int64_t p0, int64_t np, int16_t* tile) const {
+    const int8_t* codes = w.codes + (b * w.pairs() + p0) * STEP_BYTES;
+    for (int64_t p = 0; p < np; ++p) {
+      for (int l = 0; l < STEP_BYTES; l += 64)  // the next run's codes
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (np + p) * STEP_BYTES + l), _MM_HINT_T0);
+      for (int i = 0; i < 8; ++i)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tile + p * TILE_PAIR_WORDS) + i,
+                           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * STEP_BYTES + 16 * i))));
+    }
+  }
+};
+
+// Batches of one or two rows (int16_tiles.h takes larger ones): rows m .. m + MR of y for the 32 HP columns in
+// halves h0 .. h0 + HP - 1 of block b's steps. One row takes both halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come from the
 // L1 or L2 cache), so that the accumulators fit AVX2's 16 registers. xq: each row's codes as 32-bit pairs, sx:
 // each row's scale.
 template <int MR, int HP>
@@ -163,6 +187,10 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t N, 
   const float* xp = x.data_ptr<float>();
   const Int16Rows rows(xp, xs, M, w.K);
   float* yp = y.data_ptr<float>();
+  if (M >= TILE_MIN_ROWS) {
+    tiled_linear(Int8Tiles(w), rows, M, nullptr, bp, yp);
+    return y;
+  }
   at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t m0 = 0;

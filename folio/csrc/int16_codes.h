@@ -5,6 +5,7 @@
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 namespace {
 
 constexpr float INT16_CODE_MAX = 32639.f;  // quant_reference.INT16_CODE_MAX
+constexpr int64_t PARALLEL_ROWS = 64;      // rows of x from which their preparation is spread over the threads
 
 // For the kernels' step loops over these codes: unrolled early, so that GCC keeps the accumulator arrays in
 // registers (without it two of the int4 kernel's eight were spilled to the stack: one row of a 3072 x 576 layer
@@ -53,10 +55,13 @@ struct Int16Rows {
   std::vector<float> sx;
   std::vector<const int32_t*> xq;
   Int16Rows(const float* x, int64_t xs, int64_t M, int64_t K) : pairs(M * K / 2), sx(M), xq(M) {
-    for (int64_t m = 0; m < M; ++m) {
-      xq[m] = pairs.data() + m * K / 2;
-      sx[m] = quantize_row_int16(x + m * xs, K, reinterpret_cast<int16_t*>(pairs.data() + m * K / 2));
-    }
+    // spread over the threads for prefill-sized batches (a decode batch's few rows stay on this one)
+    at::parallel_for(0, M, PARALLEL_ROWS, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        xq[m] = pairs.data() + m * K / 2;
+        sx[m] = quantize_row_int16(x + m * xs, K, reinterpret_cast<int16_t*>(pairs.data() + m * K / 2));
+      }
+    });
   }
 };
 

@@ -13,8 +13,8 @@ a packed scratch weight (`dense_linear`, folio.models.packed_scratch).
 On CPUs with AVX2 and no AVX-512 a float32 layer reads the same blocks with integer products: each row of x
 rounded to 16-bit codes (quant_reference.w4_int16_linear is the reference), the nibbles isolated in place and
 multiplied by vpmaddwd, 16 products in one instruction summed exactly in int32, then scaled in float32 once a
-group (scales and offsets stay float32); batches past MAX_ROWS run F.linear on the float32 weight dequantised
-for the call.
+group (scales and offsets stay float32). It takes every batch: from 3 rows on the nibbles are decoded once per
+panel of rows into 16-bit tiles (csrc/int16_tiles.h), with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -31,16 +31,20 @@ from folio.platforms.cpu_features import has_avx512
 KERNEL = CppKernel("folio_cpu_int4_blocks", CSRC / "cpu_int4_blocks.cpp", what="CPU int4 block kernel",
                    fallback="int4 layers keep the row-major kernel")
 COLUMNS = 64  # output columns per block
-# Batches of up to this many rows run the kernel, larger ones the dense GEMM on the dequantised weight. The
+# bf16 batches of up to this many rows run the kernel, larger ones the dense GEMM on the dequantised weight. The
 # kernel multiplies with the same vdpbf16ps as bf16's small-batch kernel and has its crossover with oneDNN:
 # on Zen 4 (all linear layers of the 0.5B Qwen2 from memory) 63-72 ms at 64 rows against 100-120 for
 # dequantising and oneDNN's GEMM, even at 128 rows (benchmarks/int4_blocks_bench.py); with AMX oneDNN's tiles
 # win sooner (not yet measured there).
-# float32 (AVX2 EPYC, all linear layers of the 0.5B Qwen2 from memory): the float32-FMA kernel before took
-# 0.3-0.6x the row-major kernel's time from 1 to 64 rows, and against F.linear on the dequantised weight 0.29x
-# at 32 rows, 0.44x at 64, 0.76x at 128, 1.08x at 256; the integer one (the default model's layers, Zen 3)
-# 0.8-1.0x F.linear's from 128 to 512 rows, within that machine's noise of it, so the bound stays.
-MAX_ROWS = {torch.bfloat16: small_batch_gemm.MAX_ROWS[torch.bfloat16], torch.float32: 191}
+MAX_ROWS = small_batch_gemm.MAX_ROWS[torch.bfloat16]
+
+
+def runs_kernel(x: torch.Tensor) -> bool:
+    """Whether the kernel takes this batch (else dense_linear): float32 ones of every size, since from 3 rows
+    the AVX2 kernel decodes the blocks once per panel of rows into int16 tiles (csrc/int16_tiles.h), which beat
+    F.linear on the dequantised float32 weight at every size measured (Zen 3, 2 threads, the default model's and
+    the 0.5B Qwen2's layers, 192 to 2048 rows: 1.0-2.3x); bf16 ones up to MAX_ROWS."""
+    return x.dtype == torch.float32 or x.shape[0] <= MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -95,16 +99,16 @@ def linear(x: torch.Tensor, weight: Int4Blocks, bias: Optional[torch.Tensor]) ->
 
 
 def dense_linear(x: torch.Tensor, weight: Int4Blocks, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, K] @ W^T (+ float32 bias [N]) for batches past the kernel's: for bf16 x oneDNN's GEMM on the weight
-    dequantised into the packed scratch of its shape (folio.models.packed_scratch), or where there is none (and
-    for float32 x), F.linear on the dequantised W^T."""
-    write = (lambda blocks: KERNEL.load().dequantize_packed(weight.codes, weight.scales, weight.offsets,
-                                                            weight.out_features, blocks)) \
-        if weight.dtype == torch.bfloat16 else None
+    """bf16 x [M, K] @ W^T (+ float32 bias [N]) for batches past the kernel's: oneDNN's GEMM on the weight
+    dequantised into the packed scratch of its shape (folio.models.packed_scratch), or where there is none
+    F.linear on the dequantised W^T."""
+    def write(blocks: torch.Tensor) -> None:
+        KERNEL.load().dequantize_packed(weight.codes, weight.scales, weight.offsets, weight.out_features, blocks)
+
     return packed_scratch.linear(x, weight.out_features, write, lambda: dequantize(weight), bias)
 
 
 def dequantize(weight: Int4Blocks) -> torch.Tensor:
-    """The weight [N, K] in the blocks' dtype (a transposed view of [K, N], which the GEMM reads as fast): each
-    value q * scale + offset by one float32 FMA, for bf16 rounded once."""
+    """The bf16 weight [N, K] of blocks with float16 scales (a transposed view of [K, N], which the GEMM reads as
+    fast): each value q * scale + offset by one float32 FMA, rounded once."""
     return KERNEL.load().dequantize_transposed(weight.codes, weight.scales, weight.offsets, weight.out_features).t()

@@ -55,7 +55,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         blocks: Optional[int4_blocks.Int4Blocks] = getattr(layer, "int4_blocks", None)
         if blocks is not None:
-            if x.shape[0] <= int4_blocks.MAX_ROWS.get(x.dtype, 0):
+            if int4_blocks.runs_kernel(x):
                 return int4_blocks.linear(x, blocks, layer.bias)
             return int4_blocks.dense_linear(x, blocks, layer.bias)
         if self.int8_activations and x.shape[0] < dequantize_min_rows(x.dtype):

@@ -34,7 +34,7 @@ TOP_K = 128
 # error, and groups of 64 scored as well as 32 on the default model (26.1424 against 26.1746) with a head
 # 8.6 % faster to stream (0.5625 bytes a weight against 0.625).
 GROUP = 64
-CHUNK_ROWS = int4_blocks.MAX_ROWS[torch.bfloat16]  # the block kernels' batches (float32 ones take more)
+CHUNK_ROWS = int4_blocks.MAX_ROWS  # the bf16 block kernel's batches (float32 ones take any)
 SERVED = (torch.bfloat16, torch.float32)  # the dtypes the rescoring kernel takes
 
 
