@@ -23,6 +23,7 @@ from folio.models.int4_linear import Int4LinearMethod
 from folio.models.linear import Linear
 from folio.platforms.cpu_features import has_avx512
 from int16_rows import assert_batch_invariant, hard_rows
+from int4_weights import int4_rows
 
 _EXT = int4_blocks.KERNEL.load()
 HAS_KERNEL = {torch.bfloat16: _EXT is not None and _EXT.has_kernel(),
@@ -61,6 +62,15 @@ def test_dequantize_is_one_fma_rounded_to_bf16(n, k, group):
     weight = int4_blocks.dequantize(int4_blocks.pack(packed, scales, offsets))
     assert weight.shape == (n, k) and weight.dtype == torch.bfloat16
     assert torch.equal(weight, _fma(packed, scales, offsets, torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_float32_blocks_read_back_to_the_row_major_weight(n, k, group, dtype):
+    """The float32 blocks keep the weight exactly (the tests' reading back, tests/int4_weights.py, checked)."""
+    weight = _weight(n, k, group, seed=n + k)
+    for got, want in zip(int4_rows(int4_blocks.pack(*weight, dtype)), weight):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

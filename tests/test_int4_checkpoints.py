@@ -17,9 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from conftest import build_tiny_model, runs_float32_int16_codes
 from folio import LLM, SamplingParams
-from folio.models import int4_blocks, quant_kernels
+from folio.models import quant_kernels
 from folio.models.int4_checkpoints import Int4CheckpointConfig, Int4CheckpointMethod
 from folio.models.quant_reference import dequantize
+from int4_weights import int4_rows
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="needs the quantised linear kernel built")
 
@@ -158,7 +159,7 @@ def test_checkpoint_loads_exactly(tiny_model_factory, wide_llama, tmp_path, fmt,
                 assert fused.weight.dtype == torch.uint8
                 assert torch.equal(dequantize(fused.weight, fused.weight_scale, fused.weight_offset), expected)
             else:
-                assert fused.weight is None and torch.equal(int4_blocks.dequantize(blocks), expected)
+                assert fused.weight is None and torch.equal(dequantize(*int4_rows(blocks)), expected)
     assert net.lm_head.weight.dtype == torch.float32  # kept as a plain weight by the checkpoint: dense
     reference = LLM(float_folder, dtype="float32", kv_cache_memory=1 << 22)
     torch.testing.assert_close(_logprobs(llm), _logprobs(reference), **_tolerance(llm))
