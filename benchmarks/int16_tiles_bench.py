@@ -1,7 +1,6 @@
-"""The AVX2 block kernels' tiles (csrc/int16_tiles.h) against the two ways such batches ran before, side by side in
-one process: the row loops (the same kernel called on 2 rows at a time, which the tiles replace from 3 rows, bit
-for bit the same results) and MKL's float32 GEMM on the dequantised weight (what int4 batches of more than 191
-rows ran). The layers are the default model's (int4 qkv, o, gate_up and down in groups of 32, 30 copies of each
+"""The AVX2 block kernels at batch sizes where they take the tiles (csrc/int16_tiles.h, from 3 rows) against MKL's
+float32 GEMM on the dequantised weight (what int4 batches of more than 191 rows ran before), side by side in one
+process. The layers are the default model's (int4 qkv, o, gate_up and down in groups of 32, 30 copies of each
 so that the weights come from memory, and its int8 49152 x 576 head); calls alternate round by round and the
 median round is reported, in ms per pass over every copy.
 
@@ -56,11 +55,9 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k) for k in (576, 1536)}
         calls = {
-            "int4 tiles": lambda: [int4_blocks.linear(xs[k], b, None) for k, b, _ in int4],
-            "int4 row loops": lambda: [[int4_blocks.linear(x, b, None) for x in xs[k].split(2)] for k, b, _ in int4],
+            "int4 kernel": lambda: [int4_blocks.linear(xs[k], b, None) for k, b, _ in int4],
             "int4 F.linear": lambda: [torch.nn.functional.linear(xs[k], d) for k, _, d in int4],
-            "head tiles": lambda: int8_blocks.linear(xs[576], head[0], None),
-            "head row loops": lambda: [int8_blocks.linear(x, head[0], None) for x in xs[576].split(2)],
+            "head kernel": lambda: int8_blocks.linear(xs[576], head[0], None),
             "head F.linear": lambda: torch.nn.functional.linear(xs[576], head[1]),
         }
         times: dict[str, list[float]] = {name: [] for name in calls}
@@ -70,10 +67,9 @@ def main() -> None:
         med = {name: statistics.median(t) for name, t in times.items()}
         line = []
         for what in ("int4", "head"):
-            tiles = med[f"{what} tiles"]
-            line.append(f"{what}: tiles {tiles:8.2f}, row loops {med[f'{what} row loops']:8.2f} "
-                        f"({med[f'{what} row loops'] / tiles:.2f}x), F.linear {med[f'{what} F.linear']:8.2f} "
-                        f"({med[f'{what} F.linear'] / tiles:.2f}x)")
+            kernel = med[f"{what} kernel"]
+            dense = med[f"{what} F.linear"]
+            line.append(f"{what}: kernel {kernel:8.2f}, F.linear {dense:8.2f} ({dense / kernel:.2f}x)")
         print(f"{rows:>5} rows  " + "   ".join(line), flush=True)
 
 
