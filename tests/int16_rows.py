@@ -24,7 +24,7 @@ def hard_rows(k: int) -> torch.Tensor:
 def assert_batch_invariant(linear, k: int) -> None:
     """linear(x) [M, k] -> [M, N] gives each row of x bit for bit the same result alone and in batches of every
     size the AVX2 kernels split differently (csrc/int16_tiles.h: row loops for 1-2 rows, tiles from 3, panels
-    of 48 rows, passes of 3 rows spread evenly), hard rows included."""
+    of up to 48 rows and passes of up to 3, both spread evenly), hard rows included."""
     x = torch.cat([hard_rows(k), torch.randn(94, k, generator=torch.Generator().manual_seed(k))])
     alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
     for m in (2, 3, 4, 5, 7, 47, 48, 49, 97, len(x)):

@@ -194,9 +194,10 @@ void group_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, int64_
 constexpr int64_t MAX_SUM_PAIRS = 64;      // pairs summed in int32 before a float32 update
 
 // Batches of one or two rows (int16_tiles.h takes larger ones, with the same arithmetic): rows m .. m + MR of y
-// for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps. One row takes both halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come
-// from the L1 or L2 cache), so that the accumulators, masks and codes fit AVX2's 16 registers. xq: each row's
-// codes as 32-bit pairs, sx: each row's scale.
+// for the 32 HP columns in halves h0 .. h0 + HP - 1 of block b's steps. One row takes both halves in one pass
+// (8 accumulators), two rows one half at a time (the second half's codes then come from the L1 or L2 cache), so
+// that the accumulators, masks and codes fit AVX2's 16 registers. xq: each row's codes as 32-bit pairs, sx: each
+// row's scale.
 template <int MR, int HP>
 void block_int16(const Blocks& w, int64_t b, int h0, const int32_t* const* xq, const float* sx, const float* xsum,
                  const float* bias, float* y, int64_t ys) {
@@ -523,7 +524,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x W^T (+ b) for bf16 x, W int4 in column blocks", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
         pybind11::arg("bias"), pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("dequantize_transposed", &dequantize_transposed, "the bf16 weight of int4 column blocks (float16 scales) as [K, N]",
+  m.def("dequantize_transposed", &dequantize_transposed, "the bf16 weight of int4 blocks as [K, N]",
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize_packed", &dequantize_packed, "the bf16 weight of int4 column blocks into oneDNN's packed layout",

@@ -117,17 +117,17 @@ struct Int8Tiles {
     for (int64_t p = 0; p < np; ++p) {
       for (int l = 0; l < STEP_BYTES; l += 64)  // the next run's codes
         _mm_prefetch(reinterpret_cast<const char*>(codes + (np + p) * STEP_BYTES + l), _MM_HINT_T0);
-      for (int i = 0; i < 8; ++i)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tile + p * TILE_PAIR_WORDS) + i,
-                           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * STEP_BYTES + 16 * i))));
+      const auto* step = reinterpret_cast<const __m128i*>(codes + p * STEP_BYTES);
+      auto* out = reinterpret_cast<__m256i*>(tile + p * TILE_PAIR_WORDS);
+      for (int i = 0; i < 8; ++i) _mm256_store_si256(out + i, _mm256_cvtepi8_epi16(_mm_loadu_si128(step + i)));
     }
   }
 };
 
 // Batches of one or two rows (int16_tiles.h takes larger ones): rows m .. m + MR of y for the 32 HP columns in
-// halves h0 .. h0 + HP - 1 of block b's steps. One row takes both halves in one pass (8 accumulators), two rows one half at a time (the second half's codes then come from the
-// L1 or L2 cache), so that the accumulators fit AVX2's 16 registers. xq: each row's codes as 32-bit pairs, sx:
-// each row's scale.
+// halves h0 .. h0 + HP - 1 of block b's steps. One row takes both halves in one pass (8 accumulators), two rows
+// one half at a time (the second half's codes then come from the L1 or L2 cache), so that the accumulators fit
+// AVX2's 16 registers. xq: each row's codes as 32-bit pairs, sx: each row's scale.
 template <int MR, int HP>
 void block(const Blocks& w, int64_t b, int h0, const int32_t* const* xq, const float* sx, const float* bias,
            float* y, int64_t ys) {

@@ -92,8 +92,9 @@ void tiled_linear(const Format& f, const Int16Rows& rows, int64_t M, const float
     alignas(32) float tot[TILE_PANEL][TILE_COLUMNS];
     __m256 unit[TILE_PANEL];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t panel = t / NB, b = t % NB, m0 = panel * TILE_PANEL;
-      const int mp = static_cast<int>(std::min(TILE_PANEL, M - m0));
+      // rows spread evenly over the panels (64 rows: two of 32, not 48 and 16)
+      const int64_t panel = t / NB, b = t % NB, m0 = panel * (M / panels) + std::min(panel, M % panels);
+      const int mp = static_cast<int>(M / panels + (panel < M % panels));
       const int passes = (mp + TILE_MR - 1) / TILE_MR;  // rows spread evenly over the passes
       const int32_t* const* xq = rows.xq.data() + m0;
       for (int m = 0; m < mp; ++m) {
@@ -105,7 +106,8 @@ void tiled_linear(const Format& f, const Int16Rows& rows, int64_t M, const float
         if (g + 1 < f.ng)  // the next group's scales and offsets, while this one's runs compute
           for (int64_t c = 0; c < TILE_COLUMNS; c += 16) {
             _mm_prefetch(reinterpret_cast<const char*>(f.scales(b, g + 1) + c), _MM_HINT_T0);
-            if (const float* offset = f.offsets(b, g + 1)) _mm_prefetch(reinterpret_cast<const char*>(offset + c), _MM_HINT_T0);
+            if (const float* offset = f.offsets(b, g + 1))
+              _mm_prefetch(reinterpret_cast<const char*>(offset + c), _MM_HINT_T0);
           }
         for (int64_t p0 = g * gp, end = (g + 1) * gp; p0 < end; p0 += run) {
           const int64_t np = std::min(run, end - p0);
