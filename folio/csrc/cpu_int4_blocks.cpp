@@ -264,12 +264,11 @@ void block_int16(const Blocks& w, int64_t b, int h0, const int32_t* const* xq, c
 
 // The blocks as int16_tiles.h decodes them: nibble v of a step's half h, plain (0 .. 15), is tile vector 2v + h
 // (columns 16v + 8h .. 16v + 8h + 7). The scales are 16 times the group's: unit(s_x) = s_x / 16.
-struct Int4Tiles {
+static_assert(COLUMNS == TILE_COLUMNS, "a block is a tile's width");
+struct Int4Tiles : TileShape {
   static constexpr int64_t max_run = MAX_SUM_PAIRS;
   const Blocks& w;
-  int64_t N, K, G, ng;
-  explicit Int4Tiles(const Blocks& blocks) : w(blocks), N(blocks.N), K(blocks.K), G(blocks.G), ng(blocks.ng) {}
-  int64_t num_blocks() const { return (N + COLUMNS - 1) / COLUMNS; }
+  explicit Int4Tiles(const Blocks& blocks) : TileShape{blocks.N, blocks.G, blocks.ng}, w(blocks) {}
   float unit(float sx) const { return sx * (1.f / 16); }
   const float* scales(int64_t b, int64_t g) const { return w.scales_of<float>(b) + g * COLUMNS; }
   const float* offsets(int64_t b, int64_t g) const { return w.offsets_of<float>(b) + g * COLUMNS; }

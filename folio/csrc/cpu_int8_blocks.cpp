@@ -103,12 +103,11 @@ std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales) {
 
 #if FOLIO_INT8_BLOCKS
 // The blocks as int16_tiles.h decodes them: a step's 16-byte vector i sign-extended is tile vector i.
-struct Int8Tiles {
+static_assert(COLUMNS == TILE_COLUMNS, "a block is a tile's width");
+struct Int8Tiles : TileShape {
   static constexpr int64_t max_run = MAX_SUM_PAIRS;
   const Blocks& w;
-  int64_t N, K, G, ng;
-  explicit Int8Tiles(const Blocks& blocks) : w(blocks), N(blocks.N), K(blocks.K), G(blocks.G), ng(blocks.ng) {}
-  int64_t num_blocks() const { return (N + COLUMNS - 1) / COLUMNS; }
+  explicit Int8Tiles(const Blocks& blocks) : TileShape{blocks.N, blocks.G, blocks.ng}, w(blocks) {}
   float unit(float sx) const { return sx; }
   const float* scales(int64_t b, int64_t g) const { return w.scales + (b * ng + g) * COLUMNS; }
   const float* offsets(int64_t, int64_t) const { return nullptr; }

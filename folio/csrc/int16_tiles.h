@@ -75,8 +75,14 @@ inline void tile_pass_rows(int mr, const int16_t* tile, int64_t np, const int32_
   }
 }
 
-// y [M, N] = x W^T (+ bias) over the format's blocks, every (panel of rows, block) a task. The format gives:
-//   N, K, G, ng, num_blocks; max_run: the most pairs one int32 sum may take;
+// What every format shares: its output size, group size and groups per row of W.
+struct TileShape {
+  int64_t N, G, ng;
+  int64_t num_blocks() const { return (N + TILE_COLUMNS - 1) / TILE_COLUMNS; }
+};
+
+// y [M, N] = x W^T (+ bias) over the format's blocks, every (panel of rows, block) a task. The format is a
+// TileShape and gives: max_run: the most pairs one int32 sum may take;
 //   decode(b, p0, np, tile): block b's pairs p0 .. p0 + np as int16 [np][64][2] (vector j: columns 8j .. 8j + 7,
 //     each as its pair (q_2p, q_2p+1));
 //   scales(b, g): the group's 64 scales; unit(s_x): the factor of a row's scale they are multiplied by;
