@@ -37,8 +37,9 @@ constexpr int64_t TILE_MIN_ROWS = 3;
 
 // One pass of rows xq[0 .. MR) over the tile's pairs 0 .. np (x's pairs p0 .. p0 + np) for the 32 columns of vectors
 // j0 .. j0 + 3, flushed into tot: tot[m][c] = fma(float(sum), scale[c] * unit[m], tot[m][c]). Three rows by four
-// vectors took 7.2 cycles a pair on Zen 3 (the four vector pipes busy with the 12 vpmaddwd, 12 vpaddd and 3
-// broadcasts), six rows by two 8.3 (6 broadcasts).
+// vectors took 7.2 cycles a pair on Zen 3 in a loop of their own (the four vector pipes busy with the 12
+// vpmaddwd, 12 vpaddd and 3 broadcasts), six rows by two 8.3 (6 broadcasts), four by three 7.6; best of runs on a
+// shared machine, whose runs ranged up to 1.3x that.
 template <int MR>
 inline void tile_pass(const int16_t* tile, int64_t np, const int32_t* const* xq, int64_t p0, int j0,
                       const float* scale, const __m256* unit, float (*tot)[TILE_COLUMNS]) {
