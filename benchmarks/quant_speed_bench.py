@@ -12,7 +12,9 @@ A run is DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]], e.g. bfloat16:int4:int8.
 --rounds N (N > 1) keeps every run's engine resident and measures them in turn N times, the order reversed
 every other round (A B C, C B A, ...), so that a shared machine's drift (its bandwidth moved 24-41 GB/s
 within minutes on the machines measured) weighs on every run alike; it reports each run's passes and the
-median over rounds of its ratio to the first run of the same round.
+median over rounds of its ratio to the first run of the same round. Beside output tokens/s (prompts
+included) it reports decode tokens/s, one over the mean time per output token after the first (TPOT): the
+issue's "batch-1 decode" measure, without the prefill that a short run weighs in.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def interleaved(args: argparse.Namespace) -> None:
         engines[run] = prepare(args, config_of(run, args))
         warm_up(*engines[run], 1)
     rates: dict[str, list[float]] = {run: [] for run in args.runs}
-    ratios: dict[str, list[float]] = {run: [] for run in args.runs}
+    decode_rates: dict[str, list[float]] = {run: [] for run in args.runs}
     for r in range(args.rounds):
         order = args.runs if r % 2 == 0 else args.runs[::-1]
         for run in order:
@@ -66,15 +68,16 @@ def interleaved(args: argparse.Namespace) -> None:
             engine.reset_prefix_cache()  # the same prompts again must not find their KV cached
             result = measure(engine, requests, describe(args), breakdown=False)
             rates[run].append(result.output_tokens_per_s)
-            print(f"round {r + 1} {run:<24} {result.output_tokens_per_s:8.2f} output tok/s  "
-                  f"({note(result.other_cores)})", flush=True)
-        for run in args.runs:
-            ratios[run].append(rates[run][-1] / rates[args.runs[0]][-1])
+            decode_rates[run].append(1 / result.tpot.mean if result.tpot else float("nan"))
+            print(f"round {r + 1} {run:<24} {result.output_tokens_per_s:8.2f} output tok/s, "
+                  f"{decode_rates[run][-1]:8.2f} decode tok/s  ({note(result.other_cores)})", flush=True)
     print(f"\n{describe(args)}, max_num_seqs {args.max_num_seqs}, {args.rounds} rounds interleaved")
-    for run in args.runs:
-        passes = " ".join(f"{rate:.2f}" for rate in rates[run])
-        print(f"  {run:<24} tok/s {passes}   x{statistics.median(ratios[run]):.2f} "
-              f"(rounds {min(ratios[run]):.2f}-{max(ratios[run]):.2f})")
+    for label, measured in (("output", rates), ("decode", decode_rates)):
+        for run in args.runs:
+            ratios = [own / base for own, base in zip(measured[run], measured[args.runs[0]])]
+            passes = " ".join(f"{rate:.2f}" for rate in measured[run])
+            print(f"  {label} {run:<24} tok/s {passes}   x{statistics.median(ratios):.2f} "
+                  f"(rounds {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def main() -> None:
