@@ -14,7 +14,7 @@ every other round (A B C, C B A, ...), so that a shared machine's drift (its ban
 within minutes on the machines measured) weighs on every run alike; it reports each run's passes and the
 median over rounds of its ratio to the first run of the same round. Beside output tokens/s (prompts
 included) it reports decode tokens/s, one over the mean time per output token after the first (TPOT): the
-issue's "batch-1 decode" measure, without the prefill that a short run weighs in.
+measure of batch-1 decode speed (issue 13's targets), without the prefill that a short run weighs in.
 """
 
 from __future__ import annotations
