@@ -125,9 +125,9 @@ def model_name(config: EngineConfig) -> str:
     return config.model.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
 
 
-def _generate(engine: LLMEngine, requests: list[BenchRequest], sampling: SamplingParams,
-              output_len: Optional[int] = None) -> list[RequestOutput]:
-    """Run requests to completion; output_len overrides each request's own (for warm-up)."""
+def submit(engine: LLMEngine, requests: list[BenchRequest], sampling: SamplingParams,
+           output_len: Optional[int] = None) -> list[str]:
+    """Add the requests to the engine (their final outputs only); output_len overrides each request's own. Their ids."""
     ids = []
     for request in requests:
         params = dataclasses.replace(sampling, max_tokens=output_len or request.output_len,
@@ -136,6 +136,13 @@ def _generate(engine: LLMEngine, requests: list[BenchRequest], sampling: Samplin
         engine.add_request(rid, {"prompt_token_ids": request.prompt_token_ids}, params,
                            output_kind=OutputKind.FINAL_ONLY)
         ids.append(rid)
+    return ids
+
+
+def _generate(engine: LLMEngine, requests: list[BenchRequest], sampling: SamplingParams,
+              output_len: Optional[int] = None) -> list[RequestOutput]:
+    """Run requests to completion; output_len overrides each request's own (for warm-up)."""
+    ids = submit(engine, requests, sampling, output_len)
     finished: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
