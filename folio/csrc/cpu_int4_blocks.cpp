@@ -61,6 +61,11 @@ namespace {
 constexpr int64_t COLUMNS = 64;      // output columns per block
 constexpr int64_t STEP_BYTES = 64;   // the codes of one pair of K for a block
 constexpr int64_t PREFETCH = 2048;   // bytes of codes ahead of the current step
+// Groups ahead of the current one whose float16 scales and offsets (two lines each, in arrays of their own) the
+// bf16 kernel prefetches: past the block's last group, the next block's first. Batch-1 decode of the 0.5B Qwen2
+// in int4 (groups of 32) on Zen 4, steps alternating with the kernel without it: 4 groups ahead 3.7-5.5 % faster
+// in three runs, 2 ahead 5.1 %, 8 ahead 2-2.8 %.
+constexpr int64_t SCALE_GROUPS_AHEAD = 4;
 constexpr int MAX_CHUNK = 4;         // rows of x per pass over a block
 
 struct Blocks {
@@ -112,6 +117,10 @@ void block(const Blocks& w, int64_t b, const c10::BFloat16* x, int64_t xs, const
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 4; ++v) _mm512_store_ps(tot[m][v], _mm512_setzero_ps());
   for (int64_t g = 0; g < w.ng; ++g) {
+    for (int line = 0; line < 2; ++line) {  // 64 float16 values a group: two cache lines of each
+      _mm_prefetch(reinterpret_cast<const char*>(sc + (g + SCALE_GROUPS_AHEAD) * COLUMNS) + 64 * line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(of + (g + SCALE_GROUPS_AHEAD) * COLUMNS) + 64 * line, _MM_HINT_T0);
+    }
     __m512 acc[SETS][MR][4];
     for (int s = 0; s < SETS; ++s)
       for (int m = 0; m < MR; ++m)
