@@ -549,6 +549,13 @@ struct PackedW8A8 {
 template <int MR, int PASSES>
 void packed_w8a8_block(const PackedW8A8& a, int64_t m0, int64_t b) {
   const int8_t* w = a.w + b * a.block_quads * PACKED_COLUMNS * 4;
+  // the epilogue's column sums, scales and bias, 256 bytes each, in arrays of their own: fetched while the block
+  // streams, not after (batch-1 int8 decode of the 0.5B Qwen2 on Zen 4: 1.1-2.7 % faster in two runs)
+  for (int line = 0; line < 4; ++line) {
+    _mm_prefetch(reinterpret_cast<const char*>(a.colsum + b * PACKED_COLUMNS) + 64 * line, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(a.sw + b * PACKED_COLUMNS) + 64 * line, _MM_HINT_T0);
+    if (a.bias) _mm_prefetch(reinterpret_cast<const char*>(a.bias + b * PACKED_COLUMNS) + 64 * line, _MM_HINT_T0);
+  }
   __m512i acc[PASSES][MR][4];
   for (int s = 0; s < PASSES; ++s)
     for (int i = 0; i < MR; ++i)
