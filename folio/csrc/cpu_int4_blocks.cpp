@@ -60,12 +60,14 @@ namespace {
 
 constexpr int64_t COLUMNS = 64;      // output columns per block
 constexpr int64_t STEP_BYTES = 64;   // the codes of one pair of K for a block
-constexpr int64_t PREFETCH = 2048;   // bytes of codes ahead of the current step
-// Groups ahead of the current one whose float16 scales and offsets (two lines each, in arrays of their own) the
-// bf16 kernel prefetches: past the block's last group, the next block's first. Batch-1 decode of the 0.5B Qwen2
-// in int4 (groups of 32) on Zen 4, steps alternating with the kernel without it: 4 groups ahead 3.7-5.5 % faster
-// in three runs, 2 ahead 5.1 %, 8 ahead 2-2.8 %.
+// Bytes of codes ahead of the current step (4 groups of 32), and groups ahead of the current one whose float16
+// scales and offsets (two lines each, in arrays of their own) the bf16 kernel prefetches: past the block's last
+// group, the next block's first. Batch-1 decode of the 0.5B Qwen2 in int4 (groups of 32) on Zen 4, steps
+// alternating with variants of the kernel: the scales 4 groups ahead 3.7-5.5 % faster in three runs (2 ahead
+// 5.1 %, 8 ahead 2-2.8 %); then the codes 4 KiB ahead rather than 2 KiB 2.0-6.9 % in two more (8 KiB 3.6-4 %).
+constexpr int64_t PREFETCH = 4096;
 constexpr int64_t SCALE_GROUPS_AHEAD = 4;
+constexpr int64_t PREFETCH_AVX2 = 2048;  // the float32 (AVX2) kernel's: 2 KiB, as measured on Zen 3 when written
 constexpr int MAX_CHUNK = 4;         // rows of x per pass over a block
 
 struct Blocks {
@@ -229,7 +231,7 @@ void block_int16(const Blocks& w, int64_t b, int h0, const int32_t* const* xq, c
         UNROLL for (int i = 0; i < NV; ++i) acc[m][i] = _mm256_setzero_si256();
       for (int64_t p = p0; p < std::min(p0 + run, end); ++p) {
         const uint8_t* step = codes + p * STEP_BYTES;
-        if (h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH), _MM_HINT_T0);
+        if (h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_AVX2), _MM_HINT_T0);
         __m256i xv[MR];
         UNROLL for (int m = 0; m < MR; ++m) xv[m] = _mm256_set1_epi32(xq[m][p]);
         UNROLL for (int h = 0; h < HP; ++h) {
