@@ -23,6 +23,7 @@ from folio.loader.gguf_native import native_chooser, native_layers
 from folio.loader.weights import load_weights
 from folio.memory import release_freed_memory
 from folio.models.compressed_tensors import compressed_tensors_chooser
+from folio.models.hot_path import mirror_members
 from folio.models.int4_checkpoints import int4_checkpoint_chooser, quantized_layers
 from folio.models.linear import (LinearMethodChooser, LinearMethods, as_chooser, bind_linear_methods,
                                  process_weights_after_loading)
@@ -182,4 +183,5 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     process_weights_after_loading(net)
     release_freed_memory()  # the weights' load-time forms, freed as they were processed
     net.eval()
+    mirror_members(net)  # the weights are final: the hot path reads its layers' members as plain attributes
     return LoadedModel(path, cfg, net, tokenizer, eos_token_ids(hf_config, generation_config, tokenizer))

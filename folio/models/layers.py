@@ -81,7 +81,7 @@ class RotaryEmbedding(HotPathModule):
         tables = dict(self._buffers)
         super()._apply(fn, recurse)
         for name, table in tables.items():
-            self._buffers[name] = table.to(self._buffers[name].device)
+            self.register_buffer(name, table.to(self._buffers[name].device), persistent=False)
         return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
