@@ -33,7 +33,7 @@ import gc
 import statistics
 import time
 
-from folio.bench.noise import note
+from folio.bench.noise import OtherLoad, note
 from folio.bench.throughput import GREEDY, measure, prepare, submit, warm_up
 from folio.bench.workload import add_workload_arguments, describe
 from folio.config import EngineConfig
@@ -104,6 +104,7 @@ def step_interleaved(args: argparse.Namespace) -> None:
         engines[run] = prepare(args, config_of(run, args))
         warm_up(*engines[run], 1)
     steps: dict[str, list[tuple[float, int]]] = {run: [] for run in args.runs}  # per turn: (seconds, tokens)
+    load = OtherLoad()
     for turn in range(args.decode_steps):
         for run in (args.runs if turn % 2 == 0 else args.runs[::-1]):
             engine, requests = engines[run]
@@ -119,8 +120,10 @@ def step_interleaved(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             engine.step()
             steps[run].append((time.perf_counter() - start, tokens))
+    other_cores = load.cores()
     base = steps[args.runs[0]]
-    print(f"\n{describe(args)}, max_num_seqs {args.max_num_seqs}, {args.decode_steps} decode steps each, interleaved")
+    print(f"\n{describe(args)}, max_num_seqs {args.max_num_seqs}, {args.decode_steps} decode steps each, interleaved"
+          f" ({note(other_cores)})")
     for run in args.runs:
         own = steps[run]
         median_step = statistics.median(seconds / tokens for seconds, tokens in own)
