@@ -35,7 +35,7 @@ import time
 
 from folio.bench.noise import OtherLoad, note
 from folio.bench.throughput import GREEDY, measure, prepare, submit, warm_up
-from folio.bench.workload import add_workload_arguments, describe
+from folio.bench.workload import BenchRequest, add_workload_arguments, describe
 from folio.config import EngineConfig
 from folio.engine.llm_engine import LLMEngine
 
@@ -63,11 +63,17 @@ def one_at_a_time(args: argparse.Namespace) -> None:
         print(f"  {run:<24} {result.output_tokens_per_s:8.2f} tok/s  x{result.output_tokens_per_s / base:.2f}")
 
 
-def interleaved(args: argparse.Namespace) -> None:
+def resident_engines(args: argparse.Namespace) -> dict[str, tuple[LLMEngine, list[BenchRequest]]]:
+    """Every run's engine and requests, built and warmed up one after the other, all kept resident."""
     engines = {}
     for run in args.runs:
         engines[run] = prepare(args, config_of(run, args))
         warm_up(*engines[run], 1)
+    return engines
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    engines = resident_engines(args)
     rates: dict[str, list[float]] = {run: [] for run in args.runs}
     decode_rates: dict[str, list[float]] = {run: [] for run in args.runs}
     for r in range(args.rounds):
@@ -99,10 +105,7 @@ def decoding_requests(engine: LLMEngine) -> int:
 
 
 def step_interleaved(args: argparse.Namespace) -> None:
-    engines = {}
-    for run in args.runs:
-        engines[run] = prepare(args, config_of(run, args))
-        warm_up(*engines[run], 1)
+    engines = resident_engines(args)
     steps: dict[str, list[tuple[float, int]]] = {run: [] for run in args.runs}  # per turn: (seconds, tokens)
     load = OtherLoad()
     for turn in range(args.decode_steps):
@@ -122,13 +125,14 @@ def step_interleaved(args: argparse.Namespace) -> None:
             steps[run].append((time.perf_counter() - start, tokens))
     other_cores = load.cores()
     base = steps[args.runs[0]]
+    base_median = statistics.median(seconds / tokens for seconds, tokens in base)
     print(f"\n{describe(args)}, max_num_seqs {args.max_num_seqs}, {args.decode_steps} decode steps each, interleaved"
           f" ({note(other_cores)})")
     for run in args.runs:
         own = steps[run]
         median_step = statistics.median(seconds / tokens for seconds, tokens in own)
         paired = statistics.median((b / bt) / (o / ot) for (b, bt), (o, ot) in zip(base, own))
-        ratio = statistics.median(s / t for s, t in base) / median_step
+        ratio = base_median / median_step
         print(f"  {run:<24} decode {1 / median_step:8.2f} tok/s (median step per token {median_step * 1e3:6.2f} ms)"
               f"   x{ratio:.2f} (paired steps x{paired:.2f})")
 

@@ -28,18 +28,20 @@ class HotPathModule(nn.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    def _member_tables(self) -> tuple[dict, dict, dict]:
+        return self._parameters, self._buffers, self._modules
+
     def mirror_members(self) -> None:
         """Copy the parameters, buffers and submodules into the instance dict (see the class docstring)."""
         self.__dict__["_mirrored"] = True
-        for members in (self._parameters, self._buffers, self._modules):
-            for name, value in members.items():
-                self.__dict__[name] = value
+        for members in self._member_tables():
+            self.__dict__.update(members)
 
     def _sync_member(self, name: str) -> None:
         """After a change of `name`: if it names a member, its copy is the member again."""
         if not self.__dict__.get("_mirrored"):
             return
-        for members in (self._parameters, self._buffers, self._modules):
+        for members in self._member_tables():
             if name in members:
                 self.__dict__[name] = members[name]
                 return
@@ -49,8 +51,7 @@ class HotPathModule(nn.Module):
         self._sync_member(name)
 
     def __delattr__(self, name: str) -> None:
-        mirrored = self.__dict__.get("_mirrored") and any(
-            name in members for members in (self._parameters, self._buffers, self._modules))
+        mirrored = self.__dict__.get("_mirrored") and any(name in members for members in self._member_tables())
         super().__delattr__(name)  # a member's copy stays in the instance dict, where nn.Module does not look
         if mirrored:
             self.__dict__.pop(name, None)
