@@ -111,6 +111,7 @@ class CppKernel:
                         cflags, ldflags = current_platform().kernel_build_flags()
                         self._ext = build_and_load(self.ext_name, self.source, tuple(cflags) + self.cflags, ldflags,
                                                    self.what, verbose)
+                        self._use_decode_threads()
                     except Exception as exc:  # a compiler error, no ninja, a read-only cache dir...
                         self.error = f"{type(exc).__name__}: {exc}"
                 if self.error is not None:
@@ -119,3 +120,13 @@ class CppKernel:
                                    self.error.strip().splitlines()[0][:500], self.fallback)
                 self._tried = True
             return self._ext
+
+    def _use_decode_threads(self) -> None:
+        """Hand a kernel built with folio/csrc/parallel.h the decode threads' entry points (else its loops stay
+        on OpenMP): folio.platforms.decode_threads."""
+        if hasattr(self._ext, "use_decode_threads"):
+            from folio.platforms import decode_threads  # it builds its own kernel through this class
+
+            entry = decode_threads.entry_points()
+            if entry is not None:
+                self._ext.use_decode_threads(entry)

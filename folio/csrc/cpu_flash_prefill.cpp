@@ -23,7 +23,7 @@
 // s -> cap * tanh(s / cap) after the scale.
 
 // Only the headers needed (not torch/extension.h), as cpu_paged_attention.cpp: a faster first-use build.
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
@@ -205,7 +205,7 @@ void run(const Params& P, int B) {
   // 1. pack every (request, kv head, key tile)
   std::vector<int64_t> first_tile(B + 1, 0);  // running count of (kv head, key tile) pairs
   for (int b = 0; b < B; ++b) first_tile[b + 1] = first_tile[b] + (int64_t)Hkv * spans[b].tiles;
-  at::parallel_for(0, first_tile[B], 1, [&](int64_t begin, int64_t end) {
+  folio::parallel_for(0, first_tile[B], 1, [&](int64_t begin, int64_t end) {
     int b = (int)(std::upper_bound(first_tile.begin(), first_tile.end(), begin) - first_tile.begin()) - 1;
     for (int64_t i = begin; i < end; ++i) {
       while (i >= first_tile[b + 1]) ++b;
@@ -232,7 +232,7 @@ void run(const Params& P, int B) {
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   const int64_t n = (int64_t)items.size();
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  folio::parallel_for(0, std::min<int64_t>(n, folio::num_threads()), 1, [&](int64_t, int64_t) {
     TileBuffers buf(qt * G, D);
     for (int64_t i = next++; i < n; i = next++) attend_item<Q>(P, spans[items[i].b], kpack, vpack, items[i], buf);
   });
@@ -304,6 +304,7 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("flash_prefill", &flash_prefill, "attend long queries from a bf16 or 8-bit paged cache in tiled matrix products",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -15,7 +15,7 @@
 // path's to rounding (another summation order in the dot products); in bf16 it rounds less (the per-expert
 // path rounds gate/up, the product and each expert's output to bf16), so it differs by about a bf16 ulp.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -173,14 +173,14 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
   // Small experts: their tokens' rows as float32, in sorted order (gathered once, read by every task).
   auto xs = at::empty({S, H}, x.options().dtype(at::kFloat));
   float* xsp = xs.data_ptr<float>();
-  at::parallel_for(0, S, 16, [&](int64_t s0, int64_t s1) {
+  folio::parallel_for(0, S, 16, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       if (count[id[order[s]]] >= gemm_min_rows) continue;
       const T* src = xp + (order[s] / K) * H;
       for (int64_t h = 0; h < H; ++h) xsp[s * H + h] = static_cast<float>(src[h]);
     }
   });
-  at::parallel_for(0, static_cast<int64_t>(gate_up_tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+  folio::parallel_for(0, static_cast<int64_t>(gate_up_tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> gate, up;
     for (int64_t t = t0; t < t1; ++t) {
       const auto [e, c] = gate_up_tasks[t];
@@ -195,7 +195,7 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
           actp[(s0 + r) * I + c + j] = silu(gate[r * cols + j]) * up[r * cols + j];
     }
   });
-  at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+  folio::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const auto [e, c] = down_tasks[t];
       const int64_t rows = count[e], cols = std::min(COLS, H - c), s0 = start[e];
@@ -218,7 +218,7 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
   // Each token's weighted sum of its experts' outputs, in ascending expert order.
   const float* wp = weights.data_ptr<float>();
   T* outp = out.data_ptr<T>();
-  at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
+  folio::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(H);
     std::vector<std::pair<int64_t, int64_t>> chosen(K);  // (expert, slot)
     for (int64_t t = t0; t < t1; ++t) {
@@ -265,5 +265,6 @@ std::tuple<at::Tensor, at::Tensor> fused_moe(const at::Tensor& x, const at::Tens
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("fused_moe", &fused_moe, "grouped mixture-of-experts feed-forward (float32 / bf16 experts)");
 }

@@ -26,7 +26,7 @@
 // formulas (their element-wise loops left to the compiler's vectoriser); float32 SiLU has its own vector loop.
 //
 // Only the ATen headers needed (not torch/extension.h): keeps the first-use build short.
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -317,7 +317,7 @@ void rms_run(const at::Tensor& x, const at::Tensor* res, at::Tensor* res_out, co
   const int64_t xs = x.stride(0), rs = res ? res->stride(0) : 0, ros = res_out ? res_out->stride(0) : 0,
                 os = out.stride(0);
   const float e = (float)eps;
-  at::parallel_for(0, T_, row_grain(H), [&](int64_t t0, int64_t t1) {
+  folio::parallel_for(0, T_, row_grain(H), [&](int64_t t0, int64_t t1) {
     std::vector<float> sq((size_t)H + 16);
     for (int64_t t = t0; t < t1; ++t)
       rms_row(xp + t * xs, rp ? rp + t * rs : nullptr, rop ? rop + t * ros : nullptr, wp, op + t * os, H, e,
@@ -398,7 +398,7 @@ void rotate(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at
   auto* kp = (T*)k.data_ptr();
   const int64_t Hq = q.size(1), Hk = k.size(1);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  at::parallel_for(0, T_, row_grain((Hq + Hk) * D), [&](int64_t t0, int64_t t1) {
+  folio::parallel_for(0, T_, row_grain((Hq + Hk) * D), [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(2 * (size_t)D + 32);
     float* cb = buf.data();
     float* sb = cb + D;
@@ -454,7 +454,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up, bool inline_exp) {
   auto* op = (uint16_t*)out.data_ptr();
   // ATen runs 64 bf16 at a time through the vector code (Sleef exp), the rest of a row through std::exp
   [[maybe_unused]] const int64_t vec_end = I - I % 64;
-  at::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
+  folio::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* g = gp + t * gs;
       const uint16_t* u = g + I;
@@ -570,8 +570,8 @@ void aten_segments(int64_t T, int64_t I, const Seg& seg) {
       i += n;
     }
   };
-  if (T * I < GRAIN_ELEMS || at::get_num_threads() == 1) range(0, T * I);
-  else at::parallel_for(0, T * I, GRAIN_ELEMS, range);
+  if (T * I < GRAIN_ELEMS || folio::num_threads() == 1) range(0, T * I);
+  else folio::parallel_for(0, T * I, GRAIN_ELEMS, range);
 }
 
 // gate_up float32 [T, 2I] (unit stride along rows) -> silu(gate) * up [T, I].
@@ -609,6 +609,7 @@ bool has_sleef() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "(x + residual) -> (RMSNorm(x + residual), x + residual)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm(x)", pybind11::call_guard<pybind11::gil_scoped_release>());

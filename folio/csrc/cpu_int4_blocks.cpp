@@ -27,7 +27,7 @@
 //
 // Batches that run the dense GEMM (bf16 only) take the weight (q s + o by one FMA in float32, rounded once to
 // bf16) written into oneDNN's packed layout (`dequantize_packed`), or as W^T [K, N] (`dequantize_transposed`).
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -303,7 +303,7 @@ struct Int4Tiles : TileShape {
 // Sums of each row of x over each group: xsum [M, ng], float32.
 void group_sums_f32(const float* x, int64_t xs, int64_t M, int64_t K, int64_t G, float* xsum) {
   const int64_t ng = K / G;
-  at::parallel_for(0, M, PARALLEL_ROWS, [&](int64_t m0, int64_t m1) {
+  folio::parallel_for(0, M, PARALLEL_ROWS, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < ng; ++g) {
         __m256 s = _mm256_setzero_ps();
@@ -367,7 +367,7 @@ std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales, at::Tensor offsets
   const float* opp = offsets.data_ptr<float>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   const int64_t row_bytes = K / 2;
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+  folio::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       // each source row read once, in order; its codes or-ed into the block's words (little-endian uint16)
       uint16_t* words = reinterpret_cast<uint16_t*>(cp + b * (K / 2) * STEP_BYTES);
@@ -426,7 +426,7 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor 
       tiled_linear(Int4Tiles(w), rows, M, xsum.data(), bp, yp);
       return y;
     }
-    at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
+    folio::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         int64_t m0 = 0;
         for (; m0 + 2 <= M; m0 += 2)
@@ -445,7 +445,10 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor 
   const auto* xp = x.data_ptr<c10::BFloat16>();
   group_sums(xp, xs, M, w.K, w.G, xsum.data());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
+  const int64_t scale_bytes = w.ng * COLUMNS * 2;  // float16
+  const folio::BlockStream streams[] = {{w.codes, w.pairs() * STEP_BYTES}, {w.scales, scale_bytes},
+                                        {w.offsets, scale_bytes}};
+  folio::parallel_blocks(w.codes, codes.size(0), streams, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += MAX_CHUNK)
         chunk(std::min<int64_t>(MAX_CHUNK, M - m0), w, b, xp + m0 * xs, xs, xsum.data() + m0 * w.ng, bp,
@@ -463,7 +466,7 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor 
 template <class Emit>
 void dequantized_columns(const Blocks& w, int64_t num_blocks, const Emit& emit) {
   const int64_t gp = w.G / 2;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+  folio::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* codes_b = w.codes + b * w.pairs() * STEP_BYTES;
       const int64_t nv = std::min<int64_t>(4, (w.N - b * COLUMNS + 15) / 16);  // vectors of columns in this block
@@ -531,6 +534,7 @@ void dequantize_packed(at::Tensor codes, at::Tensor scales, at::Tensor offsets, 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("linear", &linear, "x W^T (+ b) for bf16 x, W int4 in column blocks", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("N"),
         pybind11::arg("bias"), pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -18,7 +18,7 @@
 // them once per panel of rows into int16_tiles.h's tiles (the same sums, bit for bit). 16 exact products per
 // instruction beat MKL's float32 GEMM on the dequantised weight even at prefill sizes (Zen 3, 2 threads, before
 // the tiles: the 49152 x 576 head at 1024 rows 421 against 685 ms, 576 x 3072 at 2048 rows 46 against 46).
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -85,7 +85,7 @@ std::vector<at::Tensor> pack(at::Tensor w, at::Tensor scales) {
   const float* sp = scales.data_ptr<float>();
   int8_t* cp = codes.data_ptr<int8_t>();
   float* bsp = block_scales.data_ptr<float>();
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+  folio::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t c = 0; c < std::min(COLUMNS, N - b * COLUMNS); ++c) {
         const int64_t col = b * COLUMNS + c;
@@ -190,7 +190,7 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t N, 
     tiled_linear(Int8Tiles(w), rows, M, nullptr, bp, yp);
     return y;
   }
-  at::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
+  folio::parallel_for(0, codes.size(0), 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t m0 = 0;
       for (; m0 + 2 <= M; m0 += 2)
@@ -206,6 +206,7 @@ at::Tensor linear(at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t N, 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("linear", &linear, "x W^T (+ b) for float32 x, W int8 in column blocks", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("N"), pybind11::arg("bias"),
         pybind11::call_guard<pybind11::gil_scoped_release>());

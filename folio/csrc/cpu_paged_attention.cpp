@@ -50,7 +50,7 @@
 // context length including this step's tokens); block_tables int32 [B, max_blocks].
 
 // Only the headers needed (not torch/extension.h): that keeps the first-use build near 15 s instead of 40 s.
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -1105,7 +1105,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     }
   };
   if (nthreads > 1 && T_ >= 64) {
-    at::parallel_for(0, T_, 16, body);
+    folio::parallel_for(0, T_, 16, body);
   } else {
     body(0, T_);
   }
@@ -1116,7 +1116,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
          const at::Tensor& reqs, const at::Tensor& block_tables, double scale, int64_t window, double softcap,
          int64_t min_split_keys, int64_t min_parallel_work) {
-  int nthreads = std::max(1, at::get_num_threads());
+  int nthreads = std::max(1, folio::num_threads());
   write_kv<T, C>(k, v, k_cache, v_cache, slot_mapping, nthreads);
 
   Params P;
@@ -1217,8 +1217,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   // current one's end can prefetch the next one's first keys) while enough are left to keep every thread
   // busy; the last ones are claimed as threads come free, as schedule(dynamic, 1) would
   std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
+  auto claim_items = [&](int64_t, int64_t) {
     for (int64_t i = claimed.fetch_add(1); i < n;) {
       const int64_t next = claimed.load(std::memory_order_relaxed) + nt < n ? claimed.fetch_add(1) : -1;
       const Item& it = items[i];
@@ -1226,12 +1225,20 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
                                                           next >= 0 && next < n ? &items[next] : nullptr);
       i = next >= 0 ? next : claimed.fetch_add(1);
     }
-  }
+  };
+  if (nt > 1)
+    folio::parallel_for(0, nt, 1, claim_items);  // nt threads, each claiming items
+  else
+    claim_items(0, 1);
   const int64_t ng = (int64_t)groups.size();
   if (ng) {
-    const int ntg = (int)std::min<int64_t>(nthreads, ng);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(ntg) if (ntg > 1)
-    for (int64_t i = 0; i < ng; ++i) combine_group<T>(P, groups[i], pbase);
+    auto combine = [&](int64_t g0, int64_t g1) {
+      for (int64_t i = g0; i < g1; ++i) combine_group<T>(P, groups[i], pbase);
+    };
+    if (nthreads > 1 && ng > 1)
+      folio::parallel_for(0, ng, 1, combine);
+    else
+      combine(0, ng);
   }
 }
 
@@ -1286,6 +1293,7 @@ bool has_avx512() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   // the GIL is released while the kernel runs (a server thread in the same process keeps going)
   m.def("paged_attention", &paged_attention, "write new K/V into the paged cache and attend in place (returns out)",
         pybind11::call_guard<pybind11::gil_scoped_release>());

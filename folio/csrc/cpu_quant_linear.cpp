@@ -40,7 +40,7 @@
 // Instruction sets: each kernel is one template over a vector type (Scalar, Avx2, Avx512); every one this
 // build's -march=native has is compiled, and `isas()` lists them, best last, so tests run each one here.
 // Sums run in different orders per ISA: weight-only results differ in float32 rounding only.
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -380,7 +380,7 @@ template <class Tile>
 void over_tiles(int64_t M, int64_t N, int64_t row_bytes, const Tile& tile) {
   constexpr int64_t NB = 16;
   const int64_t grain = std::max<int64_t>(1, MIN_BYTES_PER_TASK / std::max<int64_t>(1, row_bytes));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  folio::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t nb = n0; nb < n1; nb += NB) {
       const int64_t ne = std::min(n1, nb + NB);
       for (int64_t m0 = 0; m0 < M; m0 += MAX_MR) tile(m0, std::min<int64_t>(MAX_MR, M - m0), nb, ne);
@@ -454,7 +454,7 @@ void dequantize_rows(const WeightOnly& a, Out out) {
   constexpr int SUB = BLOCK / V::W;
   constexpr bool to_float = std::is_same<Out, float*>::value;
   constexpr bool packed = std::is_same<Out, PackedBf16>::value;
-  at::parallel_for(0, a.N, std::max<int64_t>(1, MIN_BYTES_PER_TASK / a.row_bytes), [&](int64_t n0, int64_t n1) {
+  folio::parallel_for(0, a.N, std::max<int64_t>(1, MIN_BYTES_PER_TASK / a.row_bytes), [&](int64_t n0, int64_t n1) {
     std::vector<float> buf(to_float ? 0 : a.K);
     std::vector<at::BFloat16> row_bf16(packed ? a.K : 0);
     for (int64_t n = n0; n < n1; ++n) {
@@ -603,7 +603,10 @@ void packed_w8a8_block(const PackedW8A8& a, int64_t m0, int64_t b) {
 template <int PASSES>
 void packed_w8a8(const PackedW8A8& a) {
   constexpr int64_t rows_per_pass = MAX_MR / PASSES;  // the accumulators of MAX_MR rows of int8 codes
-  at::parallel_for(0, (a.N + PACKED_COLUMNS - 1) / PACKED_COLUMNS, 1, [&](int64_t b0, int64_t b1) {
+  // the weight's blocks, and per block its columns' sums and scales (the bias too small to matter)
+  const folio::BlockStream streams[] = {{a.w, a.block_quads * PACKED_COLUMNS * 4},
+                                        {a.colsum, PACKED_COLUMNS * 4}, {a.sw, PACKED_COLUMNS * 4}};
+  folio::parallel_blocks(a.w, (a.N + PACKED_COLUMNS - 1) / PACKED_COLUMNS, streams, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < a.M; m0 += rows_per_pass)
         by_rows(std::min(rows_per_pass, a.M - m0), [&](auto rows) {
@@ -761,7 +764,7 @@ void quantize_span16(const float* v, int64_t K, uint8_t* hi, uint8_t* lo, float*
 
 // quantize_span over num_spans spans of `span` values of x.
 void quantize_spans(const float* x, int64_t num_spans, int64_t span, int8_t* xq, float* scales) {
-  at::parallel_for(0, num_spans, std::max<int64_t>(1, 65536 / span), [&](int64_t s0, int64_t s1) {
+  folio::parallel_for(0, num_spans, std::max<int64_t>(1, 65536 / span), [&](int64_t s0, int64_t s1) {
     for (int64_t i = s0; i < s1; ++i) quantize_span(x + i * span, span, 0, xq + i * span, nullptr, scales + i);
   });
 }
@@ -840,7 +843,7 @@ struct RowQuantizer {
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const float* xf = bf16 ? nullptr : x.data_ptr<float>();
     const at::BFloat16* xb = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
-    at::parallel_for(0, M, std::max<int64_t>(1, MIN_VALUES_PER_TASK / K), [&](int64_t m0, int64_t m1) {
+    folio::parallel_for(0, M, std::max<int64_t>(1, MIN_VALUES_PER_TASK / K), [&](int64_t m0, int64_t m1) {
       thread_local std::vector<float> buf;  // kept: a decode step quantises ~100 rows, each a call of its own
       if (static_cast<int64_t>(buf.size()) < K) buf.resize(K);
       for (int64_t m = m0; m < m1; ++m) {
@@ -860,7 +863,7 @@ struct RowQuantizer {
 // Sums of each row of x over each group of G values (int4's offsets multiply them). Inline for a few rows: no
 // parallel region, which costs milliseconds when another process holds a core.
 void group_sums(const float* x, int64_t M, int64_t K, int64_t G, float* out) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+  folio::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < K / G; ++g) {
         float s = 0.f;
@@ -1155,7 +1158,7 @@ void scale_rows(at::Tensor y, at::Tensor row_scales, c10::optional<at::Tensor> b
   const bool bf16 = out.scalar_type() == at::kBFloat16;
   float* of = bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
-  at::parallel_for(0, M, std::max<int64_t>(1, MIN_VALUES_PER_TASK / N), [&](int64_t m0, int64_t m1) {
+  folio::parallel_for(0, M, std::max<int64_t>(1, MIN_VALUES_PER_TASK / N), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* r = src + m * N;
       int64_t n = 0;
@@ -1184,6 +1187,7 @@ void scale_rows(at::Tensor y, at::Tensor row_scales, c10::optional<at::Tensor> b
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("weight_only_linear", &weight_only_linear, "x W^T (+ b) with int8 or int4 weights, float x",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scales"), pybind11::arg("offsets"),
         pybind11::arg("bias"), pybind11::arg("isa") = best_isa(), pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -25,7 +25,7 @@
 // probabilities by the top 12 bits of their float32 pattern (monotonic for p >= 0) and sums each bucket's
 // mass; a scan from the top bucket finds the bucket where the mass reaches the target; a second pass
 // collects that bucket's tokens, which are sorted to place the boundary exactly.
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -115,7 +115,7 @@ void argmax_rows_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t B = x.size(0), V = x.size(1), stride = x.stride(0);
   const T* base = x.data_ptr<T>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, row_grain(V), [&](int64_t b0, int64_t b1) {
+  folio::parallel_for(0, B, row_grain(V), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
 #if FOLIO_AVX512
       o[b] = argmax_avx512(base + b * stride, V);
@@ -170,7 +170,7 @@ at::Tensor draw_rows(at::Tensor probs, at::Tensor u) {
   const float* p = probs.data_ptr<float>();
   const float* up = u.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, row_grain(V), [&](int64_t b0, int64_t b1) {
+  folio::parallel_for(0, B, row_grain(V), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) o[b] = draw_row(p + b * stride, V, up[b]);
   });
   return out;
@@ -229,7 +229,7 @@ at::Tensor top_p_mask(at::Tensor probs, at::Tensor top_p) {
   const float* p = probs.data_ptr<float>();
   const float* tp = top_p.data_ptr<float>();
   bool* m = mask.data_ptr<bool>();
-  at::parallel_for(0, B, row_grain(V), [&](int64_t b0, int64_t b1) {
+  folio::parallel_for(0, B, row_grain(V), [&](int64_t b0, int64_t b1) {
     std::vector<double> mass(NUM_BUCKETS);
     std::vector<std::pair<float, int64_t>> edge;
     for (int64_t b = b0; b < b1; ++b) {
@@ -258,6 +258,7 @@ at::Tensor argmax_rows(at::Tensor x) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a float32 or bf16 [B, V] tensor",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("top_p_mask", &top_p_mask, "per row, the top_p nucleus as a bool mask",

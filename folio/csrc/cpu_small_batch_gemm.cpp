@@ -17,7 +17,7 @@
 // call with M >= 2 rows, so a 2-row product cost 2.3x a 1-row one and a 7-row one 2.9x (the 49152 x 576
 // lm_head of SmolLM2 on an AVX2 EPYC: 14 ms, 33 ms, 41 ms); here plain row-major W is read once, with FMAs in
 // float32 (sums in another order than MKL's: results differ in the last bits).
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -216,7 +216,8 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, w.size(0), 1, [&](int64_t b0, int64_t b1) {
+  const folio::BlockStream streams[] = {{wp, w.stride(0) * 2}};
+  folio::parallel_blocks(wp, w.size(0), streams, [&](int64_t b0, int64_t b1) {
     dispatch_bf16(M, NB / 16, xp, xs, wp, bp, yp, N, K / 2, block_pairs, b0, b1);
   });
 #endif
@@ -240,7 +241,7 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, N, row_grain(4 * K), [&](int64_t n0, int64_t n1) {
+  folio::parallel_for(0, N, row_grain(4 * K), [&](int64_t n0, int64_t n1) {
     dispatch_f32<MAX_M_F32>(M, xp, xs, wp, bp, yp, N, K, n0, n1);
   });
 #endif
@@ -252,6 +253,7 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("linear_bf16", &linear_bf16, "x W^T (+ b) for bf16 x, W in oneDNN's packed blocks [N / NB, K / 2, NB, 2]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_f32", &linear_f32, "x W^T (+ b) for float32 x of at most MAX_M_F32 rows, W row-major",

@@ -5,7 +5,7 @@
 // took 50-100 ms for [64, 49152] on two busy cores, more than a decode step's whole forward pass. Here each row
 // is one streaming pass that skips whole words: a grammar's mask is mostly all-ones words (inside a string) or
 // all-zeros words (between JSON tokens), so most words cost a compare or a fill of 32 floats.
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
@@ -32,7 +32,7 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Te
   const uint32_t* words = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, K, 1, [&](int64_t begin, int64_t end) {
+  folio::parallel_for(0, K, 1, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       float* row = base + row_ids[k] * row_stride;
       const uint32_t* mask = words + k * W;
@@ -55,5 +55,6 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("apply_token_bitmask", &apply_token_bitmask, "logits[rows[k]] = -inf where bitmask[k] has a 0 bit (in place)");
 }

@@ -10,7 +10,7 @@
 // products read k rows of the table, which lie anywhere in it: each row is prefetched a few rows ahead of its
 // product. Sums in float32 (vdpbf16ps where the CPU has AVX512-BF16, else 16 scalar partial sums; float32 rows by
 // FMAs in 16 lanes), rounded to bf16 to nearest even, as a bf16 GEMM rounds its float32 sums.
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -146,7 +146,7 @@ void rescore(at::Tensor& logits, const at::Tensor& x, const at::Tensor& table, i
   const T* xs = x.data_ptr<T>();
   const T* rows = table.data_ptr<T>();
   std::vector<int64_t> top(M * k);  // each row's selected tokens
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+  folio::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<Candidate> heap;
     for (int64_t m = begin; m < end; ++m) {
       select(out + m * V, V, k, heap);
@@ -154,7 +154,7 @@ void rescore(at::Tensor& logits, const at::Tensor& x, const at::Tensor& table, i
     }
   });
   // the products of all rows' tokens shared out over the threads (one row's k are worth two threads)
-  at::parallel_for(0, M * k, 16, [&](int64_t begin, int64_t end) {
+  folio::parallel_for(0, M * k, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < std::min(begin + PREFETCH_ROWS, end); ++j) prefetch_row(rows + top[j] * H, H);
     for (int64_t j = begin; j < end; ++j) {
       if (j + PREFETCH_ROWS < end) prefetch_row(rows + top[j + PREFETCH_ROWS] * H, H);
@@ -182,6 +182,7 @@ void rescore_top_k(at::Tensor logits, const at::Tensor& x, const at::Tensor& tab
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  folio::bind_decode_threads(m);
   m.def("rescore_top_k", &rescore_top_k,
         "per row of bf16 or float32 logits, the k largest replaced in place by x . table[token] (sums in float32)",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -5,7 +5,7 @@
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #include <immintrin.h>
 
 #include <cstdint>
@@ -56,7 +56,7 @@ struct Int16Rows {
   std::vector<const int32_t*> xq;
   Int16Rows(const float* x, int64_t xs, int64_t M, int64_t K) : pairs(M * K / 2), sx(M), xq(M) {
     // spread over the threads for prefill-sized batches (a decode batch's few rows stay on this one)
-    at::parallel_for(0, M, PARALLEL_ROWS, [&](int64_t m0, int64_t m1) {
+    folio::parallel_for(0, M, PARALLEL_ROWS, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
         xq[m] = pairs.data() + m * K / 2;
         sx[m] = quantize_row_int16(x + m * xs, K, reinterpret_cast<int16_t*>(pairs.data() + m * K / 2));

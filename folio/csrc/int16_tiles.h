@@ -17,7 +17,7 @@
 #include "int16_codes.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -93,7 +93,7 @@ void tiled_linear(const Format& f, const Int16Rows& rows, int64_t M, const float
                   float* y) {
   const int64_t NB = f.num_blocks(), panels = (M + TILE_PANEL - 1) / TILE_PANEL;
   const int64_t gp = f.G / 2, run = std::min<int64_t>(gp, Format::max_run);
-  at::parallel_for(0, panels * NB, 1, [&](int64_t t0, int64_t t1) {
+  folio::parallel_for(0, panels * NB, 1, [&](int64_t t0, int64_t t1) {
     std::vector<__m256i> tile_store(run * TILE_PAIR_WORDS / 16);
     int16_t* tile = reinterpret_cast<int16_t*>(tile_store.data());
     alignas(32) float tot[TILE_PANEL][TILE_COLUMNS];

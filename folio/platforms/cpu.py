@@ -7,7 +7,8 @@
 - attention: the C++ paged-attention kernel (folio.attention.cpu_paged) where it builds, else torch SDPA.
 - matmuls: the dense CPU linear method (oneDNN prepacked bf16, the small-batch kernel, MKL in float32), or a
   quantisation scheme's (folio.models.quantization: int8 and int4 kernels) with the dense one for the rest.
-- the process: one torch thread per core it may use, and freed memory kept for reuse (folio.memory).
+- the process: one torch thread per core it may use, and freed memory kept for reuse (folio.memory); steps of
+  one token run folio's kernels on the decode threads (folio.platforms.decode_threads).
 - kernels: built with -march=native for this CPU (the build key includes its feature flags).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Union
+from typing import ContextManager, Optional, Union
 
 import torch
 from torch import nn
@@ -45,6 +46,11 @@ class CpuPlatform(Platform):
     def prepare_process(self, num_threads: Optional[int]) -> None:
         torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         keep_freed_memory()  # every step's large activations reuse the heap instead of faulting pages in
+
+    def step_threads(self, num_tokens: int) -> ContextManager[None]:
+        from folio.platforms import decode_threads  # its kernel's build machinery imports this module
+
+        return decode_threads.threads_for_step(num_tokens)
 
     def kv_cache_budget(self, setting: Union[int, float, None]) -> int:
         if isinstance(setting, int):

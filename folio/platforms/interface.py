@@ -10,7 +10,8 @@ another subclass, chosen in `folio.platforms.current_platform`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Union
+from contextlib import nullcontext
+from typing import ContextManager, Optional, Union
 
 import torch
 from torch import nn
@@ -30,6 +31,11 @@ class Platform(ABC):
     @abstractmethod
     def prepare_process(self, num_threads: Optional[int]) -> None:
         """Set the process up to run steps (thread count, allocator); called once, before loading weights."""
+
+    def step_threads(self, num_tokens: int) -> ContextManager[None]:
+        """The threads a step of num_tokens tokens runs on, set up within (the CPU's decode threads); by default
+        nothing changes."""
+        return nullcontext()
 
     @abstractmethod
     def kv_cache_budget(self, setting: Union[int, float, None]) -> int:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -50,8 +51,11 @@ class _PromptLogprobsJob:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache_spec: KVCacheSpec, num_blocks: int, max_num_seqs: int,
                  max_model_len: int, backend: AttentionBackend, device: torch.device,
-                 speculative_config: Optional[SpeculativeConfig] = None, draft: Optional[DraftModel] = None) -> None:
+                 speculative_config: Optional[SpeculativeConfig] = None, draft: Optional[DraftModel] = None,
+                 step_threads: Callable[[int], ContextManager[None]] = lambda num_tokens: nullcontext()) -> None:
+        """step_threads: the platform's threads for a step of so many tokens (Platform.step_threads)."""
         self.model = model
+        self.step_threads = step_threads
         self.backend = backend
         self.device = device
         self.num_blocks = num_blocks
@@ -74,8 +78,12 @@ class ModelRunner:
         """One forward pass over the scheduled requests and sampling for those that reach their last token."""
         self._update_states(sched)
         output = ModelRunnerOutput()
-        if not sched.scheduled:
-            return output
+        if sched.scheduled:
+            with self.step_threads(sched.num_tokens):
+                self._run(sched, output)
+        return output
+
+    def _run(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
         start_time = time.perf_counter()
         step = self.inputs.prepare(sched.scheduled, self.requests)
         # one per KV cache group (sliding-window layers have groups of their own), each from the group's tables
@@ -123,7 +131,6 @@ class ModelRunner:
         for job in jobs:
             logits = self.model.compute_logits(hidden[job.hidden_rows]).float()
             output.prompt_logprobs[job.request_id] = compute_prompt_logprobs(logits, job.targets, job.num_logprobs)
-        return output
 
     def _sample(self, logits: torch.Tensor, requests: list[RequestState],
                 drafts: list[list[int]]) -> list[SampledTokens]:

@@ -1,0 +1,177 @@
+"""The decode threads (folio.platforms.decode_threads): the kernels compute the same numbers on them as on
+OpenMP, whatever weights were prefetched before a call, from any thread and in a forked child, and an engine's
+steps of one token run on them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from folio.models import int4_blocks, onednn_int8, quant_kernels, small_batch_gemm
+from folio.models import quant_reference as ref
+from folio.platforms import decode_threads
+
+pytestmark = pytest.mark.skipif(decode_threads.KERNEL.load() is None or len(os.sched_getaffinity(0)) < 2,
+                                reason="the decode threads need their kernel and two cores")
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The tests' processes run one torch thread (conftest); a step's threads are what the decode threads take."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def decode_step():
+    """Within: the threads of a step of one token."""
+    return decode_threads.threads_for_step(1)
+
+
+def _bf16_layer(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed = small_batch_gemm.packed_blocks(torch.ops.mkldnn._reorder_linear_weight(w, 64), w)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    return lambda x: small_batch_gemm.linear(x, packed, bias)
+
+
+def _int4_layer(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    blocks = int4_blocks.pack(*ref.quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32), torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    return lambda x: int4_blocks.linear(x, blocks, bias)
+
+
+def _w8a8_layer(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    packed = onednn_int8.prepack(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                                 torch.rand(n, generator=g) * 0.01 + 1e-3)
+    bias = torch.randn(n, generator=g)
+    return lambda x: quant_kernels.w8a8_packed_linear(x, packed.blocks, packed.column_sums, packed.scales, bias,
+                                                      True)
+
+
+LAYERS = {
+    "bf16": (_bf16_layer, small_batch_gemm.available(torch.bfloat16)),
+    "int4": (_int4_layer, int4_blocks.available(torch.bfloat16)),
+    "w8a8": (_w8a8_layer, quant_kernels.has_packed_w8a8() and onednn_int8.available()),
+}
+# a decoder layer's shapes (Qwen2-0.5B's), an odd one, and one too small to split
+SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (333, 96), (64, 64)]
+
+
+def _layers(kind: str):
+    make, available = LAYERS[kind]
+    if not available:
+        pytest.skip(f"the {kind} kernel does not run on this CPU")
+    return [make(n, k, seed=i) for i, (n, k) in enumerate(SHAPES)]
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_a_cycle_of_layers_gives_openmps_results_on_every_pass(kind):
+    """Passes over the layers in order, as decode steps make them: from the second pass on, each call's workers
+    prefetched their share of it during the call before and took more blocks; the results stay the same."""
+    layers = _layers(kind)
+    xs = [torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES]
+    want = [layer(x) for layer, x in zip(layers, xs)]
+    with decode_step():
+        assert torch.get_num_threads() == 1  # torch's own operators stay off the cores the workers spin on
+        for _ in range(4):
+            for layer, x, expected in zip(layers, xs, want):
+                assert torch.equal(layer(x), expected)
+    assert torch.get_num_threads() == 2
+
+
+def test_steps_of_more_tokens_keep_openmp():
+    threads = torch.get_num_threads()
+    with decode_threads.threads_for_step(2):
+        assert torch.get_num_threads() == threads
+        assert decode_threads.KERNEL.load().threads() == 0
+    with decode_step():
+        assert decode_threads.KERNEL.load().threads() == threads
+    assert decode_threads.KERNEL.load().threads() == 0
+
+
+def test_calls_from_other_threads_during_a_step_compute_alike():
+    """A call from a second Python thread while the workers run another's runs inline: same results."""
+    layers = _layers("bf16") if LAYERS["bf16"][1] else _layers("int4")
+    xs = [torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES]
+    want = [layer(x) for layer, x in zip(layers, xs)]
+    errors: list[str] = []
+
+    def run() -> None:
+        for _ in range(20):
+            for i, (layer, x) in enumerate(zip(layers, xs)):
+                if not torch.equal(layer(x), want[i]):
+                    errors.append(f"layer {i}")
+
+    with decode_step():
+        others = [threading.Thread(target=run) for _ in range(2)]
+        for t in others:
+            t.start()
+        run()
+        for t in others:
+            t.join()
+    assert not errors
+
+
+def _child(kind: str, queue) -> None:
+    torch.set_num_threads(1)  # GNU OpenMP's thread team does not survive a fork either: no parallel region here
+    layers = _layers(kind)
+    xs = [torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES]
+    want = [layer(x) for layer, x in zip(layers, xs)]
+    torch.set_num_threads(2)  # what the decode threads take over (within, torch's own count is one)
+    with decode_step():
+        queue.put(all(torch.equal(layer(x), w) for layer, x, w in zip(layers, xs, want)))
+
+
+def test_a_forked_child_starts_threads_of_its_own():
+    """A child forked from a process whose workers run has none of them: it must not wait for them."""
+    kind = next(k for k, (_, available) in LAYERS.items() if available)
+    layers = _layers(kind)
+    with decode_step():
+        layers[0](torch.randn(1, SHAPES[0][1]).to(torch.bfloat16))  # the parent's workers exist
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(kind, queue))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0, "the child hung or failed"
+    assert queue.get(timeout=5)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4", "int8"])
+def test_an_engine_decodes_alike_on_either_threads(tiny_model_factory, monkeypatch, quantization):
+    """Greedy tokens and their logprobs, batch 1, with steps of one token on the decode threads or on OpenMP."""
+    llm = LLM(tiny_model_factory("qwen2"), dtype="bfloat16", quantization=quantization, max_num_seqs=1,
+              kv_cache_memory=1 << 24)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 200) for _ in range(n)]} for n in (5, 17)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, logprobs=2)
+    calls: list[int] = []
+    step_threads = decode_threads.threads_for_step
+
+    def counted(num_tokens: int):
+        calls.append(num_tokens)
+        return step_threads(num_tokens)
+
+    monkeypatch.setattr(decode_threads, "threads_for_step", counted)
+
+    def generate():
+        return [(tuple(out.outputs[0].token_ids), [sorted(d.items()) for d in out.outputs[0].logprobs])
+                for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    on = generate()
+    assert calls.count(1) >= 2 * 11  # every decode step went through the decode threads' switch
+    monkeypatch.setattr(decode_threads, "DECODE_TOKENS", 0)
+    assert generate() == on
