@@ -80,10 +80,10 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if sched.scheduled:
             with self.step_threads(sched.num_tokens):
-                self._run(sched, output)
+                self._forward_and_sample(sched, output)
         return output
 
-    def _run(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+    def _forward_and_sample(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
         start_time = time.perf_counter()
         step = self.inputs.prepare(sched.scheduled, self.requests)
         # one per KV cache group (sliding-window layers have groups of their own), each from the group's tables
