@@ -1226,10 +1226,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
       i = next >= 0 ? next : claimed.fetch_add(1);
     }
   };
-  if (nt > 1)
-    folio::parallel_for(0, nt, 1, claim_items);  // nt threads, each claiming items
-  else
-    claim_items(0, 1);
+  folio::parallel_for(0, nt, 1, claim_items);  // nt threads (one: inline), each claiming items
   const int64_t ng = (int64_t)groups.size();
   if (ng) {
     auto combine = [&](int64_t g0, int64_t g1) {

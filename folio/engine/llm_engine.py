@@ -73,7 +73,8 @@ class LLMEngine:
         # a draft model writes the KV of its guesses past each step's tokens: slots are reserved for them
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
         self.runner = ModelRunner(loaded.model, kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
-                                  self.max_model_len, backend, platform.device, spec, draft, platform.step_threads)
+                                  self.max_model_len, backend, platform.device, spec, draft,
+                                  step_threads=platform.step_threads)
         warm_start = time.perf_counter()
         warm_up(self.runner, config.cache.block_size, self.max_model_len)  # the first request runs warm
         warm_s = time.perf_counter() - warm_start

@@ -25,6 +25,7 @@ from folio import envs
 from folio.attention.backend import AttentionBackend
 from folio.memory import available_memory_bytes, keep_freed_memory
 from folio.models.linear import LinearMethods
+from folio.platforms import decode_threads
 from folio.platforms.cpu_features import has_fast_bf16
 from folio.platforms.interface import Platform
 
@@ -48,8 +49,6 @@ class CpuPlatform(Platform):
         keep_freed_memory()  # every step's large activations reuse the heap instead of faulting pages in
 
     def step_threads(self, num_tokens: int) -> ContextManager[None]:
-        from folio.platforms import decode_threads  # its kernel's build machinery imports this module
-
         return decode_threads.threads_for_step(num_tokens)
 
     def kv_cache_budget(self, setting: Union[int, float, None]) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from contextlib import nullcontext
 from typing import Callable, ContextManager, Optional
 
 import torch
@@ -51,8 +50,8 @@ class _PromptLogprobsJob:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache_spec: KVCacheSpec, num_blocks: int, max_num_seqs: int,
                  max_model_len: int, backend: AttentionBackend, device: torch.device,
-                 speculative_config: Optional[SpeculativeConfig] = None, draft: Optional[DraftModel] = None,
-                 step_threads: Callable[[int], ContextManager[None]] = lambda num_tokens: nullcontext()) -> None:
+                 speculative_config: Optional[SpeculativeConfig] = None, draft: Optional[DraftModel] = None, *,
+                 step_threads: Callable[[int], ContextManager[None]]) -> None:
         """step_threads: the platform's threads for a step of so many tokens (Platform.step_threads)."""
         self.model = model
         self.step_threads = step_threads
