@@ -6,22 +6,24 @@
 # checks the host: the C++ kernels' AVX-512 paths against their references (a development machine may have
 # AVX2 only, CI's CPU varies), then the figures of issues 13 and 15 on two pinned physical cores, the slice
 # those issues measure: the roofline, W1 with its peak memory, long-query attention, batch-1 decode and W1 of
-# the weight schemes. Every part has a time limit and parts that would not fit are skipped (said in the log),
-# so the whole ends within DEADLINE_S.
+# the weight schemes, then the decode-sized matmul benchmarks that set the AMX thresholds. Every part has a time
+# limit, cut to what is left before DEADLINE_S (said in the log), so the whole ends within it. KERNELS_ONLY=1
+# stops after the kernel tests: a first, short call that shows the kernels build there before the long one.
 #
 # Before the call, here, once per session (nothing can be installed there, and the device lacks gguf):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
-# The call: device `run` with command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 590. The log
-# also comes back as $OUT/gpu_check.log.
+# The calls: device `run` with command "KERNELS_ONLY=1 bash scripts/gpu_check.sh", carry [".whl"], then at once,
+# while the machine is warm (its kernels built), "bash scripts/gpu_check.sh", timeout_s 590. The log also comes
+# back as $OUT/gpu_check.log.
 set -uo pipefail
 DEADLINE_S=${DEADLINE_S:-560}
 PY=${PYTHON:-python3}
 WORK=${WORK:-/tmp/folio-check}
 mkdir -p "$WORK"
 exec > >(tee "${OUT:-$WORK}/gpu_check.log") 2>&1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export FOLIO_CACHE_DIR=${FOLIO_CACHE_DIR:-$WORK/cache}
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
@@ -29,10 +31,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 section() { echo; echo "=== $* (at ${SECONDS} s)"; }
-# part CAP_S COMMAND...: the command under a time limit, or a note that it would not fit before the deadline
+# part CAP_S COMMAND...: the command under a time limit, cut to the time left before the deadline (the benchmarks
+# print each figure as they go, so a cut run still reports some), or a note that under a minute is left
 part() {
   local cap=$1; shift
-  if (( SECONDS + cap > DEADLINE_S )); then echo "skipped, ${cap} s would pass the deadline: $*"; return; fi
+  local left=$(( DEADLINE_S - SECONDS ))
+  if (( left < 60 && left < cap )); then echo "skipped, ${left} s left before the deadline: $*"; return; fi
+  (( cap > left )) && { echo "(limited to the ${left} s left)"; cap=$left; }
   timeout "$cap" "$@" || echo "(exit $? after at most ${cap} s: $*)"
 }
 
@@ -65,7 +70,9 @@ $PY -c "import xdist" 2>/dev/null && SPREAD=(-n 8) || SPREAD=()
 part 150 $PY -m pytest -q -p no:cacheprovider "${SPREAD[@]}" tests/test_quant_kernels.py tests/test_small_batch_gemm.py \
   tests/test_cpu_paged_attention.py tests/test_sliding_window.py tests/test_flash_prefill.py \
   tests/test_sdpa_prefill.py tests/test_onednn_int8.py tests/test_fused_moe.py tests/test_fused_ops.py \
-  tests/test_kv_cache_8bit.py tests/test_int4_blocks.py tests/test_rescored_head.py
+  tests/test_kv_cache_8bit.py tests/test_int4_blocks.py tests/test_rescored_head.py tests/test_decode_threads.py
+
+[[ ${KERNELS_ONLY:-0} == 1 ]] && { section "done (KERNELS_ONLY)"; exit 0; }
 
 section "W1 on the 0.5B Qwen2 (default settings): the roofline, throughput and peak memory"
 MODEL=$WORK/qwen2-0.5b
@@ -74,13 +81,16 @@ W1=(--num-prompts 64 --input-len 256 --output-len 128)
 part 60 "${PIN[@]}" $PY -m folio bench roofline --model "$MODEL" "${W1[@]}"
 part 150 "${PIN[@]}" $PY -m folio bench throughput --model "$MODEL" "${W1[@]}" --no-breakdown
 
+section "batch-1 decode of the 0.5B Qwen2, weight schemes against bf16, engine steps interleaved (issue 13: int8 1.7x, int4 2.5x)"
+part 100 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" --max-num-seqs 1 --num-prompts 2 \
+  --input-len 32 --output-len 128 --kv-cache-memory 268435456 --runs bfloat16 bfloat16:int4 bfloat16:int8 \
+  --decode-steps 300
+
 section "long-query (prefill) attention, one Qwen2-0.5B layer"
 part 90 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --shapes Qwen2-0.5B
 
-section "one layer's matmul: bf16, the W8A8 kernel, oneDNN's int8 GEMM (AMX-INT8; sets MIN_ROWS_AMX), int16 activations, w8a16"
-part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --rounds 3 --round-s 0.1
-part 90 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,9728x896,896x4864 --copies 24 \
-  --rows 1,4,8,16,32 --rounds 2 --round-s 0.2
+section "batch-1 decode on the decode threads against OpenMP"
+part 60 "${PIN[@]}" $PY benchmarks/decode_threads_bench.py --model "$MODEL" --schemes none int4 int8 --rounds 12
 
 section "decode-sized bf16 matmuls: the small-batch kernel against oneDNN (AMX: sets small_batch_gemm.MAX_ROWS_AMX)"
 part 60 "${PIN[@]}" $PY benchmarks/small_batch_gemm_bench.py --skip-engine --rounds 1 --rows 1 4 8 16 32 64
@@ -88,10 +98,10 @@ part 60 "${PIN[@]}" $PY benchmarks/small_batch_gemm_bench.py --skip-engine --rou
 section "decode-sized int4 matmuls: the column-block kernel, the row-major one, the dequantised GEMM (AMX: int4_blocks.MAX_ROWS)"
 part 60 "${PIN[@]}" $PY benchmarks/int4_blocks_bench.py --rows 1,4,16,32,64 --rounds 1 --round-s 0.3
 
-section "batch-1 decode of the 0.5B Qwen2, weight schemes against bf16 (issue 13: int8 1.7x, int4 2.5x)"
-part 120 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" --max-num-seqs 1 --num-prompts 2 \
-  --input-len 32 --output-len 64 --kv-cache-memory 268435456 \
-  --runs bfloat16 bfloat16:int8 bfloat16:w8a16 bfloat16:int4 bfloat16:w4a8 bfloat16
+section "one layer's matmul: bf16, the W8A8 kernel, oneDNN's int8 GEMM (AMX-INT8; sets MIN_ROWS_AMX), int16 activations, w8a16"
+part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --rounds 3 --round-s 0.1
+part 90 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,9728x896,896x4864 --copies 24 \
+  --rows 1,4,8,16,32 --rounds 2 --round-s 0.2
 
 section "W1 of the int8 schemes against bf16 (issue 13: int8 1.3x)"
 part 200 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" "${W1[@]}" \
