@@ -10,10 +10,11 @@
 # limit, cut to what is left before DEADLINE_S (said in the log), so the whole ends within it. KERNELS_ONLY=1
 # stops after the kernel tests: a first, short call that shows the kernels build there before the long one.
 #
-# Before the call, here, once per session (nothing can be installed there, and the device lacks gguf):
+# Before the call, here, once per session (nothing can be installed there, and the device lacks gguf and
+# llguidance, which every engine needs):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
+#       --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 -d .whl gguf==0.19.0 llguidance==1.9.1
 # The calls: device `run` with command "KERNELS_ONLY=1 bash scripts/gpu_check.sh", carry [".whl"], then at once,
 # while the machine is warm (its kernels built), "bash scripts/gpu_check.sh", timeout_s 590. The log also comes
 # back as $OUT/gpu_check.log.
@@ -67,10 +68,12 @@ wait "${builds[@]}"  # (a bare wait would wait for the log's tee too)
 
 section "kernel tests against their references"
 $PY -c "import xdist" 2>/dev/null && SPREAD=(-n 8) || SPREAD=()
-part 150 $PY -m pytest -q -p no:cacheprovider "${SPREAD[@]}" tests/test_quant_kernels.py tests/test_small_batch_gemm.py \
-  tests/test_cpu_paged_attention.py tests/test_sliding_window.py tests/test_flash_prefill.py \
-  tests/test_sdpa_prefill.py tests/test_onednn_int8.py tests/test_fused_moe.py tests/test_fused_ops.py \
-  tests/test_kv_cache_8bit.py tests/test_int4_blocks.py tests/test_rescored_head.py tests/test_decode_threads.py
+# KERNEL_TESTS: other test ids instead (e.g. a former call's failures, to save its time)
+TESTS=(${KERNEL_TESTS:-tests/test_quant_kernels.py tests/test_small_batch_gemm.py tests/test_cpu_paged_attention.py
+  tests/test_sliding_window.py tests/test_flash_prefill.py tests/test_sdpa_prefill.py tests/test_onednn_int8.py
+  tests/test_fused_moe.py tests/test_fused_ops.py tests/test_kv_cache_8bit.py tests/test_int4_blocks.py
+  tests/test_rescored_head.py tests/test_decode_threads.py})
+part 150 $PY -m pytest -q -p no:cacheprovider "${SPREAD[@]}" "${TESTS[@]}"
 
 [[ ${KERNELS_ONLY:-0} == 1 ]] && { section "done (KERNELS_ONLY)"; exit 0; }
 

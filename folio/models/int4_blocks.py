@@ -25,18 +25,17 @@ from typing import Optional
 import torch
 
 from folio.csrc_build import CSRC, CppKernel
-from folio.models import packed_scratch, small_batch_gemm
-from folio.platforms.cpu_features import has_avx512
+from folio.models import packed_scratch
+from folio.platforms.cpu_features import has_amx, has_avx512
 
 KERNEL = CppKernel("folio_cpu_int4_blocks", CSRC / "cpu_int4_blocks.cpp", what="CPU int4 block kernel",
                    fallback="int4 layers keep the row-major kernel")
 COLUMNS = 64  # output columns per block
-# bf16 batches of up to this many rows run the kernel, larger ones the dense GEMM on the dequantised weight. The
-# kernel multiplies with the same vdpbf16ps as bf16's small-batch kernel and has its crossover with oneDNN:
-# on Zen 4 (all linear layers of the 0.5B Qwen2 from memory) 63-72 ms at 64 rows against 100-120 for
-# dequantising and oneDNN's GEMM, even at 128 rows (benchmarks/int4_blocks_bench.py); with AMX oneDNN's tiles
-# win sooner (not yet measured there).
-MAX_ROWS = small_batch_gemm.MAX_ROWS[torch.bfloat16]
+# bf16 batches of up to this many rows run the kernel, larger ones the dense GEMM on the dequantised weight
+# (benchmarks/int4_blocks_bench.py, all linear layers of the 0.5B Qwen2 from memory, 2 threads). On Zen 4
+# 63-72 ms at 64 rows against 100-120 for dequantising and oneDNN's GEMM, even at 128 rows; on an Emerald Rapids
+# Xeon, whose AMX tiles make the GEMM cheap, 80 against 88 ms at 16 rows but 157 against 94 at 32.
+MAX_ROWS = 16 if has_amx() else 64
 
 
 def runs_kernel(x: torch.Tensor) -> bool:
