@@ -50,6 +50,9 @@ for flag in avx512f avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8; do
 done
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 $PY -c "import torch; print('torch', torch.__version__, '- ATen CPU capability', torch.backends.cpu.get_cpu_capability())"
+# the kernels' compiler against torch's (a kernel's refusal of bad input crashed there once: see the last part)
+echo "kernels built by: $(c++ --version | head -1)"
+$PY -c "import torch; print(*[l.strip() for l in torch.__config__.show().splitlines() if 'GCC' in l or 'ABI' in l], sep='\n')"
 # the first logical CPU of each of two distinct physical cores
 CORES=$(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | head -2 | cut -d, -f1 | paste -sd,)
 PIN=(taskset -c "$CORES")
@@ -82,7 +85,7 @@ MODEL=$WORK/qwen2-0.5b
 part 60 $PY -m folio bench make-model --arch qwen2-0.5b --out "$MODEL"
 W1=(--num-prompts 64 --input-len 256 --output-len 128)
 part 60 "${PIN[@]}" $PY -m folio bench roofline --model "$MODEL" "${W1[@]}"
-part 150 "${PIN[@]}" $PY -m folio bench throughput --model "$MODEL" "${W1[@]}" --no-breakdown
+part 150 "${PIN[@]}" $PY -m folio bench throughput --model "$MODEL" "${W1[@]}"  # with its step breakdown
 
 section "batch-1 decode of the 0.5B Qwen2, weight schemes against bf16, engine steps interleaved (issue 13: int8 1.7x, int4 2.5x)"
 part 100 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" --max-num-seqs 1 --num-prompts 2 \
@@ -109,5 +112,13 @@ part 90 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,
 section "W1 of the int8 schemes against bf16 (issue 13: int8 1.3x)"
 part 200 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" "${W1[@]}" \
   --runs bfloat16 bfloat16:int8 bfloat16:int8 bfloat16
+
+section "oneDNN's int8 GEMM at W1's decode batch: which implementation (at 64 rows it ran slower than bf16 there)"
+ONEDNN_VERBOSE=1 part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --shapes 896x4864 --rows 64 --rounds 1 \
+  --round-s 0.05 | grep -E "^onednn_verbose,.*,exec," | cut -d, -f4-7 | sort | uniq -c | sort -rn | head -8
+
+section "where a kernel's refusal of bad shapes crashed there (on torch 2.11 + the image's compiler): a backtrace"
+part 60 cuda-gdb -q -batch -ex run -ex bt --args $PY -m pytest -q -p no:cacheprovider -p no:xdist \
+  tests/test_quant_kernels.py::test_bad_shapes_are_refused 2>&1 | grep -E "^#|SIG|passed|failed" | head -30
 
 section "done"
