@@ -3,7 +3,8 @@ packed GEMM in bf16, MKL (F.linear) in float32.
 
 1. Every linear layer of a model (random weights, more bytes than the caches hold, so each pass reads them
    from memory as a decode step does) multiplied by M rows up to MAX_ROWS: ms per pass, GB/s, ratio. In bf16
-   both read the same packed weights.
+   all read the same packed weights, and the tiles (brgemm per block: the path of batches past MAX_ROWS with
+   AMX) run too.
 2. End to end: single-sequence decode of the default model with the kernel on and off, alternating, the
    median of each (ms per output token).
 
@@ -28,7 +29,8 @@ MODELS = {  # hidden, q + 2 kv width, intermediate, layers
 }
 
 
-def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[float, float, float]:
+def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[dict[str, float], float]:
+    """ms per pass of each path ("library", "kernel", and in bf16 "tiles"), and the weights' bytes."""
     hidden, qkv, inter, layers = MODELS[model]
     shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers
     weights = [torch.randn(n, k).to(dtype) for n, k in shapes]
@@ -47,20 +49,30 @@ def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[flo
             for w in weights:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 
+    ext = small_batch_gemm.KERNEL.load()
+
     def kernel():
         for w, s in zip(weights, served):
-            small_batch_gemm.linear(xs[w.shape[1]], s, None)
+            if dtype == torch.bfloat16:
+                ext.linear_bf16(xs[w.shape[1]], s.blocks, s.out_features, None)
+            else:
+                ext.linear_f32(xs[w.shape[1]], s, None)
 
-    times = {library: [], kernel: []}
-    for f in times:
+    def tiles():
+        for w, s in zip(weights, served):
+            small_batch_gemm.tile_linear(xs[w.shape[1]], s, None)
+
+    paths = {"library": library, "kernel": kernel} | ({"tiles": tiles} if dtype == torch.bfloat16 else {})
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for f in paths.values():
         f()
     for _ in range(rounds * 3):
-        for f, ts in times.items():
+        for name, f in paths.items():
             start = time.perf_counter()
             f()
-            ts.append(time.perf_counter() - start)
+            times[name].append(time.perf_counter() - start)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    return statistics.median(times[library]), statistics.median(times[kernel]), nbytes
+    return {name: statistics.median(ts) for name, ts in times.items()}, nbytes
 
 
 def engine_decode(rounds: int, dtype: torch.dtype, library: str) -> None:
@@ -103,10 +115,13 @@ def main() -> None:
     for model in MODELS:
         limit = small_batch_gemm.MAX_ROWS[dtype]
         for m in args.rows or sorted({m for m in (1, 2, 3, 4, 6, 8, 16, 32, 64) if m < limit} | {limit}):
-            o, k, nbytes = layer_pass(model, m, args.rounds, dtype)
-            print(f"  {model:13s} M={m}  all linear layers ({nbytes / 1e6:.0f} MB): {library} {o * 1e3:6.2f} ms "
-                  f"({nbytes / o / 1e9:4.1f} GB/s)   kernel {k * 1e3:6.2f} ms ({nbytes / k / 1e9:4.1f} GB/s)   "
-                  f"{o / k:4.2f}x")
+            times, nbytes = layer_pass(model, m, args.rounds, dtype)
+            o = times.pop("library")
+            line = f"  {model:13s} M={m}  all linear layers ({nbytes / 1e6:.0f} MB): {library} {o * 1e3:6.2f} ms " \
+                   f"({nbytes / o / 1e9:4.1f} GB/s)"
+            for name, t in times.items():
+                line += f"   {name} {t * 1e3:6.2f} ms ({nbytes / t / 1e9:4.1f} GB/s) {o / t:4.2f}x"
+            print(line)
     if not args.skip_engine:
         engine_decode(args.rounds, dtype, library)
     print(f"  {note(load.cores())}")

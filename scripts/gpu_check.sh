@@ -98,7 +98,7 @@ part 90 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --shapes Qw
 section "batch-1 decode on the decode threads against OpenMP"
 part 60 "${PIN[@]}" $PY benchmarks/decode_threads_bench.py --model "$MODEL" --schemes none int4 int8 --rounds 12
 
-section "decode-sized bf16 matmuls: the small-batch kernel against oneDNN (AMX: sets small_batch_gemm.MAX_ROWS_AMX)"
+section "decode-sized bf16 matmuls: the small-batch kernel and the tiles against oneDNN (AMX: sets small_batch_gemm.MAX_ROWS_AMX, TILE_ROWS_AMX)"
 part 60 "${PIN[@]}" $PY benchmarks/small_batch_gemm_bench.py --skip-engine --rounds 1 --rows 1 4 8 16 32 64
 
 section "decode-sized int4 matmuls: the column-block kernel, the row-major one, the dequantised GEMM (AMX: int4_blocks.MAX_ROWS)"

@@ -28,16 +28,26 @@ def packed(w: torch.Tensor) -> small_batch_gemm.PackedWeight:
     return weight
 
 
+def vector_kernel(x, weight: small_batch_gemm.PackedWeight, bias):
+    return small_batch_gemm.KERNEL.load().linear_bf16(x, weight.blocks, weight.out_features, bias)
+
+
+# the bf16 paths on the packed blocks, each at any batch size: the vector kernel and the tiles (brgemm, which
+# runs on AMX tiles where the CPU has them and on its vector fallback elsewhere)
+BF16_PATHS = {"kernel": vector_kernel, "tiles": small_batch_gemm.tile_linear}
+
+
 @bf16_kernel
+@pytest.mark.parametrize("path", BF16_PATHS)
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
 @pytest.mark.parametrize("n,k", [(1, 2), (5, 96), (1000, 576), (37, 1536), (100, 30), (1152, 896)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_exact_product_to_one_bf16_step(m, n, k, with_bias):
+def test_matches_exact_product_to_one_bf16_step(path, m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
-    got = small_batch_gemm.linear(x, packed(w), b)
+    got = BF16_PATHS[path](x, packed(w), b)
     exact = x.double() @ w.double().T + (b.double() if with_bias else 0)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     # exact products, float32 sums (error at most k eps32 of the absolute sum), one rounding to bf16 (half a
@@ -52,8 +62,9 @@ def test_matches_exact_product_to_one_bf16_step(m, n, k, with_bias):
 
 
 @bf16_kernel
+@pytest.mark.parametrize("path", BF16_PATHS)
 @pytest.mark.parametrize("width", onednn_layout.BLOCK_WIDTHS)
-def test_every_block_width_and_padded_k(width):
+def test_every_block_width_and_padded_k(path, width):
     """Layouts oneDNN may choose on other CPUs: blocks 16 to 64 columns wide, K padded within each block."""
     n, k, padded_k = 70, 40, 64
     w = torch.randn(n, k).to(torch.bfloat16)
@@ -62,7 +73,7 @@ def test_every_block_width_and_padded_k(width):
     plain[:n, :k] = w
     blocks = plain.view(num_blocks, width, padded_k // 2, 2).transpose(1, 2).contiguous()
     x = torch.randn(9, k).to(torch.bfloat16)
-    got = small_batch_gemm.linear(x, small_batch_gemm.PackedWeight(blocks, n), None)
+    got = BF16_PATHS[path](x, small_batch_gemm.PackedWeight(blocks, n), None)
     assert torch.allclose(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-1)
 
 
@@ -81,14 +92,16 @@ def test_the_packed_view_keeps_onednn_memory_alive_and_rejects_other_layouts():
 
 
 @bf16_kernel
-def test_strided_rows_and_errors():
+@pytest.mark.parametrize("path", BF16_PATHS)
+def test_strided_rows_and_errors(path):
+    linear = BF16_PATHS[path]
     x = torch.randn(2, 128).to(torch.bfloat16)[:, :64]  # row stride 128
     weight = packed(torch.randn(8, 64).to(torch.bfloat16))
-    assert torch.equal(small_batch_gemm.linear(x, weight, None), small_batch_gemm.linear(x.contiguous(), weight, None))
+    assert torch.equal(linear(x, weight, None), linear(x.contiguous(), weight, None))
     with pytest.raises(RuntimeError, match="within the blocks' K"):
-        small_batch_gemm.linear(torch.randn(1, 66).to(torch.bfloat16), weight, None)
+        linear(torch.randn(1, 66).to(torch.bfloat16), weight, None)
     with pytest.raises(RuntimeError, match="within the last block"):
-        small_batch_gemm.linear(x, small_batch_gemm.PackedWeight(weight.blocks, 65), None)
+        linear(x, small_batch_gemm.PackedWeight(weight.blocks, 65), None)
 
 
 def packed_linear(k: int = 64) -> Linear:
@@ -103,18 +116,23 @@ def packed_linear(k: int = 64) -> Linear:
 
 
 @bf16_kernel
-def test_linear_sends_small_batches_to_the_kernel(monkeypatch):
+@pytest.mark.parametrize("tile_rows", [0, 24])  # no tiles (CPUs without AMX), tiles up to 24 rows (AMX's rule)
+def test_linear_sends_small_batches_to_the_kernel_then_the_tiles(monkeypatch, tile_rows):
+    monkeypatch.setattr(small_batch_gemm, "TILE_ROWS", tile_rows)
+    monkeypatch.setitem(small_batch_gemm.MAX_ROWS, torch.bfloat16, 8)
     layer = packed_linear()
-    reference = small_batch_gemm.KERNEL.load().linear_bf16  # the packed weight, through the kernel at any size
     calls = []
-    real = small_batch_gemm.linear
-    monkeypatch.setattr(small_batch_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    limit = small_batch_gemm.MAX_ROWS[torch.bfloat16]
-    for m in (1, 3, limit, limit + 1):
+    for name in ("linear", "tile_linear"):
+        real = getattr(small_batch_gemm, name)
+        monkeypatch.setattr(small_batch_gemm, name,
+                            lambda *a, real=real, name=name: calls.append((name, a[0].shape[0])) or real(*a))
+    for m in (1, 8, 9, 24, 25):
         x = torch.randn(m, 64).to(torch.bfloat16)
-        want = reference(x, layer.small_batch_weight.blocks, 48, layer.bias)
+        want = vector_kernel(x, layer.small_batch_weight, layer.bias)  # the packed weight, the kernel at any size
         assert torch.allclose(layer(x).float(), want.float(), rtol=2e-2, atol=5e-2)
-    assert calls == [1, 3, limit]  # beyond the limit: oneDNN
+    kernel = [("linear", 1), ("linear", 8)]
+    tiles = [("linear", 9), ("tile_linear", 9), ("linear", 24), ("tile_linear", 24)]
+    assert calls == kernel + (tiles if tile_rows else [])  # beyond: oneDNN
     assert layer.weight is None and layer.packed is not None  # one copy of the weight: oneDNN's
 
 

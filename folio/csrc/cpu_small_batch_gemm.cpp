@@ -13,12 +13,20 @@
 // nearest even), as oneDNN does; the sums run in another order than oneDNN's, so results may differ from its
 // in the last bf16 bit.
 //
+// bf16 in tiles (`linear_bf16_tiles`, any CPU; meant for AMX): with AMX, oneDNN's GEMM streamed the weights of
+// 16-64 rows at 10-14 GB/s where the machine reads 24 (2 cores of an Emerald Rapids Xeon), and the vector kernel
+// above is bound by vdpbf16ps's rate from 16 rows on. This path multiplies each block of the same packed weight,
+// read in place, by all of x with PyTorch's at::native::cpublas::brgemm (oneDNN's micro-kernel: AMX tiles where
+// the CPU has them, B in the VNNI layout the blocks already are), one call per block, blocks spread over the
+// threads as above; the sums (float32) get the bias and are rounded to bf16 once.
+//
 // float32 (AVX2+FMA or AVX-512F, any K, M <= MAX_M_F32): MKL's sgemm packs the whole weight matrix on every
 // call with M >= 2 rows, so a 2-row product cost 2.3x a 1-row one and a 7-row one 2.9x (the 49152 x 576
 // lm_head of SmolLM2 on an AVX2 EPYC: 14 ms, 33 ms, 41 ms); here plain row-major W is read once, with FMAs in
 // float32 (sums in another order than MKL's: results differ in the last bits).
 #include "parallel.h"
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -27,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -195,21 +204,26 @@ bool has_f32_kernel() { return FOLIO_F32_FMA; }
 // contiguous row ranges, at least 16 KiB of W each: one sequential stream per thread
 int64_t row_grain(int64_t row_bytes) { return std::max<int64_t>(1, 16384 / row_bytes); }
 
-at::Tensor linear_bf16(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(FOLIO_DPBF16, "built without AVX512-BF16");
+// The checks both bf16 paths make: the blocks' shape, x's and N's agreement with it, the bias.
+const c10::BFloat16* check_bf16(const at::Tensor& x, const at::Tensor& w, int64_t N,
+                                const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be bf16 [M, K], unit stride");
   TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(3) == 2 &&
                   w.size(2) % 16 == 0 && w.size(2) <= 64,
               "w must be contiguous bf16 blocks [N / NB, K / 2, NB, 2] with NB in 16, 32, 48, 64");
-  const int64_t M = x.size(0), K = x.size(1), NB = w.size(2), block_pairs = w.size(1);
-  TORCH_CHECK(M >= 1, "x must have rows");
-  TORCH_CHECK(K % 2 == 0 && K <= 2 * block_pairs && N >= 1 && N <= w.size(0) * NB && N > (w.size(0) - 1) * NB,
+  const int64_t K = x.size(1), NB = w.size(2);
+  TORCH_CHECK(x.size(0) >= 1, "x must have rows");
+  TORCH_CHECK(K % 2 == 0 && K <= 2 * w.size(1) && N >= 1 && N <= w.size(0) * NB && N > (w.size(0) - 1) * NB,
               "shapes: x [M, K], K even, within the blocks' K; N within the last block");
-  const c10::BFloat16* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N, "bias must be bf16 [N]");
-    bp = bias->data_ptr<c10::BFloat16>();
-  }
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N, "bias must be bf16 [N]");
+  return bias->data_ptr<c10::BFloat16>();
+}
+
+at::Tensor linear_bf16(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(FOLIO_DPBF16, "built without AVX512-BF16");
+  const c10::BFloat16* bp = check_bf16(x, w, N, bias);
+  const int64_t M = x.size(0), K = x.size(1), NB = w.size(2), block_pairs = w.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
 #if FOLIO_DPBF16
   const auto* xp = x.data_ptr<c10::BFloat16>();
@@ -221,6 +235,27 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::
     dispatch_bf16(M, NB / 16, xp, xs, wp, bp, yp, N, K / 2, block_pairs, b0, b1);
   });
 #endif
+  return y;
+}
+
+at::Tensor linear_bf16_tiles(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
+  const c10::BFloat16* bp = check_bf16(x, w, N, bias);
+  const int64_t M = x.size(0), K = x.size(1), NB = w.size(2), block_elems = w.stride(0), xs = x.stride(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  folio::parallel_for(0, w.size(0), 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sums(M * NB);
+    for (int64_t b = b0; b < b1; ++b) {
+      at::native::cpublas::brgemm(M, NB, K, xs, NB, NB, false, xp, wp + b * block_elems, sums.data(), true);
+      const int64_t n0 = b * NB, cols = std::min(NB, N - n0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < cols; ++j)
+          yp[m * N + n0 + j] = c10::BFloat16(sums[m * NB + j] + (bp ? static_cast<float>(bp[n0 + j]) : 0.f));
+    }
+    at::native::cpublas::brgemm_release();  // the thread's AMX tile state, where brgemm took it
+  });
   return y;
 }
 
@@ -255,6 +290,8 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   folio::bind_decode_threads(m);
   m.def("linear_bf16", &linear_bf16, "x W^T (+ b) for bf16 x, W in oneDNN's packed blocks [N / NB, K / 2, NB, 2]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_bf16_tiles", &linear_bf16_tiles, "x W^T (+ b) for bf16 x, the same blocks, by brgemm per block",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_f32", &linear_f32, "x W^T (+ b) for float32 x of at most MAX_M_F32 rows, W row-major",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -12,7 +12,10 @@ are bound by the same bf16 dot-product rate from a few tens of rows on, so the k
 batch. With AMX, oneDNN's tiles multiply several times faster than the kernel's vector units can: there the
 kernel takes only small batches. On 2 pinned cores of an Emerald Rapids Xeon (the device machine's host) the
 kernel took the 0.5B Qwen2's layers 1.25x faster than oneDNN at 1 row and 1.48x at 4 and 8, but 0.61x at 16
-and 0.23x at 32 (SmolLM2: 1.21x at 8, 0.96x at 16): MAX_ROWS_AMX is 8.
+and 0.23x at 32 (SmolLM2: 1.21x at 8, 0.96x at 16): MAX_ROWS_AMX is 8. oneDNN itself streamed the weights
+of those larger decode batches (16-64 rows) at 10-14 GB/s there, where the machine reads 24: up to TILE_ROWS_AMX
+rows, the same packed blocks go through PyTorch's brgemm micro-kernel (AMX tiles) block by block, read in place
+(`tile_linear`; its speed on AMX is not yet measured: scripts/gpu_check.sh times it beside oneDNN).
 
 float32 (AVX2+FMA or AVX-512F, one to eight rows): MKL packs the whole weight on every call of two rows or more,
 so verifying a few speculated tokens cost two to three times a one-token step (SmolLM2's lm_head on an AVX2 EPYC:
@@ -36,6 +39,9 @@ KERNEL = CppKernel("folio_cpu_small_batch_gemm", CSRC / "cpu_small_batch_gemm.cp
 # bf16: measured on Zen 4 and on an AMX Xeon (see above)
 MAX_ROWS_AMX = 8
 MAX_ROWS = {torch.bfloat16: MAX_ROWS_AMX if has_amx() else 64, torch.float32: 8}
+# bf16 batches past MAX_ROWS and up to this many rows run `tile_linear` (0: none, on CPUs without AMX)
+TILE_ROWS_AMX = 64
+TILE_ROWS = TILE_ROWS_AMX if has_amx() else 0
 
 
 @dataclass(frozen=True)
@@ -70,15 +76,24 @@ def packed_blocks(packed: torch.Tensor, weight: torch.Tensor) -> Optional[Packed
 
 
 def serves(x: torch.Tensor) -> bool:
-    """Whether a batch x is small enough for the kernel (for a layer whose weight it serves)."""
-    return x.dim() == 2 and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+    """Whether a batch x is small enough for the kernel or, in bf16, the tiles (for a layer whose weight they
+    serve)."""
+    most = max(MAX_ROWS[torch.bfloat16], TILE_ROWS) if x.dtype == torch.bfloat16 else MAX_ROWS.get(x.dtype, 0)
+    return x.dim() == 2 and x.shape[0] <= most
 
 
 def linear(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M <= MAX_ROWS[dtype], K] @ weight^T (+ bias), in x's dtype: bf16 x with a PackedWeight, float32 x with
-    a plain float32 weight [N, K]."""
+    """x [M, K] @ weight^T (+ bias), in x's dtype, for a batch that `serves` takes: bf16 x with a PackedWeight
+    (the kernel up to MAX_ROWS rows, then the tiles), float32 x with a plain float32 weight [N, K]."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if isinstance(weight, PackedWeight):
+        if x.shape[0] > MAX_ROWS[torch.bfloat16]:
+            return tile_linear(x, weight, bias)
         return KERNEL.load().linear_bf16(x, weight.blocks, weight.out_features, bias)
     return KERNEL.load().linear_f32(x, weight, bias)
+
+
+def tile_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] (bf16, unit stride) @ weight^T (+ bias) by brgemm on each block of the packed weight, any M."""
+    return KERNEL.load().linear_bf16_tiles(x, weight.blocks, weight.out_features, bias)
