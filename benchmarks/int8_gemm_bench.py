@@ -1,11 +1,12 @@
 """One layer's matmul at decode and prefill batch sizes, side by side in one process: the dense bf16 GEMM (oneDNN
 on the prepacked weight, as the dense linear method runs it), folio's row-major W8A8 kernel, its kernel on
 oneDNN's packed weight (VNNI) and oneDNN's int8 GEMM (folio.models.onednn_int8), each as the int8 scheme runs it
-(rotated activations, the quantisation of the rows and the scaling of the result included); then the int8
+(rotated activations, the quantisation of the rows and the scaling of the result included), and that packed weight
+on brgemm's tiles (AMX-INT8's where the CPU has them: the path of batches of 16 to 64 rows there); then the int8
 weight with int16 activations (the int4 schemes' lm_head: the packed kernel, oneDNN's two GEMMs) and a `w8a16`
 layer (weight-only: its kernel, or from quantized_linear.dequantize_min_rows rows the dense GEMM on the weight
 dequantised for the call). The calls alternate round by round; the median over rounds is reported, with the ratios to bf16.
-It picks onednn_int8.MIN_ROWS_VNNI, MIN_ROWS_VNNI_PACKED and MIN_ROWS_AMX.
+It picks onednn_int8.MIN_ROWS_VNNI, MIN_ROWS_VNNI_PACKED, MIN_ROWS_AMX and TILE_ROWS_AMX.
 
     python benchmarks/int8_gemm_bench.py                   # Qwen2-0.5B's gate/up and down shapes
     python benchmarks/int8_gemm_bench.py --rows 1,16,64 --shapes 4864x896
@@ -69,11 +70,17 @@ def main() -> None:
             if all(one.packed is not None and one.packed.blocks is not None for one in group):
                 calls["packed"] = lambda: [quant_kernels.w8a8_packed_linear(
                     one.x16, one.packed.blocks, one.packed.column_sums, one.scales, None, True) for one in group]
+            if "packed" in calls and quant_kernels.has_w8a8_tiles():
+                calls["tiles"] = lambda: [quant_kernels.w8a8_packed_linear(
+                    one.x16, one.packed.blocks, one.packed.column_sums, one.scales, None, True, True) for one in group]
             if all(one.packed is not None for one in group):
                 calls["onednn"] = lambda: [onednn_int8.linear(one.x16, one.onednn_only, None, True) for one in group]
             if "packed" in calls:
                 calls["int16 packed"] = lambda: [quant_kernels.w8_int16_packed_linear(
                     one.x16, one.packed.blocks, one.packed.column_sums, one.scales, None) for one in group]
+            if "tiles" in calls:
+                calls["int16 tiles"] = lambda: [quant_kernels.w8_int16_packed_linear(
+                    one.x16, one.packed.blocks, one.packed.column_sums, one.scales, None, True) for one in group]
             if "onednn" in calls:
                 calls["int16 onednn"] = lambda: [onednn_int8.linear_int16(one.x16, one.onednn_only, None)
                                                  for one in group]
@@ -119,7 +126,7 @@ def layer(n: int, k: int) -> Layer:
     codes, scales = quantize_int8(weight, k)
     scales = scales.view(-1)
     packed = onednn_int8.prepack(codes, scales) if onednn_int8.available() else None
-    onednn_only = None if packed is None else dataclasses.replace(packed, blocks=None, min_rows=0)
+    onednn_only = None if packed is None else dataclasses.replace(packed, blocks=None, min_rows=0, tile_rows=0)
     return Layer(n, k, dense, w8a16, codes, scales, packed, onednn_only)
 
 

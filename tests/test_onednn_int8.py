@@ -24,6 +24,9 @@ EXACT_PAIRS = not {"avx512_vnni", "avx_vnni", "amx_int8"}.isdisjoint(cpu_flags()
 WEIGHT_RANGES = [63, pytest.param(127, marks=pytest.mark.skipif(not EXACT_PAIRS, reason="int16 pairs saturate"))]
 CHUNKED = onednn_int8.CHUNK_ROWS + 44  # two oneDNN calls, the second of a partial chunk
 packed_kernel = pytest.mark.skipif(not quant_kernels.has_packed_w8a8(), reason="the packed W8A8 kernel needs VNNI")
+# the packed products on the kernel's vector loop, and on brgemm's tiles (AMX-INT8's where the CPU has them)
+TILES = [False, pytest.param(True, marks=pytest.mark.skipif(not quant_kernels.has_w8a8_tiles(),
+                                                             reason="this PyTorch's brgemm has no int8 product"))]
 
 
 def check_close(out: torch.Tensor, expected: torch.Tensor, atol_of_largest: float = 0.0) -> None:
@@ -51,11 +54,12 @@ def test_matches_the_reference(m, n, k, dtype, weight_range, rotated):
 
 
 @packed_kernel
+@pytest.mark.parametrize("tiles", TILES, ids=["vectors", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rotated", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (3, 151, 896), (15, 1152, 896), (5, 896, 4864), (2, 100, 96),
-                                   (1, 1, 32)])
-def test_the_packed_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype, rotated):
+                                   (1, 1, 32), (64, 200, 896)])
+def test_the_packed_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype, rotated, tiles):
     """Small batches read oneDNN's packed weight in place; exact sums, the reference's float32 scalings."""
     gen = torch.Generator().manual_seed(m + n + k)
     weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -66,12 +70,14 @@ def test_the_packed_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype, rota
     packed = onednn_int8.prepack(weight, scales)
     assert packed.blocks is not None, "oneDNN chose a layout the kernel does not read"
     for b in (bias, None):
-        got = quant_kernels.w8a8_packed_linear(x, packed.blocks, packed.column_sums, packed.scales, b, rotated)
+        got = quant_kernels.w8a8_packed_linear(x, packed.blocks, packed.column_sums, packed.scales, b, rotated,
+                                               tiles)
         assert torch.equal(got, ref.w8a8_linear(x, weight, scales, b, rotated))
 
 
 @packed_kernel
-def test_the_packed_kernel_reads_padded_blocks_and_checks_shapes():
+@pytest.mark.parametrize("tiles", TILES, ids=["vectors", "tiles"])
+def test_the_packed_kernel_reads_padded_blocks_and_checks_shapes(tiles):
     n, k, padded_k = 70, 64, 128
     weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     plain = torch.zeros(128, padded_k, dtype=torch.int8)
@@ -79,12 +85,13 @@ def test_the_packed_kernel_reads_padded_blocks_and_checks_shapes():
     blocks = plain.view(2, 64, padded_k // 4, 4).transpose(1, 2).contiguous()
     scales, sums = torch.rand(n) + 0.1, weight.sum(dim=1, dtype=torch.int32)
     x = torch.randn(3, k)
-    got = quant_kernels.w8a8_packed_linear(x, blocks, sums, scales, None, False)
+    got = quant_kernels.w8a8_packed_linear(x, blocks, sums, scales, None, False, tiles)
     assert torch.equal(got, ref.w8a8_linear(x, weight, scales, None))
     with pytest.raises(RuntimeError, match="within the blocks' K"):
-        quant_kernels.w8a8_packed_linear(torch.randn(1, 132), blocks, sums, scales, None, False)
+        quant_kernels.w8a8_packed_linear(torch.randn(1, 132), blocks, sums, scales, None, False, tiles)
     with pytest.raises(RuntimeError, match="within the last block"):
-        quant_kernels.w8a8_packed_linear(x, blocks, torch.zeros(130, dtype=torch.int32), torch.ones(130), None, False)
+        quant_kernels.w8a8_packed_linear(x, blocks, torch.zeros(130, dtype=torch.int32), torch.ones(130), None, False,
+                                         tiles)
 
 
 def _w8a8_layer(onednn: bool) -> tuple[Linear, torch.Tensor]:
@@ -103,25 +110,30 @@ def _w8a8_layer(onednn: bool) -> tuple[Linear, torch.Tensor]:
     return layer, weight
 
 
-def test_w8a8_layers_run_every_batch_on_the_packed_weight(monkeypatch):
+@pytest.mark.parametrize("tile_rows", [None, 0, 40])  # as prepacked here, none, up to 40 (AMX-INT8's rule)
+def test_w8a8_layers_run_every_batch_on_the_packed_weight(monkeypatch, tile_rows):
     """Many rows in oneDNN, few in the kernel that reads oneDNN's copy where there is one (the layer frees its
-    own), else in folio's row-major kernel."""
+    own), else in folio's row-major kernel; with AMX-INT8 those between on the tiles."""
     layer, weight = _w8a8_layer(onednn=True)
     packed = layer.onednn_weight
     assert packed is not None
     assert (layer.weight is None) == (packed.blocks is not None) == quant_kernels.has_packed_w8a8()
+    if tile_rows is not None:
+        if tile_rows and not quant_kernels.has_w8a8_tiles():
+            pytest.skip("this PyTorch's brgemm has no int8 product")
+        packed.tile_rows = tile_rows
     onednn_calls = []
     qlinear = torch.ops.onednn.qlinear_pointwise
     monkeypatch.setattr(torch.ops.onednn, "qlinear_pointwise",
                         lambda x, *rest: (onednn_calls.append(x.shape[0]), qlinear(x, *rest))[1], raising=False)
-    for rows in (1, packed.min_rows - 1, packed.min_rows, 100):
+    for rows in (1, packed.min_rows - 1, packed.min_rows, 40, 100):
         x = torch.randn(rows, 64)
         got, expected = layer(x), ref.w8a8_linear(x, weight, layer.weight_scale.view(-1), layer.bias, True)
-        if rows < packed.min_rows and packed.blocks is not None:
+        if rows < packed.min_rows and packed.blocks is not None or rows <= packed.tile_rows:
             assert torch.equal(got, expected)
         else:
             check_close(got, expected)
-    assert onednn_calls == [packed.min_rows, 100]
+    assert onednn_calls == [rows for rows in (packed.min_rows, 40, 100) if rows > packed.tile_rows]
 
 
 def test_default_follows_the_cpu():
@@ -176,17 +188,18 @@ def test_the_int16_reference_is_the_exact_product_within_its_roundings():
 
 
 @packed_kernel
+@pytest.mark.parametrize("tiles", TILES, ids=["vectors", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (2, 151, 896), (3, 1152, 896), (1, 896, 4864), (2, 100, 96),
-                                   (1, 1, 32), (7, 200, 128)])
-def test_the_int16_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype):
+                                   (1, 1, 32), (7, 200, 128), (40, 130, 896)])
+def test_the_int16_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype, tiles):
     """Both bytes' sums exact, 256 * high + low rounded once, the reference's float32 scalings; rows two at a
     time (a partial pair for odd counts)."""
     weight, scales, bias, x = _int16_case(m, n, k, dtype)
     packed = onednn_int8.prepack(weight, scales)
     assert packed.blocks is not None, "oneDNN chose a layout the kernel does not read"
     for b in (bias, None):
-        got = quant_kernels.w8_int16_packed_linear(x, packed.blocks, packed.column_sums, packed.scales, b)
+        got = quant_kernels.w8_int16_packed_linear(x, packed.blocks, packed.column_sums, packed.scales, b, tiles)
         assert torch.equal(got, ref.w8_int16_linear(x, weight, scales, b))
 
 
@@ -209,8 +222,8 @@ def test_int16_activations_in_onednn_match_the_reference(m, n, k, dtype, weight_
     check_close(onednn_int8.linear_int16(x, packed, bias), ref.w8_int16_linear(x, weight, scales, bias), 2 ** -21)
     chunks = [min(onednn_int8.CHUNK_ROWS, m - start) for start in range(0, m, onednn_int8.CHUNK_ROWS)]
     expected = [(rows, 128) for rows in chunks] * 2
-    if packed.blocks is not None and m < packed.min_rows:
-        expected = []  # folio's kernel
+    if packed.blocks is not None and m < packed.min_rows or m <= packed.tile_rows:
+        expected = []  # folio's kernel, or the tiles
     assert sorted(calls) == sorted(expected)
 
 

@@ -42,6 +42,7 @@
 // Sums run in different orders per ISA: weight-only results differ in float32 rounding only.
 #include "parallel.h"
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
@@ -546,6 +547,34 @@ struct PackedW8A8 {
   int64_t M, N, K, block_quads;
 };
 
+// Rows m0 .. m0 + rows of block b from their int32 sums, acc(pass, row, v) for the block's columns 16 v ..
+// 16 v + 15: less 128 times the columns' sums (256 high + low for 16-bit codes), times the row's and the
+// columns' scales, plus the bias, into y.
+template <int PASSES, class Acc>
+inline void packed_w8a8_epilogue(const PackedW8A8& a, int64_t m0, int64_t rows, int64_t b, const Acc& acc) {
+  for (int v = 0; v < 4; ++v) {
+    const int64_t n = b * PACKED_COLUMNS + v * 16, lanes = std::min<int64_t>(16, a.N - n);
+    if (lanes <= 0) break;
+    const __mmask16 mask = lanes == 16 ? __mmask16(0xffff) : __mmask16((1u << lanes) - 1);
+    const __m512i shift = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, a.colsum + n), 7);  // 128 * colsum
+    const __m512 sw = _mm512_maskz_loadu_ps(mask, a.sw + n);
+    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+      __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc(0, i, v), shift));
+      // 256 * high + low: the product by 256 is exact, so the FMA rounds as the reference's mul and add do
+      if (PASSES == 2)
+        sum = _mm512_fmadd_ps(sum, _mm512_set1_ps(256.f),
+                              _mm512_cvtepi32_ps(_mm512_sub_epi32(acc(PASSES - 1, i, v), shift)));
+      __m512 out = _mm512_mul_ps(sum, _mm512_mul_ps(_mm512_set1_ps(a.sx[m0 + i]), sw));
+      if (a.bias) out = _mm512_add_ps(out, bias);  // the reference's float32 add, after the scaling
+      if (a.yb)
+        _mm256_mask_storeu_epi16(a.yb + (m0 + i) * a.N + n, mask, (__m256i)_mm512_cvtneps_pbh(out));
+      else
+        _mm512_mask_storeu_ps(a.y + (m0 + i) * a.N + n, mask, out);
+    }
+  }
+}
+
 template <int MR, int PASSES>
 void packed_w8a8_block(const PackedW8A8& a, int64_t m0, int64_t b) {
   const int8_t* w = a.w + b * a.block_quads * PACKED_COLUMNS * 4;
@@ -577,27 +606,7 @@ void packed_w8a8_block(const PackedW8A8& a, int64_t m0, int64_t b) {
         for (int v = 0; v < 4; ++v) acc[s][i][v] = _mm512_dpbusd_epi32(acc[s][i][v], xv, wv[v]);
       }
   }
-  for (int v = 0; v < 4; ++v) {
-    const int64_t n = b * PACKED_COLUMNS + v * 16, lanes = std::min<int64_t>(16, a.N - n);
-    if (lanes <= 0) break;
-    const __mmask16 mask = lanes == 16 ? __mmask16(0xffff) : __mmask16((1u << lanes) - 1);
-    const __m512i shift = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, a.colsum + n), 7);  // 128 * colsum
-    const __m512 sw = _mm512_maskz_loadu_ps(mask, a.sw + n);
-    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) {
-      __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[0][i][v], shift));
-      // 256 * high + low: the product by 256 is exact, so the FMA rounds as the reference's mul and add do
-      if (PASSES == 2)
-        sum = _mm512_fmadd_ps(sum, _mm512_set1_ps(256.f),
-                              _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[PASSES - 1][i][v], shift)));
-      __m512 out = _mm512_mul_ps(sum, _mm512_mul_ps(_mm512_set1_ps(a.sx[m0 + i]), sw));
-      if (a.bias) out = _mm512_add_ps(out, bias);  // the reference's float32 add, after the scaling
-      if (a.yb)
-        _mm256_mask_storeu_epi16(a.yb + (m0 + i) * a.N + n, mask, (__m256i)_mm512_cvtneps_pbh(out));
-      else
-        _mm512_mask_storeu_ps(a.y + (m0 + i) * a.N + n, mask, out);
-    }
-  }
+  packed_w8a8_epilogue<PASSES>(a, m0, MR, b, [&](int s, int i, int v) { return acc[s][i][v]; });
 }
 
 template <int PASSES>
@@ -614,8 +623,36 @@ void packed_w8a8(const PackedW8A8& a) {
         });
   });
 }
+
+// The tiles (meant for AMX-INT8, where oneDNN's int8 GEMM read 16-64 rows' weights at half the bandwidth): each
+// block times all of x's codes by PyTorch's at::native::cpublas::brgemm (oneDNN's micro-kernel, unsigned by
+// signed bytes into int32: AMX tiles where the CPU has them, and the block already in the VNNI layout it reads),
+// then the epilogue above, so results are the reference's bit for bit here too.
+#ifdef CPUBLAS_BRGEMM_U8I8I32
+#define FOLIO_W8A8_TILES 1
+template <int PASSES>
+void packed_w8a8_tiles(const PackedW8A8& a) {
+  const int64_t block_elems = a.block_quads * PACKED_COLUMNS * 4;
+  folio::parallel_for(0, (a.N + PACKED_COLUMNS - 1) / PACKED_COLUMNS, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int32_t> sums(PASSES * a.M * PACKED_COLUMNS);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int s = 0; s < PASSES; ++s)
+        at::native::cpublas::brgemm(a.M, PACKED_COLUMNS, a.K, a.K, PACKED_COLUMNS, PACKED_COLUMNS, false,
+                                    s == 0 ? a.xu : a.xl, a.w + b * block_elems,
+                                    sums.data() + s * a.M * PACKED_COLUMNS, true);
+      packed_w8a8_epilogue<PASSES>(a, 0, a.M, b, [&](int s, int64_t i, int v) {
+        return _mm512_loadu_si512(sums.data() + (s * a.M + i) * PACKED_COLUMNS + v * 16);
+      });
+    }
+    at::native::cpublas::brgemm_release();  // the thread's AMX tile state, where brgemm took it
+  });
+}
+#endif
 #else
 #define FOLIO_PACKED_W8A8 0
+#endif
+#ifndef FOLIO_W8A8_TILES
+#define FOLIO_W8A8_TILES 0
 #endif
 
 // ----------------------------------------------------------------------------------------------- W4A8
@@ -1090,8 +1127,9 @@ std::vector<at::Tensor> quantize_rows_int16_bytes(at::Tensor x) {
 // x [M, K] times the weight in oneDNN's packed blocks int8 [N / 64, K' / 4, 64, 4] (K' >= K), its column sums
 // int32 [N] and scales float32 [N], x's rows quantised to int8 (int16 = false) or int16 codes.
 at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                         c10::optional<at::Tensor> bias, bool rotate, bool int16) {
+                         c10::optional<at::Tensor> bias, bool rotate, bool int16, bool tiles) {
   TORCH_CHECK(FOLIO_PACKED_W8A8, "built without AVX512-VNNI");
+  TORCH_CHECK(!tiles || FOLIO_W8A8_TILES, "this PyTorch's brgemm has no int8 product");
   const int64_t N = scales.numel(), K = x.size(-1);
   TORCH_CHECK(blocks.dim() == 4 && blocks.scalar_type() == at::kChar && blocks.is_contiguous() &&
                   blocks.size(2) == 64 && blocks.size(3) == 4,
@@ -1121,6 +1159,13 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums
                      blocks.data_ptr<int8_t>(), column_sums.data_ptr<int32_t>(), scales.data_ptr<float>(),
                      b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
                      bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, N, K, blocks.size(1)};
+#if FOLIO_W8A8_TILES
+  if (tiles) {
+    if (int16) packed_w8a8_tiles<2>(a);
+    else packed_w8a8_tiles<1>(a);
+    return bf16 ? y : as_input_dtype(y, x);
+  }
+#endif
   if (int16) packed_w8a8<2>(a);
   else packed_w8a8<1>(a);
 #endif
@@ -1129,17 +1174,18 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums
 
 // w8a8_linear's product with the weight in oneDNN's packed blocks (packed_linear).
 at::Tensor w8a8_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                              c10::optional<at::Tensor> bias, bool rotate) {
-  return packed_linear(x, blocks, column_sums, scales, bias, rotate, false);
+                              c10::optional<at::Tensor> bias, bool rotate, bool tiles) {
+  return packed_linear(x, blocks, column_sums, scales, bias, rotate, false, tiles);
 }
 
 // x's rows quantised to int16, times the weight in oneDNN's packed blocks (packed_linear).
 at::Tensor w8_int16_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                                  c10::optional<at::Tensor> bias) {
-  return packed_linear(x, blocks, column_sums, scales, bias, false, true);
+                                  c10::optional<at::Tensor> bias, bool tiles) {
+  return packed_linear(x, blocks, column_sums, scales, bias, false, true, tiles);
 }
 
 bool has_packed_w8a8() { return FOLIO_PACKED_W8A8; }
+bool has_w8a8_tiles() { return FOLIO_PACKED_W8A8 && FOLIO_W8A8_TILES; }
 
 // out [M, N] (float32 or bf16) = y [M, N] float32 (sums already times the weight's scales) times each row's
 // scale (+ bias): the epilogue of an int8 GEMM whose activation scale is per token. out may be rows of a larger
@@ -1206,15 +1252,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("w8a8_packed_linear", &w8a8_packed_linear, "w8a8_linear with the weight in oneDNN's packed int8 blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("column_sums"), pybind11::arg("scales"),
-        pybind11::arg("bias"), pybind11::arg("rotate"), pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("bias"), pybind11::arg("rotate"), pybind11::arg("tiles") = false,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("w8_int16_packed_linear", &w8_int16_packed_linear,
         "x quantised per row to 16-bit codes times int8 W in oneDNN's packed blocks (+ b)", pybind11::arg("x"),
         pybind11::arg("blocks"), pybind11::arg("column_sums"), pybind11::arg("scales"), pybind11::arg("bias"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("tiles") = false, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quantize_rows_int16_bytes", &quantize_rows_int16_bytes,
         "x's rows quantised to 16-bit codes, as (high bytes + 128, low bytes + 128, scales)", pybind11::arg("x"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_packed_w8a8", &has_packed_w8a8, "whether w8a8_packed_linear was compiled in (AVX512-VNNI)");
+  m.def("has_w8a8_tiles", &has_w8a8_tiles, "whether the packed W8A8 products can run on brgemm's tiles (tiles=True)");
   m.def("quantize_rows_unsigned", &quantize_rows_unsigned, "x's rows as W8A8 quantises them, codes + 128 as uint8",
         pybind11::arg("x"), pybind11::arg("rotate"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("scale_rows", &scale_rows, "out = y times each row's scale (+ bias)", pybind11::arg("y"),

@@ -24,8 +24,17 @@ onednn_layout), so the layer keeps that one copy of its weight. On Zen 4, all li
 from memory (`python benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,9728x896,896x4864 --copies 24`) took
 1.70x less time than in oneDNN at 1 row, 1.80x at 4, 1.31x at 8, 1.21x at 12 and 0.97x at 16 (and 1.19x less
 than folio's row-major kernel at 1 row). Where oneDNN lays the weight out otherwise, the layer keeps its own copy
-for folio's row-major kernel too. Tests run this path on any CPU with weights within 6 bits. Not yet measured on
-an AMX machine (its row threshold is a guess): scripts/gpu_check.sh times W1 in int8 against bf16 there.
+for folio's row-major kernel too. Tests run this path on any CPU with weights within 6 bits.
+
+On AMX-INT8 (2 pinned cores of an Emerald Rapids Xeon, the device machine's host) oneDNN overtook the packed
+kernel from 16 rows (all layers of the 0.5B Qwen2: 37.0 against 41.4 ms at 16 rows, 24.1 against 22.9 at 8) but
+streamed decode batches' weights at half the bandwidth: at 64 rows no faster than bf16 (9728 x 896: 0.86 against
+0.91 ms; 896 x 4864: 0.77 against 0.65), and W1 in int8 ran at 0.83x bf16. So batches of min_rows to
+`tile_rows` rows go to the tiles: the packed blocks read in place, each times all rows by PyTorch's brgemm
+(oneDNN's micro-kernel: AMX-INT8 tiles there, vpdpbusd on VNNI; quant_kernels.w8a8_packed_linear with tiles),
+then the packed kernel's epilogue, so the same result bit for bit. On Zen 4 they beat both the packed kernel and
+oneDNN's GEMM from 12 rows to 256 (below); on AMX their speed is not yet measured (scripts/gpu_check.sh times
+them).
 """
 
 from __future__ import annotations
@@ -45,6 +54,14 @@ _PACK_FOR_ROWS = 64
 MIN_ROWS_VNNI = 2
 MIN_ROWS_VNNI_PACKED = 16
 MIN_ROWS_AMX = 16
+# With the tiles (a PyTorch whose brgemm multiplies bytes), batches from min_rows up to tile_rows rows go to them
+# instead of oneDNN: on VNNI from 12 rows (below, the packed kernel) up to 256; on AMX-INT8 from MIN_ROWS_AMX up
+# to 64 (guesses until measured there). On Zen 4, all linear layers of the 0.5B Qwen2 from memory
+# (benchmarks/int8_gemm_bench.py, copies 24), ms: at 8 rows the tiles and the packed kernel level (21.4 against
+# 22.4, 20.7 against 19.4), at 16 27.0 against 34.5 (oneDNN 44.8), at 64 70.0 against 84.6 for oneDNN, at 256
+# 305 against 333.
+TILES_FROM_VNNI, TILE_ROWS_VNNI = 12, 256
+TILE_ROWS_AMX = 64
 # rows of one oneDNN call: its float32 result (256 x 9728 x 4 bytes = 10 MB for Qwen2-0.5B's gate/up) stays in
 # the last-level cache for the scaling pass; a 2048-row chunk wrote 80 MB to memory and read it back
 CHUNK_ROWS = 256
@@ -71,7 +88,8 @@ class PackedInt8Weight:
     zero_points: torch.Tensor  # int64 [N] of zeros: the weights are symmetric
     blocks: Optional[torch.Tensor]
     column_sums: Optional[torch.Tensor]
-    min_rows: int  # batches of this many rows or more go to oneDNN on this CPU, fewer to folio's kernels
+    min_rows: int  # batches of fewer rows go to folio's kernels on this CPU, the others to oneDNN,
+    tile_rows: int  # but those of up to this many rows to the tiles (0: none)
 
 
 def _row_sums(weight: torch.Tensor) -> torch.Tensor:
@@ -86,18 +104,25 @@ def prepack(weight: torch.Tensor, scales: torch.Tensor) -> PackedInt8Weight:
     # the kernel reads blocks of 64 columns
     blocks = onednn_layout.vnni_blocks(packed, weight, 4, widths=(64,)) if quant_kernels.has_packed_w8a8() else None
     column_sums = None if blocks is None else _row_sums(weight)
-    min_rows = MIN_ROWS_AMX if has_amx_int8() else (MIN_ROWS_VNNI if blocks is None else MIN_ROWS_VNNI_PACKED)
+    tiles = blocks is not None and quant_kernels.has_w8a8_tiles()
+    if has_amx_int8():
+        min_rows, tile_rows = MIN_ROWS_AMX, TILE_ROWS_AMX if tiles else 0
+    elif tiles:
+        min_rows, tile_rows = TILES_FROM_VNNI, TILE_ROWS_VNNI
+    else:
+        min_rows, tile_rows = MIN_ROWS_VNNI if blocks is None else MIN_ROWS_VNNI_PACKED, 0
     return PackedInt8Weight(packed, scales.contiguous(), torch.zeros(weight.shape[0], dtype=torch.int64), blocks,
-                            column_sums, min_rows)
+                            column_sums, min_rows, tile_rows)
 
 
 def linear(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tensor], rotated: bool) -> torch.Tensor:
     """x [M, K] (rotated first if the weight is) quantised per row to int8, times the weight, (+ bias float32),
     in x's dtype: fewer than weight.min_rows rows on folio's kernel that reads the blocks (callers send smaller
-    batches elsewhere when there are none), more in oneDNN, in chunks of CHUNK_ROWS rows, so that oneDNN's float32
+    batches elsewhere when there are none), then up to weight.tile_rows on the tiles, more in oneDNN, in chunks of CHUNK_ROWS rows, so that oneDNN's float32
     result is still in cache when it is scaled."""
-    if x.shape[0] < weight.min_rows and weight.blocks is not None:
-        return quant_kernels.w8a8_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias, rotated)
+    if x.shape[0] < weight.min_rows and weight.blocks is not None or x.shape[0] <= weight.tile_rows:
+        return quant_kernels.w8a8_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias, rotated,
+                                                tiles=x.shape[0] >= weight.min_rows)
     codes, row_scales = quant_kernels.quantize_rows_unsigned(x, rotated)
     return _scaled_in_chunks(x, weight, bias, row_scales, lambda rows: _gemm(codes[rows], weight))
 
@@ -105,10 +130,11 @@ def linear(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tenso
 def linear_int16(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] quantised per row to 16-bit codes, times the weight, (+ bias float32), in x's dtype
     (quant_reference.w8_int16_linear): fewer than weight.min_rows rows on folio's kernel that reads the blocks,
-    more (or without blocks) as two oneDNN GEMMs, one per signed byte of the codes, whose float32 results combine
+    then up to weight.tile_rows on the tiles, more (or without blocks) as two oneDNN GEMMs, one per signed byte of the codes, whose float32 results combine
     as 256 high + low before the scaling."""
-    if x.shape[0] < weight.min_rows and weight.blocks is not None:
-        return quant_kernels.w8_int16_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias)
+    if x.shape[0] < weight.min_rows and weight.blocks is not None or x.shape[0] <= weight.tile_rows:
+        return quant_kernels.w8_int16_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias,
+                                                    tiles=x.shape[0] >= weight.min_rows)
     high, low, row_scales = quant_kernels.quantize_rows_int16_bytes(x)
     return _scaled_in_chunks(x, weight, bias, row_scales, lambda rows: torch.add(
         _gemm(low[rows], weight), _gemm(high[rows], weight), alpha=256))

@@ -97,18 +97,28 @@ def has_packed_w8a8() -> bool:
     return ext is not None and ext.has_packed_w8a8()
 
 
+def has_w8a8_tiles() -> bool:
+    """Whether the packed W8A8 products can run on brgemm's tiles here (tiles=True below): the kernel and a
+    PyTorch whose brgemm multiplies bytes."""
+    ext = KERNEL.load()
+    return ext is not None and ext.has_w8a8_tiles()
+
+
 def w8a8_packed_linear(x: torch.Tensor, blocks: torch.Tensor, column_sums: torch.Tensor, scales: torch.Tensor,
-                       bias: Optional[torch.Tensor], rotated: bool) -> torch.Tensor:
+                       bias: Optional[torch.Tensor], rotated: bool, tiles: bool = False) -> torch.Tensor:
     """w8a8_linear with the weight in oneDNN's packed int8 blocks [N / 64, K' / 4, 64, 4], its column sums int32 [N]
-    and scales [N] (folio.models.onednn_int8): the same result bit for bit. Kernel only (has_packed_w8a8)."""
-    return KERNEL.load().w8a8_packed_linear(x, blocks, column_sums, scales, bias, rotated)
+    and scales [N] (folio.models.onednn_int8): the same result bit for bit. Kernel only (has_packed_w8a8); tiles:
+    each block by PyTorch's brgemm (AMX-INT8 tiles where the CPU has them; has_w8a8_tiles) instead of the
+    kernel's vector loop."""
+    return KERNEL.load().w8a8_packed_linear(x, blocks, column_sums, scales, bias, rotated, tiles)
 
 
 def w8_int16_packed_linear(x: torch.Tensor, blocks: torch.Tensor, column_sums: torch.Tensor, scales: torch.Tensor,
-                           bias: Optional[torch.Tensor]) -> torch.Tensor:
+                           bias: Optional[torch.Tensor], tiles: bool = False) -> torch.Tensor:
     """quant_reference.w8_int16_linear (x's rows quantised to 16-bit codes) with the weight in oneDNN's packed int8 blocks,
-    as w8a8_packed_linear takes them: the reference's result bit for bit. Kernel only (has_packed_w8a8)."""
-    return KERNEL.load().w8_int16_packed_linear(x, blocks, column_sums, scales, bias)
+    as w8a8_packed_linear takes them: the reference's result bit for bit. Kernel only (has_packed_w8a8); tiles as
+    there."""
+    return KERNEL.load().w8_int16_packed_linear(x, blocks, column_sums, scales, bias, tiles)
 
 
 def quantize_rows_int16_bytes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
