@@ -92,6 +92,10 @@ part 100 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" --max-
   --input-len 32 --output-len 128 --kv-cache-memory 268435456 --runs bfloat16 bfloat16:int4 bfloat16:int8 \
   --decode-steps 300
 
+section "W1 of the int8 schemes against bf16 (issue 13: int8 1.3x)"
+part 150 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" "${W1[@]}" \
+  --runs bfloat16 bfloat16:int8 bfloat16:int8 bfloat16
+
 section "long-query (prefill) attention, one Qwen2-0.5B layer"
 part 90 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --shapes Qwen2-0.5B
 
@@ -104,14 +108,10 @@ part 60 "${PIN[@]}" $PY benchmarks/small_batch_gemm_bench.py --skip-engine --rou
 section "decode-sized int4 matmuls: the column-block kernel, the row-major one, the dequantised GEMM (AMX: int4_blocks.MAX_ROWS)"
 part 60 "${PIN[@]}" $PY benchmarks/int4_blocks_bench.py --rows 1,4,16,32,64 --rounds 1 --round-s 0.3
 
-section "one layer's matmul: bf16, the W8A8 kernel, oneDNN's int8 GEMM (AMX-INT8; sets MIN_ROWS_AMX), int16 activations, w8a16"
+section "one layer's matmul: bf16, the W8A8 kernel, the tiles, oneDNN's int8 GEMM (AMX-INT8; sets MIN_ROWS_AMX, TILE_ROWS_AMX), int16 activations, w8a16"
 part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --rounds 3 --round-s 0.1
 part 90 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --shapes 1152x896,896x896,9728x896,896x4864 --copies 24 \
-  --rows 1,4,8,16,32 --rounds 2 --round-s 0.2
-
-section "W1 of the int8 schemes against bf16 (issue 13: int8 1.3x)"
-part 200 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" "${W1[@]}" \
-  --runs bfloat16 bfloat16:int8 bfloat16:int8 bfloat16
+  --rows 1,4,8,16,32,64 --rounds 2 --round-s 0.2
 
 section "oneDNN's int8 GEMM at W1's decode batch: which implementation (at 64 rows it ran slower than bf16 there)"
 ONEDNN_VERBOSE=1 part 60 "${PIN[@]}" $PY benchmarks/int8_gemm_bench.py --shapes 896x4864 --rows 64 --rounds 1 \
