@@ -49,14 +49,12 @@ def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[dic
             for w in weights:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 
-    ext = small_batch_gemm.KERNEL.load()
-
     def kernel():
         for w, s in zip(weights, served):
             if dtype == torch.bfloat16:
-                ext.linear_bf16(xs[w.shape[1]], s.blocks, s.out_features, None)
+                small_batch_gemm.vector_linear(xs[w.shape[1]], s, None)
             else:
-                ext.linear_f32(xs[w.shape[1]], s, None)
+                small_batch_gemm.linear(xs[w.shape[1]], s, None)
 
     def tiles():
         for w, s in zip(weights, served):

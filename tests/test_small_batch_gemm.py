@@ -28,13 +28,9 @@ def packed(w: torch.Tensor) -> small_batch_gemm.PackedWeight:
     return weight
 
 
-def vector_kernel(x, weight: small_batch_gemm.PackedWeight, bias):
-    return small_batch_gemm.KERNEL.load().linear_bf16(x, weight.blocks, weight.out_features, bias)
-
-
 # the bf16 paths on the packed blocks, each at any batch size: the vector kernel and the tiles (brgemm, which
 # runs on AMX tiles where the CPU has them and on its vector fallback elsewhere)
-BF16_PATHS = {"kernel": vector_kernel, "tiles": small_batch_gemm.tile_linear}
+BF16_PATHS = {"kernel": small_batch_gemm.vector_linear, "tiles": small_batch_gemm.tile_linear}
 
 
 @bf16_kernel
@@ -128,7 +124,8 @@ def test_linear_sends_small_batches_to_the_kernel_then_the_tiles(monkeypatch, ti
                             lambda *a, real=real, name=name: calls.append((name, a[0].shape[0])) or real(*a))
     for m in (1, 8, 9, 24, 25):
         x = torch.randn(m, 64).to(torch.bfloat16)
-        want = vector_kernel(x, layer.small_batch_weight, layer.bias)  # the packed weight, the kernel at any size
+        # the packed weight, through the kernel at any size
+        want = small_batch_gemm.vector_linear(x, layer.small_batch_weight, layer.bias)
         assert torch.allclose(layer(x).float(), want.float(), rtol=2e-2, atol=5e-2)
     kernel = [("linear", 1), ("linear", 8)]
     tiles = [("linear", 9), ("tile_linear", 9), ("linear", 24), ("tile_linear", 24)]

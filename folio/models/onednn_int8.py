@@ -91,6 +91,13 @@ class PackedInt8Weight:
     min_rows: int  # batches of fewer rows go to folio's kernels on this CPU, the others to oneDNN,
     tile_rows: int  # but those of up to this many rows to the tiles (0: none)
 
+    def on_blocks(self, rows: int) -> Optional[bool]:
+        """Where a batch of `rows` rows runs: on the blocks with the kernel's vector loop (False) or the tiles
+        (True), or None for oneDNN."""
+        if rows < self.min_rows and self.blocks is not None:
+            return False
+        return True if rows <= self.tile_rows else None
+
 
 def _row_sums(weight: torch.Tensor) -> torch.Tensor:
     """int32 [N]: the sums of weight's rows, a few thousand rows at a time (the sum widens them to int32 first:
@@ -118,11 +125,12 @@ def prepack(weight: torch.Tensor, scales: torch.Tensor) -> PackedInt8Weight:
 def linear(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tensor], rotated: bool) -> torch.Tensor:
     """x [M, K] (rotated first if the weight is) quantised per row to int8, times the weight, (+ bias float32),
     in x's dtype: fewer than weight.min_rows rows on folio's kernel that reads the blocks (callers send smaller
-    batches elsewhere when there are none), then up to weight.tile_rows on the tiles, more in oneDNN, in chunks of CHUNK_ROWS rows, so that oneDNN's float32
-    result is still in cache when it is scaled."""
-    if x.shape[0] < weight.min_rows and weight.blocks is not None or x.shape[0] <= weight.tile_rows:
+    batches elsewhere when there are none), then up to weight.tile_rows on the tiles, more in oneDNN, in chunks
+    of CHUNK_ROWS rows, so that oneDNN's float32 result is still in cache when it is scaled."""
+    tiles = weight.on_blocks(x.shape[0])
+    if tiles is not None:
         return quant_kernels.w8a8_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias, rotated,
-                                                tiles=x.shape[0] >= weight.min_rows)
+                                                tiles)
     codes, row_scales = quant_kernels.quantize_rows_unsigned(x, rotated)
     return _scaled_in_chunks(x, weight, bias, row_scales, lambda rows: _gemm(codes[rows], weight))
 
@@ -130,11 +138,11 @@ def linear(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tenso
 def linear_int16(x: torch.Tensor, weight: PackedInt8Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] quantised per row to 16-bit codes, times the weight, (+ bias float32), in x's dtype
     (quant_reference.w8_int16_linear): fewer than weight.min_rows rows on folio's kernel that reads the blocks,
-    then up to weight.tile_rows on the tiles, more (or without blocks) as two oneDNN GEMMs, one per signed byte of the codes, whose float32 results combine
-    as 256 high + low before the scaling."""
-    if x.shape[0] < weight.min_rows and weight.blocks is not None or x.shape[0] <= weight.tile_rows:
-        return quant_kernels.w8_int16_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias,
-                                                    tiles=x.shape[0] >= weight.min_rows)
+    then up to weight.tile_rows on the tiles, more (or without blocks) as two oneDNN GEMMs, one per signed byte
+    of the codes, whose float32 results combine as 256 high + low before the scaling."""
+    tiles = weight.on_blocks(x.shape[0])
+    if tiles is not None:
+        return quant_kernels.w8_int16_packed_linear(x, weight.blocks, weight.column_sums, weight.scales, bias, tiles)
     high, low, row_scales = quant_kernels.quantize_rows_int16_bytes(x)
     return _scaled_in_chunks(x, weight, bias, row_scales, lambda rows: torch.add(
         _gemm(low[rows], weight), _gemm(high[rows], weight), alpha=256))

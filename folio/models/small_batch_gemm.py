@@ -90,8 +90,13 @@ def linear(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor], bias: Opt
     if isinstance(weight, PackedWeight):
         if x.shape[0] > MAX_ROWS[torch.bfloat16]:
             return tile_linear(x, weight, bias)
-        return KERNEL.load().linear_bf16(x, weight.blocks, weight.out_features, bias)
+        return vector_linear(x, weight, bias)
     return KERNEL.load().linear_f32(x, weight, bias)
+
+
+def vector_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] (bf16, unit stride) @ weight^T (+ bias) on the kernel's vdpbf16ps loop, any M."""
+    return KERNEL.load().linear_bf16(x, weight.blocks, weight.out_features, bias)
 
 
 def tile_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
