@@ -10,6 +10,7 @@ the KV touched (>= --cold-mib) does not stay in the CPU caches, as in a real mod
     .venv/bin/python benchmarks/attention_bench.py --prefill           # also prefill / chunked-prefill cases
     .venv/bin/python benchmarks/attention_bench.py --dtype float32 --threads 1
     .venv/bin/python benchmarks/attention_bench.py --long-queries      # long-query paths vs the paged kernel alone
+    .venv/bin/python benchmarks/attention_bench.py --long-queries --versus-sdpa  # ... vs PyTorch's flash attention
     .venv/bin/python benchmarks/attention_bench.py --versus-kernel HEAD~1  # the kernel against an older build of it
     .venv/bin/python benchmarks/attention_bench.py --kv-cache-dtype int8   # an 8-bit cache (int8 or fp8)
     .venv/bin/python benchmarks/attention_bench.py --engine      # whole engine, default model, both backends
@@ -33,6 +34,7 @@ import torch
 from folio.attention.backend import BatchLayout
 from folio.attention.cpu_paged import CPUPagedAttentionBackend
 from folio.attention.kv_quant import KV_QUANTIZATIONS
+from folio.attention.sdpa_prefill import SdpaPrefill
 from folio.attention.torch_sdpa import TorchSDPABackend
 from folio.csrc_build import CppKernel
 
@@ -217,6 +219,9 @@ def main() -> None:
     parser.add_argument("--versus-kernel", metavar="REV",
                         help="compare with the paged kernel of git revision REV (built once) instead of SDPA")
     parser.add_argument("--prefill", action="store_true", help="also time prefill and chunked-prefill steps")
+    parser.add_argument("--versus-sdpa", action="store_true",
+                        help="--long-queries: against PyTorch's flash attention (sdpa_prefill) taking the same long "
+                             "queries, rather than the kernel alone")
     parser.add_argument("--long-queries", action="store_true",
                         help="prefill cases only, against the paged kernel without its long-query paths "
                              "(folio.attention.long_query) instead of torch SDPA")
@@ -234,9 +239,18 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     rng = random.Random(0)
     torch.manual_seed(0)
-    baseline = CPUPagedAttentionBackend(long_queries={}) if args.long_queries \
-        else kernel_at(args.versus_kernel) if args.versus_kernel else TorchSDPABackend()
-    base = "kernel" if args.long_queries else "old" if args.versus_kernel else "sdpa"
+    if args.long_queries and args.versus_sdpa:  # the same rule as this CPU's own path, for the cache's dtype
+        cache_dtype = dtype if args.kv_cache_dtype == "auto" else KV_QUANTIZATIONS[args.kv_cache_dtype].storage_dtype
+        own = CPUPagedAttentionBackend().long_query_path(cache_dtype)
+        if own is None:
+            raise SystemExit(f"this CPU keeps long queries on {cache_dtype} caches on the kernel")
+        sdpa = SdpaPrefill(own.min_query_len, own.min_query_key_pairs)
+        baseline = CPUPagedAttentionBackend(long_queries={cache_dtype: lambda: sdpa})
+    else:
+        baseline = CPUPagedAttentionBackend(long_queries={}) if args.long_queries \
+            else kernel_at(args.versus_kernel) if args.versus_kernel else TorchSDPABackend()
+    base = ("sdpa" if args.versus_sdpa else "kernel") if args.long_queries else "old" if args.versus_kernel \
+        else "sdpa"
     backends = {"baseline": baseline, "cpu_paged": CPUPagedAttentionBackend()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"{'' if args.kv_cache_dtype == 'auto' else f'{args.kv_cache_dtype} cache, '}block_size {args.block_size}, "
@@ -247,7 +261,8 @@ def main() -> None:
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         if args.long_queries:
-            for label, specs in (("prefill 1x1852", [(1852, 1852)]), ("chunk 256 after 1000", [(256, 1256)]),
+            for label, specs in (("prefill 1x1852", [(1852, 1852)]), ("prefill 7x256", [(256, 256)] * 7),
+                                 ("chunk 256 after 1000", [(256, 1256)]),
                                  ("prefill 1x64", [(64, 64)]), ("chunk 16 after 1000 + 15 decodes",
                                                                 [(16, 1016)] + [(1, args.context)] * 15)):
                 bench_case(f"{shape_name} {label}", specs, shape, dtype, args, rng, backends)

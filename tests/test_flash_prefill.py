@@ -1,9 +1,11 @@
-"""Prefill attention in tiled float32 matrix products (folio.attention.flash_prefill) against a float64 reference,
-from bf16 and 8-bit caches, and through the backend (given as the bf16 path, whatever the CPU).
+"""Prefill attention in tiled matrix products (folio.attention.flash_prefill), float32 and bf16 products, against a
+float64 reference, from bf16 and 8-bit caches, and through the backend (given as the bf16 path, whatever the CPU).
 
 Tolerances (the inputs are bf16, the reference is float64 attention on those same values): an output is
 rounded once to bf16 (2^-9 of its size, 2^-8 allowing for the sums before it); the products and sums are
-float32 (2^-12 of the largest |v| allowed for them).
+float32 (2^-12 of the largest |v| allowed for them). bf16 products round each probability to bf16 (2^-9 of it)
+and divide by the sum of the rounded ones, so the output is a mean of V's rows with weights off by 2^-9 each:
+within 2^-9 of max |v - output| <= 2 max |v|, 2^-8 of the largest |v|.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ def flash_kernel(paged):  # noqa: F811 (builds the paged kernel or skips first)
         pytest.fail(f"the bf16 prefill kernel did not build: {flash_prefill.KERNEL.error}")
 
 
+def needs_products(bf16_products: bool) -> None:
+    if bf16_products and not flash_prefill.KERNEL.load().has_bf16_products():
+        pytest.skip("bf16 products need AVX512-BF16 (this CPU runs float32 products only)")
+
+
 def reference(q, cache, layout, params):
     """Each request's attention in float64 from the written cache (its context from the window of its first
     query: blocks before that are unspecified)."""
@@ -45,19 +52,22 @@ def reference(q, cache, layout, params):
     return out
 
 
-def check_close(out, exact, values):
+def check_close(out, exact, values, bf16_products=False):
     v_max = values.float().abs().max().item()
-    bound = exact.abs() * 2 ** -8 + v_max * 2 ** -12 + 1e-5
+    bound = exact.abs() * 2 ** -8 + v_max * (2 ** -8 if bf16_products else 2 ** -12) + 1e-5
     err = (out.double() - exact).abs()
     assert not err.isnan().any()
     assert (err <= bound).all(), (err - bound).max()
 
 
-def attend_all(q, cache, layout, params):
+PRODUCTS = pytest.mark.parametrize("bf16_products", [False, True], ids=["fp32-products", "bf16-products"])
+
+
+def attend_all(q, cache, layout, params, bf16_products=False):
     """Every request of the layout through the path, from a cache the reference backend has written."""
     metadata = cpu_paged.CPUPagedAttentionBackend(long_queries={}).build_metadata(layout)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-    path = flash_prefill.FlashPrefill(1, 1)
+    path = flash_prefill.FlashPrefill(1, 1, bf16_products=bf16_products)
     path.attend(out, q, cache[0], cache[1], metadata.reqs, metadata.block_tables, params.scale_for(q.shape[-1]),
                 params)
     return out
@@ -68,33 +78,41 @@ def attend_all(q, cache, layout, params):
 SPECS = [(300, 300), (37, 1000), (129, 129), (1, 50), (2, 2), (200, 333)]
 
 
+@PRODUCTS
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("group", [1, 2, 7])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_matches_the_reference(flash_kernel, block_size, group, head_dim):
+def test_matches_the_reference(flash_kernel, block_size, group, head_dim, bf16_products):
+    needs_products(bf16_products)
     q, k, v, cache, layout = make_step(SPECS, block_size, 2, group, head_dim, torch.bfloat16,
                                        seed=block_size * 100 + group * 10 + head_dim)
     _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
-    out = attend_all(q, written, layout, AttentionParams())
-    check_close(out, reference(q, written, layout, AttentionParams()), written[1])
+    out = attend_all(q, written, layout, AttentionParams(), bf16_products)
+    check_close(out, reference(q, written, layout, AttentionParams()), written[1], bf16_products)
 
 
 @pytest.mark.parametrize("params", [
     AttentionParams(sliding_window=1), AttentionParams(sliding_window=17), AttentionParams(sliding_window=150),
     AttentionParams(scale=0.3, logit_softcap=3.0), AttentionParams(sliding_window=40, logit_softcap=5.0),
 ], ids=["window-1", "window-17", "window-150", "softcap", "window-softcap"])
-def test_windows_and_soft_capping(flash_kernel, params):
+@PRODUCTS
+def test_windows_and_soft_capping(flash_kernel, params, bf16_products):
     # blocks wholly before a request's window hold NaN: reading one makes the output NaN
+    needs_products(bf16_products)
     specs = [(300, 300), (37, 1000), (64, 200), (3, 500)]
     q, k, v, cache, layout = make_windowed_step(specs, 16, 2, 3, 64, torch.bfloat16, params.sliding_window, seed=7)
     _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
-    out = attend_all(q, written, layout, params)
-    check_close(out, reference(q, written, layout, params), torch.nan_to_num(written[1]))
+    out = attend_all(q, written, layout, params, bf16_products)
+    check_close(out, reference(q, written, layout, params), torch.nan_to_num(written[1]), bf16_products)
 
 
-def test_backend_takes_long_bf16_queries_there(flash_kernel):
-    # the path this CPU picks, through the backend: long requests to it, decodes and short chunks to the kernel
-    backend = cpu_paged.CPUPagedAttentionBackend(long_queries={torch.bfloat16: flash_prefill.FlashPrefill})
+@pytest.mark.parametrize("rule", [flash_prefill.FLOAT32_PRODUCTS, flash_prefill.BF16_PRODUCTS], ids=["fp32", "bf16"])
+def test_backend_takes_long_bf16_queries_there(flash_kernel, rule):
+    # through the backend: long requests to the path, decodes and short chunks to the kernel
+    bf16_products = rule == flash_prefill.BF16_PRODUCTS
+    needs_products(bf16_products)
+    backend = cpu_paged.CPUPagedAttentionBackend(
+        long_queries={torch.bfloat16: lambda: flash_prefill.FlashPrefill(*rule, bf16_products=bf16_products)})
     path = backend.long_query_path(torch.bfloat16)
     long_len = max(path.min_query_len, int(path.min_query_key_pairs ** 0.5) + 1)
     specs = [(long_len + 37, long_len + 37), (1, 50), (long_len, 3 * long_len + 5), (1, 9)]
@@ -104,7 +122,7 @@ def test_backend_takes_long_bf16_queries_there(flash_kernel):
     out, written = run(backend, q, k, v, cache, layout)
     _, ref_cache = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
     assert torch.equal(written[0], ref_cache[0]) and torch.equal(written[1], ref_cache[1])
-    check_close(out, reference(q, written, layout, AttentionParams()), written[1])
+    check_close(out, reference(q, written, layout, AttentionParams()), written[1], bf16_products)
 
 
 @pytest.mark.parametrize("name", list(KV_QUANTIZATIONS))
@@ -136,19 +154,67 @@ def _greedy_bf16(folder, **kwargs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+CHUNKINGS = ({}, {"max_num_batched_tokens": 7, "block_size": 4})  # whole prompts; chunked prefill
+
+
+def taking_every_chunk(taken: list[int], bf16_products: bool = False):
+    """long_query_paths of a CPU that sends every prompt and prefill chunk of 2 tokens or more to the path (decodes
+    stay on the kernel), noting each call's tokens in taken."""
+    def make():
+        path = flash_prefill.FlashPrefill(2, 1, bf16_products=bf16_products)
+        attend = path.attend
+        path.attend = lambda out, q, *rest: (taken.append(q.shape[0]), attend(out, q, *rest))
+        return path
+    return lambda has_avx512: {torch.bfloat16: make}
+
+
 def test_engine_greedy_equal_with_the_path_on_and_off(flash_kernel, llama_dir, monkeypatch):
     monkeypatch.setattr(cpu_paged, "long_query_paths", lambda has_avx512: {})
     off = _greedy_bf16(llama_dir)
     taken = []
-
-    def on():  # every prompt and prefill chunk of 2 tokens or more; decodes stay on the kernel
-        path = flash_prefill.FlashPrefill(2, 1)
-        attend = path.attend
-        path.attend = lambda out, q, *rest: (taken.append(q.shape[0]), attend(out, q, *rest))
-        return path
-
-    monkeypatch.setattr(cpu_paged, "long_query_paths", lambda has_avx512: {torch.bfloat16: on})
+    monkeypatch.setattr(cpu_paged, "long_query_paths", taking_every_chunk(taken))
     # float32 products differ from the kernel's float32 loop only in the order of sums: the same tokens
-    for kwargs in ({}, {"max_num_batched_tokens": 7, "block_size": 4}):  # whole prompts; chunked prefill
+    for kwargs in CHUNKINGS:
         assert _greedy_bf16(llama_dir, **kwargs) == off
     assert taken
+
+
+def test_engine_prompt_logprobs_as_close_with_bf16_products(flash_kernel, llama_dir, monkeypatch):
+    # bf16 products round the probabilities over other tiles than the kernel does, so a greedy path may flip at a
+    # near-tie: instead, the prompt's logprobs must be as close to float32's with the path as without
+    needs_products(True)
+    prompt = PROMPTS[2]
+
+    def logprob_errors(exact=None, dtype="bfloat16", **kwargs) -> torch.Tensor:
+        llm = LLM(llama_dir, dtype=dtype, kv_cache_memory=1 << 22, attention_backend="cpu_paged", **kwargs)
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        got = torch.tensor([e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None])
+        return got if exact is None else (got - exact).abs()
+
+    monkeypatch.setattr(cpu_paged, "long_query_paths", lambda has_avx512: {})
+    exact = logprob_errors(dtype="float32")
+    off = logprob_errors(exact)
+    taken = []
+    monkeypatch.setattr(cpu_paged, "long_query_paths", taking_every_chunk(taken, bf16_products=True))
+    for kwargs in CHUNKINGS:
+        on = logprob_errors(exact, **kwargs)
+        assert on.max() <= 1.25 * off.max() + 0.01 and on.mean() <= 1.25 * off.mean() + 0.002, (on, off)
+    assert taken
+
+
+@pytest.mark.parametrize("case", ["8-bit cache", "float32 q", "odd head_dim"])
+def test_bf16_products_refuse_what_they_do_not_take(flash_kernel, case):
+    needs_products(True)
+    head_dim = 63 if case == "odd head_dim" else 64
+    q, k, v, cache, layout = make_step([(20, 20)], 16, 2, 2, head_dim, torch.bfloat16, seed=3)
+    if case == "float32 q":
+        q = q.float()
+    if case == "8-bit cache":
+        cache = tuple(KV_QUANTIZATIONS["int8"].quantize(c) for c in cache)
+    metadata = cpu_paged.CPUPagedAttentionBackend(long_queries={}).build_metadata(layout)
+    path = flash_prefill.FlashPrefill(1, 1, bf16_products=True)
+    assert path.supports(AttentionParams(), head_dim) == (head_dim % 2 == 0)
+    with pytest.raises(RuntimeError, match="bf16 products take bf16 q and caches"):
+        path.attend(torch.empty_like(q), q, cache[0], cache[1], metadata.reqs, metadata.block_tables, 0.125,
+                    AttentionParams())

@@ -27,8 +27,9 @@ reference backend for that call.
 
 Long queries (prompts, prefill chunks) go to a matrix-product path for the cache's dtype
 (folio.attention.long_query) where the kernel is slower (`long_query_paths`): PyTorch's flash attention
-(sdpa_prefill) for float32 caches without AVX-512 and bf16 ones on AMX, float32 brgemm tiles (flash_prefill) for
-bf16 and 8-bit caches without AVX-512; the kernel still writes their K/V rows and attends the rest of the step.
+(sdpa_prefill) for float32 caches without AVX-512, brgemm tiles (flash_prefill) for bf16 and 8-bit caches without
+AVX-512 (float32 products) and bf16 caches with AVX512-BF16 or AMX (bf16 products); the kernel still writes their
+K/V rows and attends the rest of the step.
 """
 
 from __future__ import annotations
@@ -74,15 +75,14 @@ def long_query_paths(kernel_has_avx512: bool) -> dict[torch.dtype, PathMaker]:
     """Where long queries go on this CPU instead of the kernel, by cache dtype (each path made at first use; None
     or no entry: the kernel). Without AVX-512 the kernel's loop is AVX2 in float32, and both matrix-product paths
     beat it on long queries (float32 from longer ones than bf16 and 8-bit caches: sdpa_prefill's rule); with
-    AVX-512 its vector code stays (bf16 and 8-bit caches), except bf16 on AMX, whose tiles only oneDNN's GEMMs
-    reach."""
+    AVX-512 its vector code keeps 8-bit caches and short queries, and long bf16 ones go to bf16 products on
+    oneDNN's micro-kernel (AMX tiles where the CPU has them)."""
     if not kernel_has_avx512:
         eight_bit = {quant.storage_dtype: flash_prefill.if_built for quant in kv_quant.KV_QUANTIZATIONS.values()}
         return {torch.float32: functools.partial(sdpa_prefill.SdpaPrefill, *sdpa_prefill.FLOAT32_WITHOUT_AVX512),
                 torch.bfloat16: flash_prefill.if_built, **eight_bit}
-    if has_amx():
-        return {torch.bfloat16: functools.partial(sdpa_prefill.SdpaPrefill, *sdpa_prefill.BF16_ON_AMX)}
-    return {}
+    rule = flash_prefill.BF16_PRODUCTS_AMX if has_amx() else flash_prefill.BF16_PRODUCTS
+    return {torch.bfloat16: functools.partial(flash_prefill.bf16_products_if_built, *rule)}
 
 
 @dataclass

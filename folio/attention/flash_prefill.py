@@ -1,24 +1,32 @@
-"""Prefill attention for bf16 and 8-bit caches as tiled matrix products: the long-query path for those caches on CPUs
-without AVX-512.
+"""Prefill attention as tiled matrix products from the paged cache: the long-query path for bf16 and 8-bit caches
+on CPUs without AVX-512 (float32 products), and for bf16 caches on CPUs with AVX512-BF16 or AMX (bf16 products).
 
-The paged kernel (folio/csrc/cpu_paged_attention.cpp) attends one query row and one key at a time, and without
-AVX-512 its bf16 loop is scalar; a prompt or a prefill chunk is a matrix product. folio/csrc/cpu_flash_prefill.cpp
-runs it FlashAttention style in PyTorch's `at::native::cpublas::brgemm` with float32 operands: per (request,
-kv head, tile of query tokens, the query heads of the kv head stacked) S = Q K^T, scale, soft-cap, causal and
-window masks, an online softmax in float32, then O += P V, reading K and V from the paged cache (widened and
-packed once per request and kv head; an 8-bit row, folio.attention.kv_quant, as its codes times its scale in
-float32, so a row of an 8-bit cache and a bf16 one of the same values pack to the same floats; q and the output
-are bf16 or float32). Every layer kind is handled: causal, sliding windows, soft-capped scores.
+The paged kernel (folio/csrc/cpu_paged_attention.cpp) attends one query row and one key at a time; a prompt or a
+prefill chunk is a matrix product. folio/csrc/cpu_flash_prefill.cpp runs it FlashAttention style in PyTorch's
+`at::native::cpublas::brgemm`: per (request, kv head, tile of query tokens, the query heads of the kv head stacked)
+S = Q K^T, scale, soft-cap, causal and window masks, an online softmax in float32, then O += P V, reading K and V
+from the paged cache (packed once per request and kv head). Every layer kind is handled: causal, sliding windows,
+soft-capped scores. The products come in two kinds:
 
-Measured with benchmarks/attention_bench.py --long-queries on an AVX2 EPYC, 2 threads, one Qwen2-0.5B layer:
-13.6x on an 1852-token prompt (3242 ms to 238 ms), 12.8x on a 256-token chunk after 1000 of context, 5.6x on a
-64-token prompt, 2.5x on a step of a 16-token chunk and 15 decodes; bf16 products through brgemm's fallback
-GEMM were no faster there, nor was PyTorch's flash attention (folio.attention.sdpa_prefill: 153 against 110 ms
-on the 1852-token prompt, 6.7 against 3.7 ms on a 256-token one). CPUs with AVX-512 keep the paged kernel's
-vector bf16 code, and AMX ones send long bf16 queries to sdpa_prefill (oneDNN's GEMMs on AMX tiles).
+- float32 (`bf16_products=False`): K, V and q widened to float32 (an 8-bit row, folio.attention.kv_quant, as its
+  codes times its scale, so a row of an 8-bit cache and a bf16 one of the same values pack to the same floats).
+  Measured with benchmarks/attention_bench.py --long-queries on an AVX2 EPYC, 2 threads, one Qwen2-0.5B layer:
+  13.6x the kernel's scalar loop of then on an 1852-token prompt (3242 ms to 238 ms), 12.8x on a 256-token chunk
+  after 1000 of context, 5.6x on a 64-token prompt, 2.5x on a step of a 16-token chunk and 15 decodes; bf16
+  products through brgemm's fallback GEMM were no faster there, nor was PyTorch's flash attention
+  (folio.attention.sdpa_prefill: 153 against 110 ms on the 1852-token prompt, 6.7 against 3.7 ms on a 256-token one).
+- bf16 (`bf16_products=True`, bf16 caches and q): K and V packed as they are, in the pairs oneDNN's micro-kernel
+  reads (AMX tiles where the CPU has them, AVX512-BF16 elsewhere), the probabilities rounded to bf16 before P V as
+  the paged kernel and PyTorch's flash attention round them, their sum taken of the rounded values. Zen 4 (2
+  threads, `python benchmarks/attention_bench.py --long-queries`, one layer): against the kernel's AVX-512 loop,
+  1.67x on an 1852-token Qwen2-0.5B prompt (33.7 -> 20.1 ms), 1.50x on seven 256-token prompts, 1.56x on a
+  256-token chunk after 1000; from 128 query tokens every shape measured gains (prompts of 128: 1.01-1.19x, of
+  256: 1.32-1.47x over Qwen2-0.5B's, SmolLM2's and Qwen3-0.6B's heads), below that the kernel wins (64: 0.68-0.87x).
+  It ran 2.7-6.3x faster than PyTorch's flash attention (sdpa_prefill) on the same cases there, which AMX machines
+  used before; there the rule below is a guess that the next AMX measurement (scripts/gpu_check.sh) settles.
 
-The kernel is built when a bf16 or 8-bit cache first needs it (about 60 s on two cores, once per machine: CPUBlas.h
-brings in oneDNN's headers).
+The kernel is built when a cache first needs it (about 60 s on two cores, once per machine: CPUBlas.h brings in
+oneDNN's headers).
 """
 
 from __future__ import annotations
@@ -31,26 +39,44 @@ from folio.csrc_build import CSRC, CppKernel
 
 KERNEL = CppKernel("folio_cpu_flash_prefill", CSRC / "cpu_flash_prefill.cpp", what="CPU prefill attention kernel",
                    fallback="long queries on bf16 and 8-bit caches stay on the paged attention kernel")
-# measured above: from 4 query tokens and 256 (query token, key) pairs
-MIN_QUERY_LEN, MIN_QUERY_KEY_PAIRS = 4, 256
+# (min query tokens, min (query token, key) pairs) of a request sent here, measured above: float32 products
+# against the kernel's AVX2 loop; bf16 ones against its AVX-512 loop on Zen 4, and a guess for AMX (its tiles
+# shorten the products, not the softmax and packing that keep short queries on the kernel)
+FLOAT32_PRODUCTS = (4, 256)
+BF16_PRODUCTS = (128, 0)
+BF16_PRODUCTS_AMX = (64, 0)
 
 
 class FlashPrefill(LongQueryPath):
-    def __init__(self, min_query_len: int = MIN_QUERY_LEN, min_query_key_pairs: int = MIN_QUERY_KEY_PAIRS) -> None:
+    def __init__(self, min_query_len: int = FLOAT32_PRODUCTS[0], min_query_key_pairs: int = FLOAT32_PRODUCTS[1],
+                 bf16_products: bool = False) -> None:
         self.ext = KERNEL.load()
         if self.ext is None:
-            raise RuntimeError(f"bf16 prefill attention kernel unavailable: {KERNEL.error}")
+            raise RuntimeError(f"prefill attention kernel unavailable: {KERNEL.error}")
+        if bf16_products and not self.ext.has_bf16_products():
+            raise RuntimeError("bf16 products need AVX512-BF16 and oneDNN's micro-kernel")
         self.min_query_len = min_query_len
         self.min_query_key_pairs = min_query_key_pairs
+        self.bf16_products = bf16_products
 
     def supports(self, params: AttentionParams, head_dim: int) -> bool:
-        return True
+        return head_dim % 2 == 0 or not self.bf16_products  # bf16 operands go in pairs along head_dim
 
     def attend(self, out, q, k_cache, v_cache, reqs, block_tables, scale, params) -> None:
         self.ext.flash_prefill(out, q, k_cache, v_cache, reqs, block_tables, scale, params.sliding_window or 0,
-                               params.logit_softcap or 0.0)
+                               params.logit_softcap or 0.0, self.bf16_products)
 
 
 def if_built() -> Optional[FlashPrefill]:
-    """The path, or None (the paged kernel keeps the long queries) where its kernel does not build."""
+    """The float32-products path, or None (the paged kernel keeps the long queries) where its kernel does not
+    build."""
     return FlashPrefill() if KERNEL.load() is not None else None
+
+
+def bf16_products_if_built(min_query_len: int, min_query_key_pairs: int) -> Optional[FlashPrefill]:
+    """The bf16-products path, or None (the paged kernel keeps the long queries) where the kernel does not build or
+    this CPU has no AVX512-BF16."""
+    ext = KERNEL.load()
+    if ext is None or not ext.has_bf16_products():
+        return None
+    return FlashPrefill(min_query_len, min_query_key_pairs, bf16_products=True)

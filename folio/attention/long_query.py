@@ -4,9 +4,8 @@ A prompt or a prefill chunk attends as a matrix product, which a GEMM engine run
 paged kernel's one-row-at-a-time loops; a decode or a short chunk does not. A `LongQueryPath` attends, for one
 cache dtype, the requests of a step whose query is long enough by its own measured rule, straight from the cache
 the paged kernel has just written; the paged kernel attends the others. Implementations: folio.attention
-.sdpa_prefill (PyTorch's CPU flash attention: MKL GEMMs in float32, oneDNN / AMX in bf16) and
-folio.attention.flash_prefill (bf16 caches widened to float32 brgemm tiles); which one a CPU uses for which cache
-dtype: folio.attention.cpu_paged.long_query_paths.
+.sdpa_prefill (PyTorch's CPU flash attention) and folio.attention.flash_prefill (brgemm tiles, float32 or bf16
+products); which one a CPU uses for which cache dtype: folio.attention.cpu_paged.long_query_paths.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Prefill attention through PyTorch's CPU flash attention: the long-query path for float32 caches on CPUs without
-AVX-512, and for bf16 caches on CPUs with AMX.
+AVX-512.
 
 `F.scaled_dot_product_attention` on CPU runs FlashAttention tiles (an online softmax in float32) whose two
 products go to PyTorch's CPU GEMMs: MKL for float32, oneDNN for bf16, which uses AMX tiles where the CPU has
@@ -21,8 +21,9 @@ kernel alone against this path): an 1852-token prompt 125 against 83 ms, a 256-t
 head: 3.7 against 3.9); but prompts of 512 tokens 9.2 against 10.4, of 256 2.6 against 3.5, and a 16-token chunk
 with 15 decodes 2.3 against 3.0. The rule below sends a request here from 64 query tokens and 2^17 (query, key)
 pairs: the 128-token chunk comes here, the 64-token one and prompts up to 362 tokens stay, a 512-token prompt
-comes here though 1.13x slower (its pairs are the chunk's, in a triangle). On AMX machines the bf16 rule is a first guess (the paged kernel's AVX-512 loop is far faster than the
-scalar one): scripts/gpu_check.sh measures it.
+comes here though 1.13x slower (its pairs are the chunk's, in a triangle). bf16 caches on AMX machines came here
+too, 2.75-2.88x the kernel's AVX-512 loop on long queries there (an Emerald Rapids Xeon, 2 cores), until
+folio.attention.flash_prefill's bf16 products, 2.7-6.3x faster than this path on Zen 4, took them.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ from folio.attention.long_query import LongQueryPath
 MASK_ELEMENTS = 1 << 22
 MIN_TILE_QUERIES = 16
 # (min query tokens, min (query token, key) pairs) of a request sent here: measured above for float32 caches
-# against the kernel's AVX2 loop; for bf16 on AMX a guess that keeps decodes and short chunks on the AVX-512 kernel
+# against the kernel's AVX2 loop
 FLOAT32_WITHOUT_AVX512 = (64, 1 << 17)
-BF16_ON_AMX = (32, 1 << 15)
 
 
 class SdpaPrefill(LongQueryPath):

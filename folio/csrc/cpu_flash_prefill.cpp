@@ -1,18 +1,22 @@
-// Prefill attention for bf16 and 8-bit paged caches as tiled float32 matrix products (FlashAttention style),
-// through PyTorch's at::native::cpublas::brgemm (its GEMM for float32 operands).
+// Prefill attention from bf16 and 8-bit paged caches as tiled matrix products (FlashAttention style), through
+// PyTorch's at::native::cpublas::brgemm, in float32 products or (bf16 caches) bf16 ones.
 //
 // The paged kernel (cpu_paged_attention.cpp) attends one query row and one key at a time; a long query (a prompt,
 // a prefill chunk) is a matrix product, and a GEMM engine runs it many times faster. For each request given here:
 //   1. pack: its context's K and V, per kv head and per tile of KEY_TILE keys, are gathered from the blocks of the
-//      cache (block table, in place) and widened to float32 (an 8-bit row's codes times its scale, as
-//      folio.attention.kv_quant dequantises) into the layout brgemm reads as B: K transposed [D, kt] and V [kt, D];
+//      cache (block table, in place) into the layout brgemm reads as B (below);
 //   2. attend: per (request, kv head, tile of query tokens), the query rows of the tile's tokens times the G query
 //      heads of the kv head are stacked (rows r = token * G + g), so K and V are read once per group; per key
-//      tile S = Q K^T by brgemm, then scale, soft-cap, causal and sliding-window masks and the online softmax
-//      (running max and sum, float32, base 2), and O += P V by brgemm into a float32 accumulator rescaled when
-//      the max grows; finally O / sum in q's dtype.
-// Products are float32 (a first version ran bf16 products, on AMX tiles with K and V packed in pairs: not
-// landed until measured on an AMX machine; tag amx-flash-prefill-wip).
+//      tile S = Q K^T by brgemm (only as far as the tile's rows see, on the diagonal), then scale, soft-cap,
+//      causal and sliding-window masks and the online softmax (running max and sum, float32, base 2), and
+//      O += P V by brgemm into a float32 accumulator rescaled when the max grows; finally O / sum in q's dtype.
+// Products (T):
+//   float32: K, V (an 8-bit row's codes times its scale, as folio.attention.kv_quant dequantises) and q widened,
+//            K^T [D, KEY_TILE] and V [KEY_TILE, D] row-major; brgemm's float32 GEMM (MKL where oneDNN has no
+//            kernel). For CPUs without AVX-512, where the paged kernel's loop is AVX2.
+//   bf16:    bf16 q and caches as they are, in the pairs oneDNN's micro-kernel reads (AMX tiles where the CPU has
+//            them, AVX512-BF16 elsewhere); P rounded to bf16 before P V, as the paged kernel's AVX512-BF16 loop
+//            and PyTorch's flash attention round it, the sum taken of the rounded values.
 //
 // Layouts: q, out [T, Hq, D] bf16 or float32 (unit stride along D); caches [num_blocks, block_size, Hkv, R]
 // contiguous: bf16 rows (R = D), or 8-bit ones (folio.attention.kv_quant: R = D + 4, D int8 codes or fp8 e4m3
@@ -37,14 +41,25 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "avx512_math.h"
 #include "exp2_approx.h"
 #include "kv_cache_rows.h"
+
+// bf16 products: oneDNN's micro-kernel (brgemm with bf16 operands in pairs) needs AVX-512, the probabilities'
+// rounding AVX512-BF16
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#define FOLIO_BF16_PRODUCTS 1
+#else
+#define FOLIO_BF16_PRODUCTS 0
+#endif
 
 namespace {
 
 constexpr int KEY_TILE = 128;  // keys per tile: the N of S = Q K^T and the K of P V
+constexpr int KEY_STEP = 32;   // a tile's products stop at the keys its rows see, rounded up to this (causal)
 constexpr int TARGET_ROWS = 128;  // query rows (tokens x heads of a group) per tile: the M of both products
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -66,6 +81,13 @@ struct Params {
   float softcap2, inv_softcap2;  // soft-capping of the base-2 scores: cap * log2(e) and its inverse; 0: none
 };
 
+// The operands of the two products: float32 (T = float: K^T [D, KEY_TILE] and V [KEY_TILE, D] row-major) or bf16
+// (T = bf16: oneDNN's micro-kernel takes bf16 B in pairs along the reduced dimension, K^T as [D / 2, KEY_TILE, 2]
+// and V as [KEY_TILE / 2, D, 2]). A tile always holds KEY_TILE keys, the ones past the context zero, so that
+// every product has the same N (S = Q K^T) and K (P V).
+template <typename T>
+constexpr bool PAIRS = std::is_same<T, bf16>::value;
+
 // Where request b's packed context starts and which keys it holds: keys [kbeg, ctx) in tiles of KEY_TILE from
 // kbeg; each kv head's K (and V) take tiles * KEY_TILE * D elements from offset + head * that.
 struct Span {
@@ -79,18 +101,30 @@ inline int64_t cache_row(const Params& P, int b, int h, int t) {
   return (((int64_t)block * P.block_size + t % P.block_size) * P.Hkv + h) * P.row_width;
 }
 
-// Tile of kt keys from t0, widened (8-bit codes times their row's scale, in float32), into kdst (K^T: [D, kt])
-// and vdst (V: [kt, D]).
-template <typename C>
-void pack_tile(const Params& P, int b, int h, int t0, int kt, float* kdst, float* vdst) {
+// Tile of kt keys from t0 into kdst (K^T) and vdst (V) in T's layout (above), widened to float32 (an 8-bit row's
+// codes times its scale) or as they are (bf16); keys kt .. KEY_TILE - 1 are zero.
+template <typename C, typename T>
+void pack_tile(const Params& P, int b, int h, int t0, int kt, T* kdst, T* vdst) {
   const int D = P.D;
+  if (kt < KEY_TILE) {  // a context's last tile (products of zeros: no NaN from stale memory reaches the output)
+    std::fill(kdst, kdst + (int64_t)KEY_TILE * D, T(0));
+    std::fill(vdst, vdst + (int64_t)KEY_TILE * D, T(0));
+  }
   for (int j = 0; j < kt; ++j) {
     const int64_t row = cache_row(P, b, h, t0 + j);
     const C* k = static_cast<const C*>(P.k_cache) + row;
     const C* v = static_cast<const C*>(P.v_cache) + row;
-    const float ks = Cache<C>::scale(k, D), vs = Cache<C>::scale(v, D);
-    for (int d = 0; d < D; ++d) kdst[(int64_t)d * kt + j] = Cache<C>::value(k[d]) * ks;
-    for (int d = 0; d < D; ++d) vdst[(int64_t)j * D + d] = Cache<C>::value(v[d]) * vs;
+    if (PAIRS<T>) {  // bf16 rows (C = T): pairs of K's values as 32-bit words; V's values every other element
+      const uint32_t* kw = reinterpret_cast<const uint32_t*>(k);
+      uint32_t* kd = reinterpret_cast<uint32_t*>(kdst);
+      for (int w = 0; w < D / 2; ++w) kd[(int64_t)w * KEY_TILE + j] = kw[w];
+      T* vrow = vdst + (int64_t)(j >> 1) * D * 2 + (j & 1);
+      for (int d = 0; d < D; ++d) vrow[2 * d] = static_cast<T>(v[d]);
+    } else {
+      const float ks = Cache<C>::scale(k, D), vs = Cache<C>::scale(v, D);
+      for (int d = 0; d < D; ++d) kdst[(int64_t)d * KEY_TILE + j] = Cache<C>::value(k[d]) * ks;
+      for (int d = 0; d < D; ++d) vdst[(int64_t)j * D + d] = Cache<C>::value(v[d]) * vs;
+    }
   }
 }
 
@@ -99,17 +133,79 @@ struct Item {
   int64_t cost;
 };
 
-// Per-thread buffers of one query tile of at most M rows.
+// Per-thread buffers of one query tile of at most M rows: query rows [M, D] and probabilities [M, KEY_TILE] as
+// operands (T), scores [M, KEY_TILE], the output accumulator [M, D], running max and sum (float32).
+template <typename T>
 struct TileBuffers {
-  // [M, D] query rows, [M, KEY_TILE] scores (then probabilities, in place), [M, D] output accumulator,
-  // running max and sum
-  std::vector<float> q, s, acc, m, l;
-  TileBuffers(int M, int D) : q((size_t)M * D), s((size_t)M * KEY_TILE), acc((size_t)M * D), m(M), l(M) {}
+  std::vector<T> q, p;
+  std::vector<float> s, acc, m, l;
+  TileBuffers(int M, int D)
+      : q((size_t)M * D), p(PAIRS<T> ? (size_t)M * KEY_TILE : 0), s((size_t)M * KEY_TILE), acc((size_t)M * D), m(M),
+        l(M) {}
+  T* probabilities() { return PAIRS<T> ? p.data() : reinterpret_cast<T*>(s.data()); }  // float32: in place
 };
 
-template <typename Q>
-void attend_item(const Params& P, const Span& span, const float* kpack, const float* vpack, const Item& it,
-                 TileBuffers& buf) {
+// The running max and the sum of one row's probabilities over a key tile.
+struct RowSoftmax {
+  float max, sum;
+};
+
+// One row of a key tile: its scores s [KEY_TILE] (Q K^T) to probabilities 2^(scaled s - new max) for the keys
+// [first, lim) the row sees, 0 for the others, in place (float32 products), given the row's max so far.
+RowSoftmax probabilities(const Params& P, float* s, float* p, int first, int lim, float old_max) {
+  if (P.softcap2 > 0.f) {
+    for (int j = first; j < lim; ++j) s[j] = P.softcap2 * std::tanh(s[j] * P.scale_log2 * P.inv_softcap2);
+  } else {
+    for (int j = first; j < lim; ++j) s[j] *= P.scale_log2;
+  }
+  float mt = -std::numeric_limits<float>::infinity();
+  // (the reductions are omp simd loops: -O3 alone does not vectorise float maxima and sums)
+#pragma omp simd reduction(max : mt)
+  for (int j = first; j < lim; ++j) mt = std::max(mt, s[j]);
+  const float mn = std::max(old_max, mt);
+  for (int j = first; j < lim; ++j) p[j] = exp2_approx(s[j] - mn);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = first; j < lim; ++j) sum += p[j];
+  std::fill(p, p + first, 0.f);
+  std::fill(p + lim, p + KEY_TILE, 0.f);
+  return {mn, sum};
+}
+
+#if FOLIO_BF16_PRODUCTS
+// The same into bf16 probabilities (bf16 products), in registers: the sum is of the rounded probabilities, so that
+// the output is an exact weighted mean of V's rows.
+RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, int lim, float old_max) {
+  constexpr int NV = KEY_TILE / 16;
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 x[NV];
+  __mmask16 seen[NV];
+  __m512 mx = none;
+  for (int i = 0; i < NV; ++i) {
+    const int lo = std::min(16, std::max(0, first - 16 * i)), hi = std::min(16, std::max(0, lim - 16 * i));
+    seen[i] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));  // lanes [lo, hi)
+    const __m512 v = _mm512_loadu_ps(s + 16 * i);
+    const __m512 scaled = P.softcap2 > 0.f
+        ? _mm512_mul_ps(_mm512_set1_ps(P.softcap2), tanh_ps(_mm512_mul_ps(v, _mm512_set1_ps(P.scale_log2 * P.inv_softcap2))))
+        : _mm512_mul_ps(v, _mm512_set1_ps(P.scale_log2));
+    x[i] = _mm512_mask_mov_ps(none, seen[i], scaled);
+    mx = _mm512_max_ps(mx, x[i]);
+  }
+  const float mn = std::max(old_max, _mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < NV; ++i) {
+    const __m512 e = _mm512_maskz_mov_ps(seen[i], exp2_ps(_mm512_sub_ps(x[i], _mm512_set1_ps(mn))));
+    const __m256bh rounded = _mm512_cvtneps_pbh(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), (__m256i)rounded);
+    sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
+  }
+  return {mn, _mm512_reduce_add_ps(sum)};
+}
+#endif
+
+template <typename Q, typename T>
+void attend_item(const Params& P, const Span& span, const T* kpack, const T* vpack, const Item& it,
+                 TileBuffers<T>& buf) {
   const int D = P.D, G = P.G;
   const int32_t* rq = P.reqs + 3 * it.b;
   const int qs = rq[0], L = rq[2], off = L - rq[1];
@@ -117,7 +213,8 @@ void attend_item(const Params& P, const Span& span, const float* kpack, const fl
   for (int r = 0; r < M; ++r) {
     const Q* src =
         static_cast<const Q*>(P.q) + (int64_t)(qs + it.q0 + r / G) * P.q_st + (int64_t)(it.h * G + r % G) * P.q_sh;
-    for (int d = 0; d < D; ++d) buf.q[(size_t)r * D + d] = static_cast<float>(src[d]);
+    if (std::is_same<Q, T>::value) std::memcpy(&buf.q[(size_t)r * D], src, D * sizeof(T));
+    else for (int d = 0; d < D; ++d) buf.q[(size_t)r * D + d] = static_cast<T>(static_cast<float>(src[d]));
   }
   std::fill(buf.m.begin(), buf.m.begin() + M, -std::numeric_limits<float>::infinity());
   std::fill(buf.l.begin(), buf.l.begin() + M, 0.f);
@@ -127,41 +224,30 @@ void attend_item(const Params& P, const Span& span, const float* kpack, const fl
   const int kend = off + it.q1;
   const int n0 = (kfirst - span.kbeg) / KEY_TILE, n1 = (kend - 1 - span.kbeg) / KEY_TILE;
   const int64_t head_off = span.offset + (int64_t)it.h * span.tiles * KEY_TILE * D;
+  float* S = buf.s.data();
+  T* tile_p = buf.probabilities();
   for (int n = n0; n <= n1; ++n) {
     const int t0 = span.kbeg + n * KEY_TILE;
     const int kt = std::min(KEY_TILE, L - t0);
-    const float* kb = kpack + head_off + (int64_t)n * KEY_TILE * D;
-    const float* vb = vpack + head_off + (int64_t)n * KEY_TILE * D;
-    float* S = buf.s.data();
-    at::native::cpublas::brgemm(M, kt, D, D, kt, kt, false, buf.q.data(), kb, S, false);
+    // the tile's keys any row sees, in whole steps of KEY_STEP: on the diagonal, up to the last row's position
+    const int kn = std::min(KEY_TILE, (std::min(kt, kend - t0) + KEY_STEP - 1) / KEY_STEP * KEY_STEP);
+    const T* kb = kpack + head_off + (int64_t)n * KEY_TILE * D;
+    const T* vb = vpack + head_off + (int64_t)n * KEY_TILE * D;
+    at::native::cpublas::brgemm(M, kn, D, D, KEY_TILE, KEY_TILE, false, buf.q.data(), kb, S, PAIRS<T>);
     bool first_tile = n == n0;
     for (int r = 0; r < M; ++r) {
       const int pos = off + it.q0 + r / G;
       const int lim = std::min(kt, pos + 1 - t0);  // keys [first, lim) of this tile are the row's to see
       const int first = P.window ? std::max(0, pos - P.window + 1 - t0) : 0;
-      float* s = S + (size_t)r * kt;
+      float* s = S + (size_t)r * KEY_TILE;
+      T* p = tile_p + (size_t)r * KEY_TILE;
       float* a = buf.acc.data() + (size_t)r * D;
       if (lim <= first) {  // no key of this tile for the row (before the diagonal or past its window)
-        std::fill(s, s + kt, 0.f);
+        std::fill(p, p + KEY_TILE, T(0));
         if (first_tile) std::fill(a, a + D, 0.f);
         continue;
       }
-      float mt = -std::numeric_limits<float>::infinity();
-      if (P.softcap2 > 0.f) {
-        for (int j = first; j < lim; ++j) s[j] = P.softcap2 * std::tanh(s[j] * P.scale_log2 * P.inv_softcap2);
-      } else {
-        for (int j = first; j < lim; ++j) s[j] *= P.scale_log2;
-      }
-      // (the reductions are omp simd loops: -O3 alone does not vectorise float maxima and sums)
-#pragma omp simd reduction(max : mt)
-      for (int j = first; j < lim; ++j) mt = std::max(mt, s[j]);
-      const float mn = std::max(buf.m[r], mt);
-      for (int j = first; j < lim; ++j) s[j] = exp2_approx(s[j] - mn);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = first; j < lim; ++j) sum += s[j];
-      std::fill(s, s + first, 0.f);
-      std::fill(s + lim, s + kt, 0.f);
+      const auto [mn, sum] = probabilities(P, s, p, first, lim, buf.m[r]);
       if (first_tile) {
         std::fill(a, a + D, 0.f);
         buf.l[r] = sum;
@@ -173,7 +259,7 @@ void attend_item(const Params& P, const Span& span, const float* kpack, const fl
       }
       buf.m[r] = mn;
     }
-    at::native::cpublas::brgemm(M, D, kt, kt, D, D, true, S, vb, buf.acc.data(), false);
+    at::native::cpublas::brgemm(M, D, kn, KEY_TILE, D, D, true, tile_p, vb, buf.acc.data(), PAIRS<T>);
   }
   for (int r = 0; r < M; ++r) {
     const float* a = buf.acc.data() + (size_t)r * D;
@@ -183,8 +269,8 @@ void attend_item(const Params& P, const Span& span, const float* kpack, const fl
   }
 }
 
-// Q: the element type of q and out; C: the cache's.
-template <typename Q, typename C>
+// Q: the element type of q and out; C: the cache's; T: the products' operands.
+template <typename Q, typename C, typename T>
 void run(const Params& P, int B) {
   const int D = P.D, G = P.G, Hkv = P.Hkv;
   std::vector<Span> spans(B);
@@ -197,10 +283,10 @@ void run(const Params& P, int B) {
     spans[b] = {kbeg, tiles, total};
     total += (int64_t)Hkv * tiles * KEY_TILE * D;
   }
-  at::Tensor kbuf = at::empty({total}, at::TensorOptions().dtype(at::kFloat));
-  at::Tensor vbuf = at::empty({total}, at::TensorOptions().dtype(at::kFloat));
-  float* kpack = kbuf.data_ptr<float>();
-  float* vpack = vbuf.data_ptr<float>();
+  const auto options = at::TensorOptions().dtype(PAIRS<T> ? at::kBFloat16 : at::kFloat);
+  at::Tensor kbuf = at::empty({total}, options), vbuf = at::empty({total}, options);
+  T* kpack = static_cast<T*>(kbuf.data_ptr());
+  T* vpack = static_cast<T*>(vbuf.data_ptr());
 
   // 1. pack every (request, kv head, key tile)
   std::vector<int64_t> first_tile(B + 1, 0);  // running count of (kv head, key tile) pairs
@@ -213,7 +299,7 @@ void run(const Params& P, int B) {
       const int h = (int)((i - first_tile[b]) / sp.tiles), n = (int)((i - first_tile[b]) % sp.tiles);
       const int t0 = sp.kbeg + n * KEY_TILE, kt = std::min(KEY_TILE, P.reqs[3 * b + 2] - t0);
       const int64_t o = sp.offset + ((int64_t)h * sp.tiles + n) * KEY_TILE * D;
-      pack_tile<C>(P, b, h, t0, kt, kpack + o, vpack + o);
+      pack_tile<C, T>(P, b, h, t0, kt, kpack + o, vpack + o);
     }
   });
 
@@ -233,16 +319,20 @@ void run(const Params& P, int B) {
   const int64_t n = (int64_t)items.size();
   std::atomic<int64_t> next{0};
   folio::parallel_for(0, std::min<int64_t>(n, folio::num_threads()), 1, [&](int64_t, int64_t) {
-    TileBuffers buf(qt * G, D);
-    for (int64_t i = next++; i < n; i = next++) attend_item<Q>(P, spans[items[i].b], kpack, vpack, items[i], buf);
+    TileBuffers<T> buf(qt * G, D);
+    for (int64_t i = next++; i < n; i = next++) attend_item<Q, T>(P, spans[items[i].b], kpack, vpack, items[i], buf);
+    if (PAIRS<T>) at::native::cpublas::brgemm_release();  // the thread's AMX tile state, where brgemm took it
   });
 }
+
+// Whether the kernel runs bf16 products here (above: AMX tiles where the CPU has them, AVX512-BF16 elsewhere).
+bool has_bf16_products() { return FOLIO_BF16_PRODUCTS; }
 
 }  // namespace
 
 // out [T, Hq, D] (written for the requests in reqs only); see the top of the file.
 void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor reqs,
-                   at::Tensor block_tables, double scale, int64_t window, double softcap) {
+                   at::Tensor block_tables, double scale, int64_t window, double softcap, bool bf16_products) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "q, out must be 3-d and the caches 4-d");
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK((qt == at::kBFloat16 || qt == at::kFloat) && out.scalar_type() == qt,
@@ -293,11 +383,20 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
       TORCH_CHECK(id >= 0 && id < num_blocks, "request ", b, ": block id ", id, " out of range");
     }
   }
+  if (bf16_products) {
+    TORCH_CHECK(has_bf16_products(), "bf16 products need AVX512-BF16 and oneDNN's micro-kernel");
+    TORCH_CHECK(qt == at::kBFloat16 && ct == at::kBFloat16 && P.D % 2 == 0,
+                "bf16 products take bf16 q and caches, head_dim even");
+#if FOLIO_BF16_PRODUCTS
+    return run<bf16, bf16, bf16>(P, B);
+#endif
+
+  }
   auto go = [&](auto q_type) {
     using Q = decltype(q_type);
-    if (ct == at::kChar) run<Q, int8_t>(P, B);
-    else if (ct == at::kByte) run<Q, uint8_t>(P, B);
-    else run<Q, bf16>(P, B);
+    if (ct == at::kChar) run<Q, int8_t, float>(P, B);
+    else if (ct == at::kByte) run<Q, uint8_t, float>(P, B);
+    else run<Q, bf16, float>(P, B);
   };
   if (qt == at::kFloat) go(float{});
   else go(bf16{});
@@ -307,4 +406,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   folio::bind_decode_threads(m);
   m.def("flash_prefill", &flash_prefill, "attend long queries from a bf16 or 8-bit paged cache in tiled matrix products",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("has_bf16_products", &has_bf16_products, "whether bf16 operands run on oneDNN's micro-kernel here");
 }

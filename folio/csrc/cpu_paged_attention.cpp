@@ -67,6 +67,7 @@
 #include <limits>
 #include <vector>
 
+#include "avx512_math.h"
 #include "exp2_approx.h"
 #include "kv_cache_rows.h"
 
@@ -335,43 +336,6 @@ inline void store16(at::BFloat16* p, __m512 x) {
   __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
-
-// 2^x for x <= 0 (scores shifted by their running max); -inf gives 0. A degree-5 polynomial
-// (fitted near-minimax on [-1/2, 1/2]) gives 2^f to a relative 1.5e-7, about one float32 rounding.
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);  // |f| <= 1/2
-  __m512 p = _mm512_set1_ps(0.0013276268728077412f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00967547856271267f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// tanh to a few float32 ulps: Eigen's rational approximation (generic_fast_tanh_float), odd numerator of
-// degree 13 over an even denominator of degree 6 on x clamped to [-7.9988, 7.9988]; x itself when |x| < 4e-4.
-inline __m512 tanh_ps(__m512 a) {
-  const __m512 x = _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(7.99881172180175781f)),
-                                 _mm512_set1_ps(-7.99881172180175781f));
-  const __m512 x2 = _mm512_mul_ps(x, x);
-  __m512 p = _mm512_set1_ps(-2.76076847742355e-16f);
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(2.00018790482477e-13f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-8.60467152213735e-11f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(5.12229709037114e-08f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(1.48572235717979e-05f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(6.37261928875436e-04f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(4.89352455891786e-03f));
-  p = _mm512_mul_ps(p, x);
-  __m512 q = _mm512_set1_ps(1.19825839466702e-06f);
-  q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(1.18534705686654e-04f));
-  q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(2.26843463243900e-03f));
-  q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(4.89352518554385e-03f));
-  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(0.0004f), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(tiny, _mm512_div_ps(p, q), a);
 }
 
 // The accumulators of rows r0 .. r0 + rc (rc <= RC, D = 16 NV floats each) into registers, each times its

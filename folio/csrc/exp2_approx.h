@@ -9,7 +9,7 @@
 #include <algorithm>
 
 // 2^x for x <= 0 (scores shifted by their running max; -inf gives 2^-126), to 2.5e-7 relative: a degree-5
-// polynomial on the fraction (the paged kernel's AVX-512 exp2_ps). Integer bit operations only, no float
+// polynomial on the fraction (avx512_math.h's exp2_ps). Integer bit operations only, no float
 // compare or conversion, so that the loops calling it vectorise under the default -ftrapping-math.
 inline float exp2_approx(float x) {
   uint32_t xb;
