@@ -11,6 +11,7 @@ the KV touched (>= --cold-mib) does not stay in the CPU caches, as in a real mod
     .venv/bin/python benchmarks/attention_bench.py --dtype float32 --threads 1
     .venv/bin/python benchmarks/attention_bench.py --long-queries      # long-query paths vs the paged kernel alone
     .venv/bin/python benchmarks/attention_bench.py --long-queries --versus-sdpa  # ... vs PyTorch's flash attention
+    .venv/bin/python benchmarks/attention_bench.py --long-queries --query-lens 16,32,64  # where the path starts to win
     .venv/bin/python benchmarks/attention_bench.py --versus-kernel HEAD~1  # the kernel against an older build of it
     .venv/bin/python benchmarks/attention_bench.py --kv-cache-dtype int8   # an 8-bit cache (int8 or fp8)
     .venv/bin/python benchmarks/attention_bench.py --engine      # whole engine, default model, both backends
@@ -225,6 +226,10 @@ def main() -> None:
     parser.add_argument("--long-queries", action="store_true",
                         help="prefill cases only, against the paged kernel without its long-query paths "
                              "(folio.attention.long_query) instead of torch SDPA")
+    parser.add_argument("--query-lens", metavar="N,N,...",
+                        help="--long-queries: instead of its cases, a prompt of N tokens and a chunk of N after 1000 "
+                             "for each N, the path taking every query (its rule lowered to 1 token): where it starts "
+                             "to beat the kernel")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--engine", action="store_true", help="time whole-engine generation instead")
     parser.add_argument("--model", default=None, help="--engine: model (default: the embedded default model)")
@@ -251,7 +256,14 @@ def main() -> None:
             else kernel_at(args.versus_kernel) if args.versus_kernel else TorchSDPABackend()
     base = ("sdpa" if args.versus_sdpa else "kernel") if args.long_queries else "old" if args.versus_kernel \
         else "sdpa"
-    backends = {"baseline": baseline, "cpu_paged": CPUPagedAttentionBackend()}
+    paged = CPUPagedAttentionBackend()
+    if args.query_lens:  # this CPU's path for the cache's dtype, taking every query
+        cache_dtype = dtype if args.kv_cache_dtype == "auto" else KV_QUANTIZATIONS[args.kv_cache_dtype].storage_dtype
+        path = paged.long_query_path(cache_dtype)
+        if path is None:
+            raise SystemExit(f"this CPU keeps long queries on {cache_dtype} caches on the kernel")
+        path.min_query_len, path.min_query_key_pairs = 1, 0
+    backends = {"baseline": baseline, "cpu_paged": paged}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"{'' if args.kv_cache_dtype == 'auto' else f'{args.kv_cache_dtype} cache, '}block_size {args.block_size}, "
           f"{'hot (one layer)' if args.hot else f'cold (>= {args.cold_mib} MiB of KV cycled)'}; "
@@ -260,6 +272,11 @@ def main() -> None:
           f"{f'meta ms ({base}, paged)':>13}")
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
+        if args.query_lens:
+            for n in (int(x) for x in args.query_lens.split(",")):
+                for label, specs in ((f"prefill 1x{n}", [(n, n)]), (f"chunk {n} after 1000", [(n, 1000 + n)])):
+                    bench_case(f"{shape_name} {label}", specs, shape, dtype, args, rng, backends)
+            continue
         if args.long_queries:
             for label, specs in (("prefill 1x1852", [(1852, 1852)]), ("prefill 7x256", [(256, 256)] * 7),
                                  ("chunk 256 after 1000", [(256, 1256)]),

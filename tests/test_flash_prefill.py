@@ -19,6 +19,7 @@ from folio.attention.backend import AttentionParams
 from folio.attention.kv_quant import KV_QUANTIZATIONS
 from test_cpu_paged_attention import make_step, paged, run  # noqa: F401 (fixture)
 from test_sliding_window import make_step as make_windowed_step
+from test_kv_cache_8bit import on_code_grid
 from test_sliding_window import plain_attention
 
 
@@ -126,18 +127,41 @@ def test_backend_takes_long_bf16_queries_there(flash_kernel, rule):
 
 
 @pytest.mark.parametrize("name", list(KV_QUANTIZATIONS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype,bf16_products", [(torch.bfloat16, False), (torch.float32, False),
+                                                 (torch.bfloat16, True)], ids=["bf16", "fp32", "bf16-products"])
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 7, 16), (80, 2, 5)])
-def test_8bit_caches_attend_as_their_dequantised_values(flash_kernel, name, dtype, head_dim, group, block_size):
+def test_8bit_caches_attend_as_their_dequantised_values(flash_kernel, name, dtype, bf16_products, head_dim, group,
+                                                        block_size):
     # the 8-bit rows the paged kernel wrote, against float64 attention on their values (codes times scales)
+    needs_products(bf16_products)
     quant = KV_QUANTIZATIONS[name]
     q, k, v, cache, layout = make_step(SPECS, block_size, 2, group, head_dim, dtype, seed=head_dim + group)
     cache = tuple(quant.quantize(c) for c in cache)
     _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
     values = tuple(quant.dequantize(c, torch.float32) for c in written)
-    out = attend_all(q, written, layout, AttentionParams())
+    out = attend_all(q, written, layout, AttentionParams(), bf16_products)
     assert out.dtype == dtype
-    check_close(out, reference(q, values, layout, AttentionParams()), values[1])
+    check_close(out, reference(q, values, layout, AttentionParams()), values[1], bf16_products)
+
+
+@pytest.mark.parametrize("name", list(KV_QUANTIZATIONS))
+@pytest.mark.parametrize("params", [AttentionParams(), AttentionParams(sliding_window=40, logit_softcap=5.0)],
+                         ids=["full", "window-softcap"])
+def test_bf16_products_of_an_8bit_cache_equal_a_bf16_cache_of_its_values(flash_kernel, name, params):
+    """Rows whose scales are powers of two hold the same values as a bf16 cache: their codes go in as bf16
+    exactly, and a scale that is a power of two moves no rounding of a score or of a probability, so both caches
+    attend bit for bit alike, but where a probability times a scale falls below float's normal range (1.2e-38),
+    which the rounding to bf16 flushes to zero: a power of two moves which ones do (outputs of 1e-35 differ)."""
+    needs_products(True)
+    q, _, _, cache, layout = make_step([(300, 300), (37, 1000), (64, 200), (3, 500)], 16, 2, 3, 64,
+                                       torch.bfloat16, seed=5)
+    written = tuple(on_code_grid(name, c.float(), 3 + i) for i, c in enumerate(cache))
+    quant = KV_QUANTIZATIONS[name]
+    codes = tuple(quant.quantize(c) for c in written)
+    assert all(bool((quant.dequantize(c, torch.bfloat16) == w).all()) for c, w in zip(codes, written))
+    out8 = attend_all(q, codes, layout, params, bf16_products=True)
+    out16 = attend_all(q, written, layout, params, bf16_products=True)
+    assert not bool((out8 != out16).logical_and((out8.float() - out16.float()).abs() > 1e-30).any())
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -159,13 +183,14 @@ CHUNKINGS = ({}, {"max_num_batched_tokens": 7, "block_size": 4})  # whole prompt
 
 def taking_every_chunk(taken: list[int], bf16_products: bool = False):
     """long_query_paths of a CPU that sends every prompt and prefill chunk of 2 tokens or more to the path (decodes
-    stay on the kernel), noting each call's tokens in taken."""
+    stay on the kernel), from bf16 and 8-bit caches, noting each call's tokens in taken."""
     def make():
         path = flash_prefill.FlashPrefill(2, 1, bf16_products=bf16_products)
         attend = path.attend
         path.attend = lambda out, q, *rest: (taken.append(q.shape[0]), attend(out, q, *rest))
         return path
-    return lambda has_avx512: {torch.bfloat16: make}
+    dtypes = [torch.bfloat16] + [quant.storage_dtype for quant in KV_QUANTIZATIONS.values()]
+    return lambda has_avx512: {dtype: make for dtype in dtypes}
 
 
 def test_engine_greedy_equal_with_the_path_on_and_off(flash_kernel, llama_dir, monkeypatch):
@@ -179,9 +204,11 @@ def test_engine_greedy_equal_with_the_path_on_and_off(flash_kernel, llama_dir, m
     assert taken
 
 
-def test_engine_prompt_logprobs_as_close_with_bf16_products(flash_kernel, llama_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_engine_prompt_logprobs_as_close_with_bf16_products(flash_kernel, llama_dir, monkeypatch, kv_cache_dtype):
     # bf16 products round the probabilities over other tiles than the kernel does, so a greedy path may flip at a
-    # near-tie: instead, the prompt's logprobs must be as close to float32's with the path as without
+    # near-tie: instead, the prompt's logprobs must be as close to float32's with the path as without (the same
+    # cache format both ways)
     needs_products(True)
     prompt = PROMPTS[2]
 
@@ -194,27 +221,28 @@ def test_engine_prompt_logprobs_as_close_with_bf16_products(flash_kernel, llama_
 
     monkeypatch.setattr(cpu_paged, "long_query_paths", lambda has_avx512: {})
     exact = logprob_errors(dtype="float32")
-    off = logprob_errors(exact)
+    off = logprob_errors(exact, kv_cache_dtype=kv_cache_dtype)
     taken = []
     monkeypatch.setattr(cpu_paged, "long_query_paths", taking_every_chunk(taken, bf16_products=True))
     for kwargs in CHUNKINGS:
-        on = logprob_errors(exact, **kwargs)
+        on = logprob_errors(exact, kv_cache_dtype=kv_cache_dtype, **kwargs)
         assert on.max() <= 1.25 * off.max() + 0.01 and on.mean() <= 1.25 * off.mean() + 0.002, (on, off)
     assert taken
 
 
-@pytest.mark.parametrize("case", ["8-bit cache", "float32 q", "odd head_dim"])
+@pytest.mark.parametrize("case", ["float32 q", "odd head_dim"])
 def test_bf16_products_refuse_what_they_do_not_take(flash_kernel, case):
+    # a float32 model's q with an 8-bit cache, or an odd head_dim: the backend keeps them on the kernel
     needs_products(True)
     head_dim = 63 if case == "odd head_dim" else 64
     q, k, v, cache, layout = make_step([(20, 20)], 16, 2, 2, head_dim, torch.bfloat16, seed=3)
     if case == "float32 q":
         q = q.float()
-    if case == "8-bit cache":
         cache = tuple(KV_QUANTIZATIONS["int8"].quantize(c) for c in cache)
     metadata = cpu_paged.CPUPagedAttentionBackend(long_queries={}).build_metadata(layout)
     path = flash_prefill.FlashPrefill(1, 1, bf16_products=True)
-    assert path.supports(AttentionParams(), head_dim) == (head_dim % 2 == 0)
-    with pytest.raises(RuntimeError, match="bf16 products take bf16 q and caches"):
+    assert not path.supports(AttentionParams(), q)
+    assert flash_prefill.FlashPrefill(1, 1).supports(AttentionParams(), q)  # float32 products take both
+    with pytest.raises(RuntimeError, match="bf16 products take bf16 q, head_dim even"):
         path.attend(torch.empty_like(q), q, cache[0], cache[1], metadata.reqs, metadata.block_tables, 0.125,
                     AttentionParams())

@@ -51,7 +51,7 @@ def test_paged_kernel_writes_the_reference_bytes_and_attends_as_closely_as_its_b
     quant = KV_QUANTIZATIONS[name]
     q, k, v, cache, layout = make_step(MIXED, 16, 2, group, head_dim, dtype, seed=head_dim + group)
     cache = tuple(quant.quantize(c) for c in cache)
-    out, new_cache = run(cpu_paged.CPUPagedAttentionBackend(), q, k, v, cache, layout)
+    out, new_cache = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
     ref, ref_cache = run(TorchSDPABackend(), q, k, v, cache, layout)
     assert torch.equal(new_cache[0], ref_cache[0]) and torch.equal(new_cache[1], ref_cache[1])
     assert out.dtype == dtype
@@ -88,7 +88,8 @@ def test_8bit_cache_attends_as_a_bf16_cache_of_the_same_values(name, head_dim, g
     probabilities, which moves no rounding (elsewhere both caches' rows widen to the same float32 values): its
     output (decodes of grouped heads on their own path, the rest on the general one) equals the bf16 cache's
     bit for bit, but where a probability times a scale falls below float's normal range (1.2e-38), which
-    vdpbf16ps flushes to zero: a power of two moves which ones do."""
+    vdpbf16ps flushes to zero: a power of two moves which ones do. The kernel attends every query here: the
+    long-query paths (folio.attention.long_query) of the two dtypes differ by CPU."""
     if cpu_paged.load_extension() is None:
         pytest.skip(f"no paged attention kernel: {cpu_paged.extension_error()}")
     q, k, v, cache, layout = make_step(MIXED, 16, 2, group, head_dim, torch.bfloat16, seed=head_dim + group)
@@ -98,7 +99,7 @@ def test_8bit_cache_attends_as_a_bf16_cache_of_the_same_values(name, head_dim, g
     codes = tuple(quant.quantize(c) for c in cache)
     assert bool((quant.dequantize(codes[1], torch.bfloat16) == cache[1]).all())
     assert len(codes[1][..., head_dim:].view(torch.float32).unique()) == 9
-    backend = cpu_paged.CPUPagedAttentionBackend()
+    backend = cpu_paged.CPUPagedAttentionBackend(long_queries={})
 
     def attend(kv):
         with torch.inference_mode():

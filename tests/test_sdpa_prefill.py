@@ -112,15 +112,17 @@ def test_each_cpu_picks_its_paths(paged, monkeypatch):
     assert without_avx512[torch.bfloat16] is without_avx512[torch.int8] is without_avx512[torch.uint8] \
         is flash_prefill.if_built
     ext = flash_prefill.KERNEL.load()
-    for amx, rule in ((True, flash_prefill.BF16_PRODUCTS_AMX), (False, flash_prefill.BF16_PRODUCTS)):
+    for amx, rules in ((True, (flash_prefill.BF16_PRODUCTS_AMX, flash_prefill.EIGHT_BIT_PRODUCTS_AMX)),
+                       (False, (flash_prefill.BF16_PRODUCTS, flash_prefill.EIGHT_BIT_PRODUCTS))):
         monkeypatch.setattr(cpu_paged, "has_amx", lambda: amx)
         with_avx512 = cpu_paged.long_query_paths(kernel_has_avx512=True)
-        assert list(with_avx512) == [torch.bfloat16]  # 8-bit caches stay on the kernel's AVX-512 loop
-        path = with_avx512[torch.bfloat16]()
-        if ext is None or not ext.has_bf16_products():
-            assert path is None
-        else:
-            assert path.bf16_products and (path.min_query_len, path.min_query_key_pairs) == rule
+        assert list(with_avx512) == [torch.bfloat16, torch.int8, torch.uint8]
+        for dtype, rule in zip(with_avx512, (rules[0], rules[1], rules[1])):
+            path = with_avx512[dtype]()
+            if ext is None or not ext.has_bf16_products():
+                assert path is None
+            else:
+                assert path.bf16_products and (path.min_query_len, path.min_query_key_pairs) == rule
 
 
 # ------------------------------------------------------------------------------------------ end to end

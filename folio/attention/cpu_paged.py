@@ -28,8 +28,8 @@ reference backend for that call.
 Long queries (prompts, prefill chunks) go to a matrix-product path for the cache's dtype
 (folio.attention.long_query) where the kernel is slower (`long_query_paths`): PyTorch's flash attention
 (sdpa_prefill) for float32 caches without AVX-512, brgemm tiles (flash_prefill) for bf16 and 8-bit caches without
-AVX-512 (float32 products) and bf16 caches with AVX512-BF16 or AMX (bf16 products); the kernel still writes their
-K/V rows and attends the rest of the step.
+AVX-512 (float32 products), and bf16 and 8-bit caches with AVX512-BF16 or AMX (bf16 products); the kernel still
+writes their K/V rows and attends the rest of the step.
 """
 
 from __future__ import annotations
@@ -75,14 +75,17 @@ def long_query_paths(kernel_has_avx512: bool) -> dict[torch.dtype, PathMaker]:
     """Where long queries go on this CPU instead of the kernel, by cache dtype (each path made at first use; None
     or no entry: the kernel). Without AVX-512 the kernel's loop is AVX2 in float32, and both matrix-product paths
     beat it on long queries (float32 from longer ones than bf16 and 8-bit caches: sdpa_prefill's rule); with
-    AVX-512 its vector code keeps 8-bit caches and short queries, and long bf16 ones go to bf16 products on
+    AVX-512 its vector code keeps short queries, and long ones on bf16 and 8-bit caches go to bf16 products on
     oneDNN's micro-kernel (AMX tiles where the CPU has them)."""
     if not kernel_has_avx512:
         eight_bit = {quant.storage_dtype: flash_prefill.if_built for quant in kv_quant.KV_QUANTIZATIONS.values()}
         return {torch.float32: functools.partial(sdpa_prefill.SdpaPrefill, *sdpa_prefill.FLOAT32_WITHOUT_AVX512),
                 torch.bfloat16: flash_prefill.if_built, **eight_bit}
-    rule = flash_prefill.BF16_PRODUCTS_AMX if has_amx() else flash_prefill.BF16_PRODUCTS
-    return {torch.bfloat16: functools.partial(flash_prefill.bf16_products_if_built, *rule)}
+    bf16, eight_bit = ((flash_prefill.BF16_PRODUCTS_AMX, flash_prefill.EIGHT_BIT_PRODUCTS_AMX) if has_amx()
+                       else (flash_prefill.BF16_PRODUCTS, flash_prefill.EIGHT_BIT_PRODUCTS))
+    return {torch.bfloat16: functools.partial(flash_prefill.bf16_products_if_built, *bf16),
+            **{quant.storage_dtype: functools.partial(flash_prefill.bf16_products_if_built, *eight_bit)
+               for quant in kv_quant.KV_QUANTIZATIONS.values()}}
 
 
 @dataclass
@@ -169,7 +172,7 @@ class CPUPagedAttentionBackend(AttentionBackend):
         if v.stride(-1) != 1:
             v = v.contiguous()
         path = self.long_query_path(k_cache.dtype)
-        split = metadata.split_for(k_cache.dtype, path) if path and path.supports(params, q.shape[-1]) else None
+        split = metadata.split_for(k_cache.dtype, path) if path and path.supports(params, q) else None
         reqs, tables = (split.kernel_reqs, split.kernel_block_tables) if split else \
             (metadata.reqs, metadata.block_tables)
         scale = params.scale_for(q.shape[-1])

@@ -1,5 +1,5 @@
-"""Prefill attention as tiled matrix products from the paged cache: the long-query path for bf16 and 8-bit caches
-on CPUs without AVX-512 (float32 products), and for bf16 caches on CPUs with AVX512-BF16 or AMX (bf16 products).
+"""Prefill attention as tiled matrix products from the paged cache: the long-query path for bf16 and 8-bit caches,
+in float32 products on CPUs without AVX-512 and in bf16 products on CPUs with AVX512-BF16 or AMX.
 
 The paged kernel (folio/csrc/cpu_paged_attention.cpp) attends one query row and one key at a time; a prompt or a
 prefill chunk is a matrix product. folio/csrc/cpu_flash_prefill.cpp runs it FlashAttention style in PyTorch's
@@ -15,15 +15,23 @@ soft-capped scores. The products come in two kinds:
   after 1000 of context, 5.6x on a 64-token prompt, 2.5x on a step of a 16-token chunk and 15 decodes; bf16
   products through brgemm's fallback GEMM were no faster there, nor was PyTorch's flash attention
   (folio.attention.sdpa_prefill: 153 against 110 ms on the 1852-token prompt, 6.7 against 3.7 ms on a 256-token one).
-- bf16 (`bf16_products=True`, bf16 caches and q): K and V packed as they are, in the pairs oneDNN's micro-kernel
-  reads (AMX tiles where the CPU has them, AVX512-BF16 elsewhere), the probabilities rounded to bf16 before P V as
-  the paged kernel and PyTorch's flash attention round them, their sum taken of the rounded values. Zen 4 (2
-  threads, `python benchmarks/attention_bench.py --long-queries`, one layer): against the kernel's AVX-512 loop,
-  1.67x on an 1852-token Qwen2-0.5B prompt (33.7 -> 20.1 ms), 1.50x on seven 256-token prompts, 1.56x on a
-  256-token chunk after 1000; from 128 query tokens every shape measured gains (prompts of 128: 1.01-1.19x, of
-  256: 1.32-1.47x over Qwen2-0.5B's, SmolLM2's and Qwen3-0.6B's heads), below that the kernel wins (64: 0.68-0.87x).
-  It ran 2.7-6.3x faster than PyTorch's flash attention (sdpa_prefill) on the same cases there, which AMX machines
-  used before; there the rule below is a guess that the next AMX measurement (scripts/gpu_check.sh) settles.
+- bf16 (`bf16_products=True`, bf16 q; bf16 or 8-bit caches): K and V packed as they are, in the pairs oneDNN's
+  micro-kernel reads (AMX tiles where the CPU has them, AVX512-BF16 elsewhere), the probabilities rounded to bf16
+  before P V as the paged kernel and PyTorch's flash attention round them, their sum taken of the rounded values.
+  An 8-bit cache's codes go in as bf16 (exactly), its scales apart: K's on the scores, V's on the probabilities
+  before they are rounded. Zen 4 (2 threads, `python benchmarks/attention_bench.py --long-queries`, one layer,
+  bf16 cache): against the kernel's AVX-512 loop, 1.67x on an 1852-token Qwen2-0.5B prompt (33.7 -> 20.1 ms), 1.50x
+  on seven 256-token prompts, 1.56x on a 256-token chunk after 1000; from 128 query tokens every shape measured
+  gains (prompts of 128: 1.01-1.19x, of 256: 1.32-1.47x over Qwen2-0.5B's, SmolLM2's and Qwen3-0.6B's heads),
+  below that the kernel wins (64: 0.68-0.87x); 2.7-6.3x faster than PyTorch's flash attention (sdpa_prefill) on
+  the same cases. 8-bit caches there take the bf16 caches' rule, unmeasured. On AMX (2 cores of an Emerald Rapids
+  Xeon, same command): bf16 cache 3.9x the kernel on the 1852-token Qwen2-0.5B prompt (57.5 -> 14.8 ms), 3.2x on
+  seven 256-token prompts, 3.7x on the chunk, Qwen3-0.6B 4.5x / 3.0x / 3.7x; against sdpa_prefill (oneDNN's
+  GEMMs, the path AMX machines took before; `--versus-sdpa`) 1.09-1.63x; int8 cache 3.4x / 3.0x / 3.3x (fp8
+  3.3x / 2.6x / 3.1x). `--query-lens 8,16,24,32,48,64,96` found where it starts to win on AMX: bf16 prompts from 24
+  tokens (1.01-1.42x at 24, 1.17-1.30x at 48, 1.33-1.67x at 64 over the three shapes) and chunks after 1000 keys
+  from 16 to 24 (Qwen3-0.6B's 2 heads per kv head the last: 0.89x at 16, 1.09x at 24); 8-bit prompts from 48 to
+  64 (0.85-1.03x at 32, 1.07-1.18x at 48), chunks from 24 (1.21-2.53x).
 
 The kernel is built when a cache first needs it (about 60 s on two cores, once per machine: CPUBlas.h brings in
 oneDNN's headers).
@@ -33,6 +41,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from folio.attention.backend import AttentionParams
 from folio.attention.long_query import LongQueryPath
 from folio.csrc_build import CSRC, CppKernel
@@ -40,11 +50,12 @@ from folio.csrc_build import CSRC, CppKernel
 KERNEL = CppKernel("folio_cpu_flash_prefill", CSRC / "cpu_flash_prefill.cpp", what="CPU prefill attention kernel",
                    fallback="long queries on bf16 and 8-bit caches stay on the paged attention kernel")
 # (min query tokens, min (query token, key) pairs) of a request sent here, measured above: float32 products
-# against the kernel's AVX2 loop; bf16 ones against its AVX-512 loop on Zen 4, and a guess for AMX (its tiles
-# shorten the products, not the softmax and packing that keep short queries on the kernel)
+# against the kernel's AVX2 loop; bf16 ones against its AVX-512 loop on Zen 4 and on AMX, for bf16 and 8-bit caches
 FLOAT32_PRODUCTS = (4, 256)
 BF16_PRODUCTS = (128, 0)
-BF16_PRODUCTS_AMX = (64, 0)
+BF16_PRODUCTS_AMX = (24, 0)
+EIGHT_BIT_PRODUCTS = BF16_PRODUCTS
+EIGHT_BIT_PRODUCTS_AMX = (24, 1 << 12)  # chunks from 24 tokens after 171 keys; prompts from 64 tokens
 
 
 class FlashPrefill(LongQueryPath):
@@ -59,8 +70,9 @@ class FlashPrefill(LongQueryPath):
         self.min_query_key_pairs = min_query_key_pairs
         self.bf16_products = bf16_products
 
-    def supports(self, params: AttentionParams, head_dim: int) -> bool:
-        return head_dim % 2 == 0 or not self.bf16_products  # bf16 operands go in pairs along head_dim
+    def supports(self, params: AttentionParams, q: torch.Tensor) -> bool:
+        # bf16 operands: bf16 q, in pairs along head_dim (a float32 model's q with an 8-bit cache stays on the kernel)
+        return not self.bf16_products or (q.dtype == torch.bfloat16 and q.shape[-1] % 2 == 0)
 
     def attend(self, out, q, k_cache, v_cache, reqs, block_tables, scale, params) -> None:
         self.ext.flash_prefill(out, q, k_cache, v_cache, reqs, block_tables, scale, params.sliding_window or 0,

@@ -28,8 +28,9 @@ class LongQueryPath(ABC):
         return (query_lens >= self.min_query_len) & (query_lens * seq_lens >= self.min_query_key_pairs)
 
     @abstractmethod
-    def supports(self, params: AttentionParams, head_dim: int) -> bool:
-        """Whether a layer attending as params may come here (else its long queries stay on the kernel)."""
+    def supports(self, params: AttentionParams, q: torch.Tensor) -> bool:
+        """Whether a layer attending as params, with queries q [T, Hq, D], may come here (else its long queries stay
+        on the kernel)."""
 
     @abstractmethod
     def attend(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -50,7 +50,7 @@ class SdpaPrefill(LongQueryPath):
         self.min_query_len = min_query_len
         self.min_query_key_pairs = min_query_key_pairs
 
-    def supports(self, params: AttentionParams, head_dim: int) -> bool:
+    def supports(self, params: AttentionParams, q: torch.Tensor) -> bool:
         return params.logit_softcap is None
 
     def attend(self, out, q, k_cache, v_cache, reqs, block_tables, scale, params) -> None:

@@ -16,7 +16,10 @@
 //            kernel). For CPUs without AVX-512, where the paged kernel's loop is AVX2.
 //   bf16:    bf16 q and caches as they are, in the pairs oneDNN's micro-kernel reads (AMX tiles where the CPU has
 //            them, AVX512-BF16 elsewhere); P rounded to bf16 before P V, as the paged kernel's AVX512-BF16 loop
-//            and PyTorch's flash attention round it, the sum taken of the rounded values.
+//            and PyTorch's flash attention round it, the sum taken of the rounded values. An 8-bit cache's codes
+//            go in as bf16 (exactly: int8 codes and fp8 e4m3 values are bf16 values), their scales apart, one
+//            per key: K's times the key's scores, V's times its probabilities before they are rounded. With
+//            scales that are powers of two, an 8-bit cache attends exactly as a bf16 cache of the same values.
 //
 // Layouts: q, out [T, Hq, D] bf16 or float32 (unit stride along D); caches [num_blocks, block_size, Hkv, R]
 // contiguous: bf16 rows (R = D), or 8-bit ones (folio.attention.kv_quant: R = D + 4, D int8 codes or fp8 e4m3
@@ -101,25 +104,45 @@ inline int64_t cache_row(const Params& P, int b, int h, int t) {
   return (((int64_t)block * P.block_size + t % P.block_size) * P.Hkv + h) * P.row_width;
 }
 
-// Tile of kt keys from t0 into kdst (K^T) and vdst (V) in T's layout (above), widened to float32 (an 8-bit row's
-// codes times its scale) or as they are (bf16); keys kt .. KEY_TILE - 1 are zero.
+// bf16 products of an 8-bit cache: its codes go in as bf16, its scales apart (one per key)
 template <typename C, typename T>
-void pack_tile(const Params& P, int b, int h, int t0, int kt, T* kdst, T* vdst) {
+constexpr bool KEY_SCALES = PAIRS<T> && Cache<C>::QUANTIZED;
+
+// Tile of kt keys from t0 into kdst (K^T) and vdst (V) in T's layout (above), widened to float32 (an 8-bit row's
+// codes times its scale) or as they are (bf16 operands: an 8-bit row's codes, its scales into kscale and vscale
+// [KEY_TILE]); keys kt .. KEY_TILE - 1 are zero.
+template <typename C, typename T>
+void pack_tile(const Params& P, int b, int h, int t0, int kt, T* kdst, T* vdst, float* kscale, float* vscale) {
   const int D = P.D;
   if (kt < KEY_TILE) {  // a context's last tile (products of zeros: no NaN from stale memory reaches the output)
     std::fill(kdst, kdst + (int64_t)KEY_TILE * D, T(0));
     std::fill(vdst, vdst + (int64_t)KEY_TILE * D, T(0));
+    if (KEY_SCALES<C, T>) {
+      std::fill(kscale + kt, kscale + KEY_TILE, 0.f);
+      std::fill(vscale + kt, vscale + KEY_TILE, 0.f);
+    }
   }
   for (int j = 0; j < kt; ++j) {
     const int64_t row = cache_row(P, b, h, t0 + j);
     const C* k = static_cast<const C*>(P.k_cache) + row;
     const C* v = static_cast<const C*>(P.v_cache) + row;
-    if (PAIRS<T>) {  // bf16 rows (C = T): pairs of K's values as 32-bit words; V's values every other element
-      const uint32_t* kw = reinterpret_cast<const uint32_t*>(k);
-      uint32_t* kd = reinterpret_cast<uint32_t*>(kdst);
-      for (int w = 0; w < D / 2; ++w) kd[(int64_t)w * KEY_TILE + j] = kw[w];
+    if (PAIRS<T>) {  // pairs of K's values as 32-bit words; V's values every other element
       T* vrow = vdst + (int64_t)(j >> 1) * D * 2 + (j & 1);
-      for (int d = 0; d < D; ++d) vrow[2 * d] = static_cast<T>(v[d]);
+      if constexpr (KEY_SCALES<C, T>) {
+        kscale[j] = Cache<C>::scale(k, D);
+        vscale[j] = Cache<C>::scale(v, D);
+        for (int w = 0; w < D / 2; ++w) {
+          T* pair = kdst + ((int64_t)w * KEY_TILE + j) * 2;
+          pair[0] = static_cast<T>(Cache<C>::value(k[2 * w]));
+          pair[1] = static_cast<T>(Cache<C>::value(k[2 * w + 1]));
+        }
+        for (int d = 0; d < D; ++d) vrow[2 * d] = static_cast<T>(Cache<C>::value(v[d]));
+      } else {  // bf16 rows (C = T)
+        const uint32_t* kw = reinterpret_cast<const uint32_t*>(k);
+        uint32_t* kd = reinterpret_cast<uint32_t*>(kdst);
+        for (int w = 0; w < D / 2; ++w) kd[(int64_t)w * KEY_TILE + j] = kw[w];
+        for (int d = 0; d < D; ++d) vrow[2 * d] = static_cast<T>(v[d]);
+      }
     } else {
       const float ks = Cache<C>::scale(k, D), vs = Cache<C>::scale(v, D);
       for (int d = 0; d < D; ++d) kdst[(int64_t)d * KEY_TILE + j] = Cache<C>::value(k[d]) * ks;
@@ -151,8 +174,10 @@ struct RowSoftmax {
 };
 
 // One row of a key tile: its scores s [KEY_TILE] (Q K^T) to probabilities 2^(scaled s - new max) for the keys
-// [first, lim) the row sees, 0 for the others, in place (float32 products), given the row's max so far.
-RowSoftmax probabilities(const Params& P, float* s, float* p, int first, int lim, float old_max) {
+// [first, lim) the row sees, 0 for the others, in place (float32 products), given the row's max so far. (Float32
+// operands hold an 8-bit row's values with its scale: there are no key scales here, the last two are null.)
+RowSoftmax probabilities(const Params& P, float* s, float* p, int first, int lim, float old_max, const float*,
+                         const float*) {
   if (P.softcap2 > 0.f) {
     for (int j = first; j < lim; ++j) s[j] = P.softcap2 * std::tanh(s[j] * P.scale_log2 * P.inv_softcap2);
   } else {
@@ -174,8 +199,11 @@ RowSoftmax probabilities(const Params& P, float* s, float* p, int first, int lim
 
 #if FOLIO_BF16_PRODUCTS
 // The same into bf16 probabilities (bf16 products), in registers: the sum is of the rounded probabilities, so that
-// the output is an exact weighted mean of V's rows.
-RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, int lim, float old_max) {
+// the output is an exact weighted mean of V's rows. With an 8-bit cache (kscale and vscale: the tile's keys'
+// scales; else null) each score is first multiplied by its key's K scale, and each probability by its V scale
+// before it is rounded (the sum stays of the rounded probabilities alone).
+RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, int lim, float old_max,
+                         const float* kscale, const float* vscale) {
   constexpr int NV = KEY_TILE / 16;
   const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 x[NV];
@@ -184,7 +212,8 @@ RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, in
   for (int i = 0; i < NV; ++i) {
     const int lo = std::min(16, std::max(0, first - 16 * i)), hi = std::min(16, std::max(0, lim - 16 * i));
     seen[i] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));  // lanes [lo, hi)
-    const __m512 v = _mm512_loadu_ps(s + 16 * i);
+    __m512 v = _mm512_loadu_ps(s + 16 * i);
+    if (kscale) v = _mm512_mul_ps(v, _mm512_loadu_ps(kscale + 16 * i));
     const __m512 scaled = P.softcap2 > 0.f
         ? _mm512_mul_ps(_mm512_set1_ps(P.softcap2), tanh_ps(_mm512_mul_ps(v, _mm512_set1_ps(P.scale_log2 * P.inv_softcap2))))
         : _mm512_mul_ps(v, _mm512_set1_ps(P.scale_log2));
@@ -196,16 +225,18 @@ RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, in
   for (int i = 0; i < NV; ++i) {
     const __m512 e = _mm512_maskz_mov_ps(seen[i], exp2_ps(_mm512_sub_ps(x[i], _mm512_set1_ps(mn))));
     const __m256bh rounded = _mm512_cvtneps_pbh(e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), (__m256i)rounded);
+    const __m256bh operand = vscale ? _mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_loadu_ps(vscale + 16 * i))) : rounded;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), (__m256i)operand);
     sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
   }
   return {mn, _mm512_reduce_add_ps(sum)};
 }
 #endif
 
+// kscales, vscales: the packed keys' scales (KEY_SCALES; else null), one per key where kpack has a row of D
 template <typename Q, typename T>
-void attend_item(const Params& P, const Span& span, const T* kpack, const T* vpack, const Item& it,
-                 TileBuffers<T>& buf) {
+void attend_item(const Params& P, const Span& span, const T* kpack, const T* vpack, const float* kscales,
+                 const float* vscales, const Item& it, TileBuffers<T>& buf) {
   const int D = P.D, G = P.G;
   const int32_t* rq = P.reqs + 3 * it.b;
   const int qs = rq[0], L = rq[2], off = L - rq[1];
@@ -233,6 +264,9 @@ void attend_item(const Params& P, const Span& span, const T* kpack, const T* vpa
     const int kn = std::min(KEY_TILE, (std::min(kt, kend - t0) + KEY_STEP - 1) / KEY_STEP * KEY_STEP);
     const T* kb = kpack + head_off + (int64_t)n * KEY_TILE * D;
     const T* vb = vpack + head_off + (int64_t)n * KEY_TILE * D;
+    const int64_t tile_keys = head_off / D + (int64_t)n * KEY_TILE;
+    const float* ks = kscales ? kscales + tile_keys : nullptr;
+    const float* vs = vscales ? vscales + tile_keys : nullptr;
     at::native::cpublas::brgemm(M, kn, D, D, KEY_TILE, KEY_TILE, false, buf.q.data(), kb, S, PAIRS<T>);
     bool first_tile = n == n0;
     for (int r = 0; r < M; ++r) {
@@ -247,7 +281,7 @@ void attend_item(const Params& P, const Span& span, const T* kpack, const T* vpa
         if (first_tile) std::fill(a, a + D, 0.f);
         continue;
       }
-      const auto [mn, sum] = probabilities(P, s, p, first, lim, buf.m[r]);
+      const auto [mn, sum] = probabilities(P, s, p, first, lim, buf.m[r], ks, vs);
       if (first_tile) {
         std::fill(a, a + D, 0.f);
         buf.l[r] = sum;
@@ -287,6 +321,9 @@ void run(const Params& P, int B) {
   at::Tensor kbuf = at::empty({total}, options), vbuf = at::empty({total}, options);
   T* kpack = static_cast<T*>(kbuf.data_ptr());
   T* vpack = static_cast<T*>(vbuf.data_ptr());
+  std::vector<float> kscale_buf(KEY_SCALES<C, T> ? total / D : 0), vscale_buf(kscale_buf.size());
+  float* kscales = KEY_SCALES<C, T> ? kscale_buf.data() : nullptr;
+  float* vscales = KEY_SCALES<C, T> ? vscale_buf.data() : nullptr;
 
   // 1. pack every (request, kv head, key tile)
   std::vector<int64_t> first_tile(B + 1, 0);  // running count of (kv head, key tile) pairs
@@ -299,7 +336,8 @@ void run(const Params& P, int B) {
       const int h = (int)((i - first_tile[b]) / sp.tiles), n = (int)((i - first_tile[b]) % sp.tiles);
       const int t0 = sp.kbeg + n * KEY_TILE, kt = std::min(KEY_TILE, P.reqs[3 * b + 2] - t0);
       const int64_t o = sp.offset + ((int64_t)h * sp.tiles + n) * KEY_TILE * D;
-      pack_tile<C, T>(P, b, h, t0, kt, kpack + o, vpack + o);
+      pack_tile<C, T>(P, b, h, t0, kt, kpack + o, vpack + o, kscales ? kscales + o / D : nullptr,
+                      vscales ? vscales + o / D : nullptr);
     }
   });
 
@@ -320,7 +358,8 @@ void run(const Params& P, int B) {
   std::atomic<int64_t> next{0};
   folio::parallel_for(0, std::min<int64_t>(n, folio::num_threads()), 1, [&](int64_t, int64_t) {
     TileBuffers<T> buf(qt * G, D);
-    for (int64_t i = next++; i < n; i = next++) attend_item<Q, T>(P, spans[items[i].b], kpack, vpack, items[i], buf);
+    for (int64_t i = next++; i < n; i = next++)
+      attend_item<Q, T>(P, spans[items[i].b], kpack, vpack, kscales, vscales, items[i], buf);
     if (PAIRS<T>) at::native::cpublas::brgemm_release();  // the thread's AMX tile state, where brgemm took it
   });
 }
@@ -385,9 +424,10 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
   }
   if (bf16_products) {
     TORCH_CHECK(has_bf16_products(), "bf16 products need AVX512-BF16 and oneDNN's micro-kernel");
-    TORCH_CHECK(qt == at::kBFloat16 && ct == at::kBFloat16 && P.D % 2 == 0,
-                "bf16 products take bf16 q and caches, head_dim even");
+    TORCH_CHECK(qt == at::kBFloat16 && P.D % 2 == 0, "bf16 products take bf16 q, head_dim even");
 #if FOLIO_BF16_PRODUCTS
+    if (ct == at::kChar) return run<bf16, int8_t, bf16>(P, B);
+    if (ct == at::kByte) return run<bf16, uint8_t, bf16>(P, B);
     return run<bf16, bf16, bf16>(P, B);
 #endif
 

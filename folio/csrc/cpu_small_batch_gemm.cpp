@@ -17,8 +17,9 @@
 // 16-64 rows at 10-14 GB/s where the machine reads 24 (2 cores of an Emerald Rapids Xeon), and the vector kernel
 // above is bound by vdpbf16ps's rate from 16 rows on. This path multiplies each block of the same packed weight,
 // read in place, by all of x with PyTorch's at::native::cpublas::brgemm (oneDNN's micro-kernel: AMX tiles where
-// the CPU has them, B in the VNNI layout the blocks already are), one call per block, blocks spread over the
-// threads as above; the sums (float32) get the bias and are rounded to bf16 once.
+// the CPU has them, B in the VNNI layout the blocks already are), one call per block and 16 rows of x (the block
+// comes from memory for the first and from cache for the others), blocks spread over the threads as above; the
+// sums (float32) get the bias and are rounded to bf16 once.
 //
 // float32 (AVX2+FMA or AVX-512F, any K, M <= MAX_M_F32): MKL's sgemm packs the whole weight matrix on every
 // call with M >= 2 rows, so a 2-row product cost 2.3x a 1-row one and a 7-row one 2.9x (the 49152 x 576
@@ -238,6 +239,11 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::
   return y;
 }
 
+// Rows of x per brgemm call in the tiles (one AMX tile's rows). On 2 cores of an Emerald Rapids Xeon, 64 rows in one
+// call ran all the 0.5B Qwen2's layers at 0.6-0.7x oneDNN's GEMM, in calls of 16 at 0.8-1.1x; 16 to 32 rows in
+// calls of 16 beat calls of 32 in two readings of three (benchmarks/small_batch_gemm_bench.py).
+constexpr int64_t TILE_CALL_ROWS = 16;
+
 at::Tensor linear_bf16_tiles(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
   const c10::BFloat16* bp = check_bf16(x, w, N, bias);
   const int64_t M = x.size(0), K = x.size(1), NB = w.size(2), block_elems = w.stride(0), xs = x.stride(0);
@@ -248,7 +254,9 @@ at::Tensor linear_bf16_tiles(at::Tensor x, at::Tensor w, int64_t N, c10::optiona
   folio::parallel_for(0, w.size(0), 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> sums(M * NB);
     for (int64_t b = b0; b < b1; ++b) {
-      at::native::cpublas::brgemm(M, NB, K, xs, NB, NB, false, xp, wp + b * block_elems, sums.data(), true);
+      for (int64_t m0 = 0; m0 < M; m0 += TILE_CALL_ROWS)  // the block from memory once, from cache after
+        at::native::cpublas::brgemm(std::min(TILE_CALL_ROWS, M - m0), NB, K, xs, NB, NB, false, xp + m0 * xs,
+                                    wp + b * block_elems, sums.data() + m0 * NB, true);
       const int64_t n0 = b * NB, cols = std::min(NB, N - n0);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < cols; ++j)

@@ -14,8 +14,11 @@ kernel takes only small batches. On 2 pinned cores of an Emerald Rapids Xeon (th
 kernel took the 0.5B Qwen2's layers 1.25x faster than oneDNN at 1 row and 1.48x at 4 and 8, but 0.61x at 16
 and 0.23x at 32 (SmolLM2: 1.21x at 8, 0.96x at 16): MAX_ROWS_AMX is 8. oneDNN itself streamed the weights
 of those larger decode batches (16-64 rows) at 10-14 GB/s there, where the machine reads 24: up to TILE_ROWS_AMX
-rows, the same packed blocks go through PyTorch's brgemm micro-kernel (AMX tiles) block by block, read in place
-(`tile_linear`; its speed on AMX is not yet measured: scripts/gpu_check.sh times it beside oneDNN).
+rows, the same packed blocks go through PyTorch's brgemm micro-kernel (AMX tiles) block by block, 16 rows a
+call, read in place (`tile_linear`). On 2 cores of an Emerald Rapids Xeon (`python
+benchmarks/small_batch_gemm_bench.py --rows 6 8 12 16 32 64`, the 0.5B Qwen2's layers, every path in one
+process) the tiles took 1.10-1.25x less time than oneDNN at 6 to 16 rows, 0.97-1.03x at 24 and 32, and from 40
+rows on oneDNN won (at 48 rows 0.81x, at 62 0.88x): TILE_ROWS_AMX is 32.
 
 float32 (AVX2+FMA or AVX-512F, one to eight rows): MKL packs the whole weight on every call of two rows or more,
 so verifying a few speculated tokens cost two to three times a one-token step (SmolLM2's lm_head on an AVX2 EPYC:
@@ -40,7 +43,7 @@ KERNEL = CppKernel("folio_cpu_small_batch_gemm", CSRC / "cpu_small_batch_gemm.cp
 MAX_ROWS_AMX = 8
 MAX_ROWS = {torch.bfloat16: MAX_ROWS_AMX if has_amx() else 64, torch.float32: 8}
 # bf16 batches past MAX_ROWS and up to this many rows run `tile_linear` (0: none, on CPUs without AMX)
-TILE_ROWS_AMX = 64
+TILE_ROWS_AMX = 32
 TILE_ROWS = TILE_ROWS_AMX if has_amx() else 0
 
 
