@@ -61,6 +61,22 @@ constexpr int MAX_M_F32 = 8;
 constexpr int64_t PREFETCH = 4096;
 
 #if FOLIO_DPBF16
+// The 16 columns of a block from its column 16 v that lie within its width (masked), and their bias (0 without
+// one), for the bf16 epilogues: the sums plus the bias in float32, rounded to bf16 once.
+struct Lanes {
+  __mmask16 mask;
+  __m512 bias;
+  Lanes(const c10::BFloat16* bias_row, int64_t n0, int64_t width, int v) {
+    const int64_t lanes = std::min<int64_t>(16, width - v * 16);
+    mask = lanes >= 16 ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(lanes, 0)) - 1);
+    bias = bias_row ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias_row + n0 + v * 16))
+                    : _mm512_setzero_ps();
+  }
+  void store(c10::BFloat16* y, __m512 sum) const {
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, bias)));
+  }
+};
+
 // One block of NV * 16 output columns for M rows: the block is [K/2][NV * 16][2], so each pair of x's values
 // (broadcast as one 32-bit lane) times each 32-bit lane of the weight (two bf16 along K) adds to the column's
 // sum with no horizontal reduction; NV * M independent chains.
@@ -81,15 +97,9 @@ void block(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* w, con
       for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wv[v], xv);
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t lanes = std::min<int64_t>(16, width - v * 16);
-    if (lanes <= 0) break;
-    const __mmask16 mask = lanes == 16 ? __mmask16(0xffff) : __mmask16((1u << lanes) - 1);
-    const __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + n0 + v * 16))
-                          : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m)
-      _mm256_mask_storeu_epi16(y + m * y_stride + n0 + v * 16, mask,
-                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b)));
+  for (int v = 0; v < NV && v * 16 < width; ++v) {
+    const Lanes lanes(bias, n0, width, v);
+    for (int m = 0; m < M; ++m) lanes.store(y + m * y_stride + n0 + v * 16, acc[m][v]);
   }
 }
 
@@ -258,9 +268,16 @@ at::Tensor linear_bf16_tiles(at::Tensor x, at::Tensor w, int64_t N, c10::optiona
         at::native::cpublas::brgemm(std::min(TILE_CALL_ROWS, M - m0), NB, K, xs, NB, NB, false, xp + m0 * xs,
                                     wp + b * block_elems, sums.data() + m0 * NB, true);
       const int64_t n0 = b * NB, cols = std::min(NB, N - n0);
+#if FOLIO_DPBF16
+      for (int v = 0; v * 16 < cols; ++v) {
+        const Lanes lanes(bp, n0, cols, v);
+        for (int64_t m = 0; m < M; ++m) lanes.store(yp + m * N + n0 + v * 16, _mm512_loadu_ps(&sums[m * NB + v * 16]));
+      }
+#else
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < cols; ++j)
           yp[m * N + n0 + j] = c10::BFloat16(sums[m * NB + j] + (bp ? static_cast<float>(bp[n0 + j]) : 0.f));
+#endif
     }
     at::native::cpublas::brgemm_release();  // the thread's AMX tile state, where brgemm took it
   });
