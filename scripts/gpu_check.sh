@@ -96,8 +96,10 @@ section "W1 of the int8 schemes against bf16 (issue 13: int8 1.3x)"
 part 150 "${PIN[@]}" $PY benchmarks/quant_speed_bench.py --model "$MODEL" "${W1[@]}" \
   --runs bfloat16 bfloat16:int8 bfloat16:int8 bfloat16
 
-section "long-query (prefill) attention, one Qwen2-0.5B layer"
+section "long-query (prefill) attention, one Qwen2-0.5B layer; bf16 and int8 caches; where the path starts to win (sets flash_prefill's AMX rules)"
 part 90 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --shapes Qwen2-0.5B
+part 60 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --kv-cache-dtype int8 --shapes Qwen2-0.5B
+part 60 "${PIN[@]}" $PY benchmarks/attention_bench.py --long-queries --query-lens 16,24,32,64 --shapes Qwen2-0.5B,Qwen3-0.6B
 
 section "batch-1 decode on the decode threads against OpenMP"
 part 60 "${PIN[@]}" $PY benchmarks/decode_threads_bench.py --model "$MODEL" --schemes none int4 int8 --rounds 12
