@@ -28,10 +28,13 @@ soft-capped scores. The products come in two kinds:
   Xeon, same command): bf16 cache 3.9x the kernel on the 1852-token Qwen2-0.5B prompt (57.5 -> 14.8 ms), 3.2x on
   seven 256-token prompts, 3.7x on the chunk, Qwen3-0.6B 4.5x / 3.0x / 3.7x; against sdpa_prefill (oneDNN's
   GEMMs, the path AMX machines took before; `--versus-sdpa`) 1.09-1.63x; int8 cache 3.4x / 3.0x / 3.3x (fp8
-  3.3x / 2.6x / 3.1x). `--query-lens 8,16,24,32,48,64,96` found where it starts to win on AMX: bf16 prompts from 24
-  tokens (1.01-1.42x at 24, 1.17-1.30x at 48, 1.33-1.67x at 64 over the three shapes) and chunks after 1000 keys
-  from 16 to 24 (Qwen3-0.6B's 2 heads per kv head the last: 0.89x at 16, 1.09x at 24); 8-bit prompts from 48 to
-  64 (0.85-1.03x at 32, 1.07-1.18x at 48), chunks from 24 (1.21-2.53x).
+  3.3x / 2.6x / 3.1x). Each tile's K and V are packed 16 keys at a time in AVX-512 registers (K's pairs of dims
+  transposed as 16 x 16 words, V's keys interleaved by pairs; an 8-bit row's codes widened 16 at a time) where
+  head_dim is a multiple of 32, a scalar loop otherwise; on AMX that took the short chunks after long contexts
+  1.1-1.9x (Qwen3-0.6B, 16 tokens after 1000 keys: 0.89x the kernel before, 1.70x after; int8 0.92x -> 1.55x).
+  `--query-lens 16,32,64` then found where the path starts to win on AMX: prompts of 32 tokens tie (bf16
+  1.03-1.32x, 8-bit 1.00-1.05x), of 64 win (bf16 1.82-2.00x, 8-bit 1.41-1.58x); chunks of 16 after 1000 keys win
+  (bf16 1.70-2.66x, 8-bit 1.55-2.49x), prompts of 16 do not (0.89-1.10x): hence rules on (query, key) pairs too.
 
 The kernel is built when a cache first needs it (about 60 s on two cores, once per machine: CPUBlas.h brings in
 oneDNN's headers).
@@ -53,9 +56,9 @@ KERNEL = CppKernel("folio_cpu_flash_prefill", CSRC / "cpu_flash_prefill.cpp", wh
 # against the kernel's AVX2 loop; bf16 ones against its AVX-512 loop on Zen 4 and on AMX, for bf16 and 8-bit caches
 FLOAT32_PRODUCTS = (4, 256)
 BF16_PRODUCTS = (128, 0)
-BF16_PRODUCTS_AMX = (24, 0)
+BF16_PRODUCTS_AMX = (16, 1 << 10)  # prompts from 32 tokens, chunks from 16 after 48 keys
 EIGHT_BIT_PRODUCTS = BF16_PRODUCTS
-EIGHT_BIT_PRODUCTS_AMX = (24, 1 << 12)  # chunks from 24 tokens after 171 keys; prompts from 64 tokens
+EIGHT_BIT_PRODUCTS_AMX = (16, 1 << 12)  # prompts from 64 tokens, chunks from 16 after 240 keys
 
 
 class FlashPrefill(LongQueryPath):

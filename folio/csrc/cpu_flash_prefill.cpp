@@ -108,6 +108,110 @@ inline int64_t cache_row(const Params& P, int b, int h, int t) {
 template <typename C, typename T>
 constexpr bool KEY_SCALES = PAIRS<T> && Cache<C>::QUANTIZED;
 
+#if FOLIO_BF16_PRODUCTS
+constexpr int VECTOR_PACK_MAX_D = 256;  // head dims the vector packing takes (multiples of 32 up to this)
+
+// rows[k] = the k-th 32-bit word of each of the 16 rows given (a 16 x 16 transpose of words)
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// An 8-bit row's D codes as bf16 (exactly: int8 codes and fp8 e4m3 values are bf16 values), 16 at a time.
+template <typename C>
+inline void codes_to_bf16(const C* codes, bf16* dst, int D) {
+  for (int d = 0; d < D; d += 16) {
+    const __m512i wide = std::is_same<C, int8_t>::value
+        ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d)))
+        : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d)));
+    const __m512 values = std::is_same<C, int8_t>::value ? _mm512_cvtepi32_ps(wide)
+                                                         : _mm512_i32gather_ps(wide, FP8_E4M3_VALUES.data(), 4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(values));
+  }
+}
+
+// pack_tile's bf16 operands for a head_dim of a multiple of 32 up to VECTOR_PACK_MAX_D: 16 keys at a time, K's
+// words transposed in registers, V's rows interleaved by pairs of keys (the same layout as the scalar loop's).
+template <typename C>
+void pack_pairs_avx512(const Params& P, int b, int h, int t0, int kt, bf16* kdst, bf16* vdst, float* kscale,
+                       float* vscale) {
+  const int D = P.D, W = D / 2;
+  alignas(64) static const bf16 zeros[VECTOR_PACK_MAX_D] = {};
+  alignas(64) bf16 kbuf[KEY_SCALES<C, bf16> ? 16 : 1][VECTOR_PACK_MAX_D];
+  alignas(64) bf16 vbuf[KEY_SCALES<C, bf16> ? 16 : 1][VECTOR_PACK_MAX_D];
+  // V pairs: elements 0-15 of two rows' 32, interleaved (lo), then 16-31 (hi)
+  __m512i lo_idx, hi_idx;
+  {
+    alignas(64) int16_t lo[32], hi[32];
+    for (int i = 0; i < 16; ++i) {
+      lo[2 * i] = i, lo[2 * i + 1] = 32 + i;
+      hi[2 * i] = 16 + i, hi[2 * i + 1] = 48 + i;
+    }
+    lo_idx = _mm512_load_si512(lo);
+    hi_idx = _mm512_load_si512(hi);
+  }
+  uint32_t* kd = reinterpret_cast<uint32_t*>(kdst);
+  for (int j0 = 0; j0 < kt; j0 += 16) {
+    const int n = std::min(16, kt - j0);
+    const bf16* krow[16];
+    const bf16* vrow[16];
+    for (int i = 0; i < 16; ++i) {
+      if (i >= n) {
+        krow[i] = vrow[i] = zeros;
+        continue;
+      }
+      const int64_t row = cache_row(P, b, h, t0 + j0 + i);
+      const C* k = static_cast<const C*>(P.k_cache) + row;
+      const C* v = static_cast<const C*>(P.v_cache) + row;
+      if constexpr (KEY_SCALES<C, bf16>) {
+        kscale[j0 + i] = Cache<C>::scale(k, D);
+        vscale[j0 + i] = Cache<C>::scale(v, D);
+        codes_to_bf16(k, kbuf[i], D);
+        codes_to_bf16(v, vbuf[i], D);
+        krow[i] = kbuf[i];
+        vrow[i] = vbuf[i];
+      } else {
+        krow[i] = k;
+        vrow[i] = v;
+      }
+    }
+    const __mmask16 keys = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    for (int w0 = 0; w0 < W; w0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[i]) + w0);
+      transpose16x16(r);
+      for (int w = 0; w < 16; ++w) _mm512_mask_storeu_epi32(kd + (int64_t)(w0 + w) * KEY_TILE + j0, keys, r[w]);
+    }
+    for (int i = 0; i < n; i += 2) {  // j0 is even: keys j0 + i and j0 + i + 1 make a pair
+      bf16* out = vdst + (int64_t)((j0 + i) >> 1) * D * 2;
+      for (int d0 = 0; d0 < D; d0 += 32) {
+        const __m512i a = _mm512_loadu_si512(vrow[i] + d0), c = _mm512_loadu_si512(vrow[i + 1] + d0);
+        _mm512_storeu_si512(out + 2 * d0, _mm512_permutex2var_epi16(a, lo_idx, c));
+        _mm512_storeu_si512(out + 2 * d0 + 32, _mm512_permutex2var_epi16(a, hi_idx, c));
+      }
+    }
+  }
+}
+#endif
+
 // Tile of kt keys from t0 into kdst (K^T) and vdst (V) in T's layout (above), widened to float32 (an 8-bit row's
 // codes times its scale) or as they are (bf16 operands: an 8-bit row's codes, its scales into kscale and vscale
 // [KEY_TILE]); keys kt .. KEY_TILE - 1 are zero.
@@ -122,6 +226,11 @@ void pack_tile(const Params& P, int b, int h, int t0, int kt, T* kdst, T* vdst, 
       std::fill(vscale + kt, vscale + KEY_TILE, 0.f);
     }
   }
+#if FOLIO_BF16_PRODUCTS
+  if constexpr (PAIRS<T>) {
+    if (D % 32 == 0 && D <= VECTOR_PACK_MAX_D) return pack_pairs_avx512<C>(P, b, h, t0, kt, kdst, vdst, kscale, vscale);
+  }
+#endif
   for (int j = 0; j < kt; ++j) {
     const int64_t row = cache_row(P, b, h, t0 + j);
     const C* k = static_cast<const C*>(P.k_cache) + row;
