@@ -4,7 +4,8 @@
 // The paged kernel (cpu_paged_attention.cpp) attends one query row and one key at a time; a long query (a prompt,
 // a prefill chunk) is a matrix product, and a GEMM engine runs it many times faster. For each request given here:
 //   1. pack: its context's K and V, per kv head and per tile of KEY_TILE keys, are gathered from the blocks of the
-//      cache (block table, in place) into the layout brgemm reads as B (below);
+//      cache (block table, in place) into the layout brgemm reads as B (below; bf16 operands 16 keys at a time in
+//      AVX-512 registers where head_dim is a multiple of 32);
 //   2. attend: per (request, kv head, tile of query tokens), the query rows of the tile's tokens times the G query
 //      heads of the kv head are stacked (rows r = token * G + g), so K and V are read once per group; per key
 //      tile S = Q K^T by brgemm (only as far as the tile's rows see, on the diagonal), then scale, soft-cap,
