@@ -136,19 +136,6 @@ inline void transpose16x16(__m512i r[16]) {
   }
 }
 
-// An 8-bit row's D codes as bf16 (exactly: int8 codes and fp8 e4m3 values are bf16 values), 16 at a time.
-template <typename C>
-inline void codes_to_bf16(const C* codes, bf16* dst, int D) {
-  for (int d = 0; d < D; d += 16) {
-    const __m512i wide = std::is_same<C, int8_t>::value
-        ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d)))
-        : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d)));
-    const __m512 values = std::is_same<C, int8_t>::value ? _mm512_cvtepi32_ps(wide)
-                                                         : _mm512_i32gather_ps(wide, FP8_E4M3_VALUES.data(), 4);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(values));
-  }
-}
-
 // pack_tile's bf16 operands for a head_dim of a multiple of 32 up to VECTOR_PACK_MAX_D: 16 keys at a time, K's
 // words transposed in registers, V's rows interleaved by pairs of keys (the same layout as the scalar loop's).
 template <typename C>
@@ -185,8 +172,8 @@ void pack_pairs_avx512(const Params& P, int b, int h, int t0, int kt, bf16* kdst
       if constexpr (KEY_SCALES<C, bf16>) {
         kscale[j0 + i] = Cache<C>::scale(k, D);
         vscale[j0 + i] = Cache<C>::scale(v, D);
-        codes_to_bf16(k, kbuf[i], D);
-        codes_to_bf16(v, vbuf[i], D);
+        exact_codes(k, kbuf[i], D / 32);
+        exact_codes(v, vbuf[i], D / 32);
         krow[i] = kbuf[i];
         vrow[i] = vbuf[i];
       } else {

@@ -458,40 +458,6 @@ inline __m512 load16_codes(const uint8_t* p, __m512 scale) {  // fp8 e4m3 bits: 
 }
 
 #if defined(__AVX512BF16__)
-// The D = 32 NC codes of an 8-bit row as the bf16 of their values, exactly (an int8 code or an e4m3 value has at
-// most 8 significant bits and bf16's exponent range), for the bf16 tile code: the row's scale is applied to
-// the scores and probabilities. int8: through float32, 16 codes a conversion.
-template <int NC>
-inline void exact_codes(const int8_t* row, at::BFloat16* dst) {
-  auto f = [](const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  };
-  for (int c = 0; c < NC; ++c)
-    _mm512_storeu_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(f(row + 32 * c + 16), f(row + 32 * c)));
-}
-
-// The bf16 bits of the e4m3 values with the sign bit clear (codes 0 .. 127; 127, e4m3's NaN, is never written).
-alignas(64) const std::array<uint16_t, 128> FP8_E4M3_BF16 = [] {
-  std::array<uint16_t, 128> v{};
-  for (int i = 0; i < 128; ++i) v[i] = c10::BFloat16(FP8_E4M3_VALUES[i]).x;
-  return v;
-}();
-
-// fp8 e4m3: 32 codes a step, each code's 7 bits of magnitude looked up in FP8_E4M3_BF16 (two 64-entry word
-// permutes, bit 6 choosing between them), its sign bit moved to bf16's.
-template <int NC>
-inline void exact_codes(const uint8_t* row, at::BFloat16* dst) {
-  const __m512i t0 = _mm512_load_si512(FP8_E4M3_BF16.data()), t1 = _mm512_load_si512(FP8_E4M3_BF16.data() + 32),
-                t2 = _mm512_load_si512(FP8_E4M3_BF16.data() + 64), t3 = _mm512_load_si512(FP8_E4M3_BF16.data() + 96);
-  for (int c = 0; c < NC; ++c) {
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
-    const __m512i low = _mm512_permutex2var_epi16(t0, w, t1), high = _mm512_permutex2var_epi16(t2, w, t3);
-    const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), low, high);
-    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8);
-    _mm512_storeu_si512(dst + 32 * c, _mm512_or_si512(mag, sign));
-  }
-}
-
 // Key j of a tile of N keys from an 8-bit cache (its K row kr, V row vr) for the bf16 tile code: its codes into
 // bf16 rows j (K) and N + j (V) of dst, D = 32 NC apart (kp[j], vp[j] pointing to them), its rows' scales into
 // ks[j] and vs[j], which multiply its scores and its probabilities.
@@ -503,8 +469,8 @@ inline void exact_key(const C* kr, const C* vr, int j, at::BFloat16* dst, const 
   vs[j] = Cache<C>::scale(vr, D);
   kp[j] = dst + (size_t)j * D;
   vp[j] = dst + (size_t)(N + j) * D;
-  exact_codes<NC>(kr, dst + (size_t)j * D);
-  exact_codes<NC>(vr, dst + (size_t)(N + j) * D);
+  exact_codes(kr, dst + (size_t)j * D, NC);
+  exact_codes(vr, dst + (size_t)(N + j) * D, NC);
 }
 #endif
 
