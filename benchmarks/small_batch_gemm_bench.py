@@ -2,9 +2,9 @@
 packed GEMM in bf16, MKL (F.linear) in float32.
 
 1. Every linear layer of a model (random weights, more bytes than the caches hold, so each pass reads them
-   from memory as a decode step does) multiplied by M rows up to MAX_ROWS: ms per pass, GB/s, ratio. In bf16
-   all read the same packed weights, and the tiles (brgemm per block: the path of batches past MAX_ROWS with
-   AMX) run too.
+   from memory as a decode step does; a large L3 may hold SmolLM2's) multiplied by M rows up to MAX_ROWS:
+   ms per pass, GB/s, ratio. In bf16 all read the same packed weights, and where the CPU has AMX the kernel's
+   tile loop (`amx_linear`: the path of batches past MAX_ROWS there, up to AMX_ROWS) runs too.
 2. End to end: single-sequence decode of the default model with the kernel on and off, alternating, the
    median of each (ms per output token).
 
@@ -30,7 +30,7 @@ MODELS = {  # hidden, q + 2 kv width, intermediate, layers
 
 
 def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[dict[str, float], float]:
-    """ms per pass of each path ("library", "kernel", and in bf16 "tiles"), and the weights' bytes."""
+    """ms per pass of each path ("library", "kernel", and in bf16 with AMX "amx"), and the weights' bytes."""
     hidden, qkv, inter, layers = MODELS[model]
     shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers
     weights = [torch.randn(n, k).to(dtype) for n, k in shapes]
@@ -56,11 +56,13 @@ def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[dic
             else:
                 small_batch_gemm.linear(xs[w.shape[1]], s, None)
 
-    def tiles():
+    def amx():
         for w, s in zip(weights, served):
-            small_batch_gemm.tile_linear(xs[w.shape[1]], s, None)
+            small_batch_gemm.amx_linear(xs[w.shape[1]], s, None)
 
-    paths = {"library": library, "kernel": kernel} | ({"tiles": tiles} if dtype == torch.bfloat16 else {})
+    paths = {"library": library, "kernel": kernel}
+    if dtype == torch.bfloat16 and small_batch_gemm.amx_available():
+        paths["amx"] = amx
     times: dict[str, list[float]] = {name: [] for name in paths}
     for f in paths.values():
         f()

@@ -28,17 +28,29 @@ def packed(w: torch.Tensor) -> small_batch_gemm.PackedWeight:
     return weight
 
 
-# the bf16 paths on the packed blocks, each at any batch size: the vector kernel and the tiles (brgemm, which
-# runs on AMX tiles where the CPU has them and on its vector fallback elsewhere)
-BF16_PATHS = {"kernel": small_batch_gemm.vector_linear, "tiles": small_batch_gemm.tile_linear}
+amx_kernel = pytest.mark.skipif(not (small_batch_gemm.available(torch.bfloat16) and small_batch_gemm.amx_available()),
+                                reason="the kernel's AMX tile loop needs a CPU with AMX-BF16")
+
+# the bf16 paths on the packed blocks, each at any batch size: the vector kernel, and where the CPU has AMX the
+# kernel's tile loop (K a multiple of 32 only)
+BF16_PATHS = {"kernel": small_batch_gemm.vector_linear, "amx": small_batch_gemm.amx_linear}
+PATH_PARAMS = pytest.mark.parametrize("path", [pytest.param("kernel", marks=bf16_kernel),
+                                               pytest.param("amx", marks=amx_kernel)])
 
 
-@bf16_kernel
-@pytest.mark.parametrize("path", BF16_PATHS)
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
-@pytest.mark.parametrize("n,k", [(1, 2), (5, 96), (1000, 576), (37, 1536), (100, 30), (1152, 896)])
+def takes(path: str, k: int) -> None:
+    if path == "amx" and k % 32:
+        pytest.skip("the AMX tile loop takes K a multiple of 32 (a tile's depth)")
+
+
+@PATH_PARAMS
+@pytest.mark.parametrize("m", [1, 2, 7, 13, 16, 17, 33, 48, 64])
+@pytest.mark.parametrize("n,k", [(1, 2), (5, 96), (1000, 576), (37, 1536), (100, 30), (1152, 896), (896, 4864)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_exact_product_to_one_bf16_step(path, m, n, k, with_bias):
+    """Every shape family of the supported models' layers (the 0.5B Qwen2's down projection among them), odd
+    widths and row counts that leave a partial tile of rows or an odd number of them."""
+    takes(path, k)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
@@ -57,20 +69,22 @@ def test_matches_exact_product_to_one_bf16_step(path, m, n, k, with_bias):
     assert bool((bf16_ulps_apart(got, want)[clear] <= 1).all())
 
 
-@bf16_kernel
-@pytest.mark.parametrize("path", BF16_PATHS)
+@PATH_PARAMS
 @pytest.mark.parametrize("width", onednn_layout.BLOCK_WIDTHS)
-def test_every_block_width_and_padded_k(path, width):
+@pytest.mark.parametrize("k,padded_k", [(40, 64), (64, 96)])
+def test_every_block_width_and_padded_k(path, width, k, padded_k):
     """Layouts oneDNN may choose on other CPUs: blocks 16 to 64 columns wide, K padded within each block."""
-    n, k, padded_k = 70, 40, 64
+    takes(path, k)
+    n = 70
     w = torch.randn(n, k).to(torch.bfloat16)
     num_blocks = -(-n // width)
     plain = torch.zeros(num_blocks * width, padded_k, dtype=torch.bfloat16)
     plain[:n, :k] = w
     blocks = plain.view(num_blocks, width, padded_k // 2, 2).transpose(1, 2).contiguous()
-    x = torch.randn(9, k).to(torch.bfloat16)
-    got = BF16_PATHS[path](x, small_batch_gemm.PackedWeight(blocks, n), None)
-    assert torch.allclose(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-1)
+    for m in (9, 40):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        got = BF16_PATHS[path](x, small_batch_gemm.PackedWeight(blocks, n), None)
+        assert torch.allclose(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-1)
 
 
 @bf16_kernel
@@ -87,17 +101,43 @@ def test_the_packed_view_keeps_onednn_memory_alive_and_rejects_other_layouts():
                                           w[:, :63]) is None  # odd K
 
 
-@bf16_kernel
-@pytest.mark.parametrize("path", BF16_PATHS)
+@PATH_PARAMS
 def test_strided_rows_and_errors(path):
     linear = BF16_PATHS[path]
-    x = torch.randn(2, 128).to(torch.bfloat16)[:, :64]  # row stride 128
+    x = torch.randn(20, 128).to(torch.bfloat16)[:, :64]  # row stride 128
     weight = packed(torch.randn(8, 64).to(torch.bfloat16))
     assert torch.equal(linear(x, weight, None), linear(x.contiguous(), weight, None))
     with pytest.raises(RuntimeError, match="within the blocks' K"):
         linear(torch.randn(1, 66).to(torch.bfloat16), weight, None)
     with pytest.raises(RuntimeError, match="within the last block"):
         linear(x, small_batch_gemm.PackedWeight(weight.blocks, 65), None)
+    if path == "amx":
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            linear(torch.randn(17, 48).to(torch.bfloat16), packed(torch.randn(8, 48).to(torch.bfloat16)), None)
+
+
+@amx_kernel
+def test_amx_tiles_and_pytorch_brgemm_alternate_on_the_same_threads():
+    """The tile loop and PyTorch's brgemm (the flash prefill's bf16 products: oneDNN's micro-kernel on AMX) each
+    load their own tile configuration on the threads they run on; alternating, neither may multiply with the
+    other's tile shapes."""
+    from folio.attention import cpu_paged, flash_prefill
+    from folio.attention.backend import AttentionParams
+    from test_cpu_paged_attention import make_step, run
+    from test_flash_prefill import attend_all
+
+    if flash_prefill.KERNEL.load() is None or not flash_prefill.KERNEL.load().has_bf16_products():
+        pytest.skip("the flash prefill's bf16 products (brgemm) are not built here")
+    q, k, v, cache, layout = make_step([(100, 100), (37, 300)], 16, 2, 7, 64, torch.bfloat16, seed=3)
+    _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
+    x = torch.randn(40, 896).to(torch.bfloat16)
+    w = torch.randn(1152, 896).to(torch.bfloat16)
+    weight = packed(w)
+    want = small_batch_gemm.amx_linear(x, weight, None)
+    before = attend_all(q, written, layout, AttentionParams(), bf16_products=True)
+    for _ in range(3):
+        assert torch.equal(small_batch_gemm.amx_linear(x, weight, None), want)
+        assert torch.equal(attend_all(q, written, layout, AttentionParams(), bf16_products=True), before)
 
 
 def packed_linear(k: int = 64) -> Linear:
@@ -112,25 +152,26 @@ def packed_linear(k: int = 64) -> Linear:
 
 
 @bf16_kernel
-@pytest.mark.parametrize("tile_rows", [0, 24])  # no tiles (CPUs without AMX), tiles up to 24 rows (AMX's rule)
-def test_linear_sends_small_batches_to_the_kernel_then_the_tiles(monkeypatch, tile_rows):
-    monkeypatch.setattr(small_batch_gemm, "TILE_ROWS", tile_rows)
+@pytest.mark.parametrize("amx_rows", [0, pytest.param(24, marks=amx_kernel)])  # without AMX; AMX up to 24 rows
+def test_linear_sends_small_batches_to_the_kernel_then_the_amx_tiles(monkeypatch, amx_rows):
+    monkeypatch.setattr(small_batch_gemm, "AMX_ROWS", amx_rows)
     monkeypatch.setitem(small_batch_gemm.MAX_ROWS, torch.bfloat16, 8)
-    layer = packed_linear()
+    layers = {64: packed_linear(64), 48: packed_linear(48)}  # K = 48: not a tile's depth, never to the tiles
     calls = []
-    for name in ("linear", "tile_linear"):
+    for name in ("linear", "amx_linear"):
         real = getattr(small_batch_gemm, name)
         monkeypatch.setattr(small_batch_gemm, name,
-                            lambda *a, real=real, name=name: calls.append((name, a[0].shape[0])) or real(*a))
-    for m in (1, 8, 9, 24, 25):
-        x = torch.randn(m, 64).to(torch.bfloat16)
-        # the packed weight, through the kernel at any size
-        want = small_batch_gemm.vector_linear(x, layer.small_batch_weight, layer.bias)
-        assert torch.allclose(layer(x).float(), want.float(), rtol=2e-2, atol=5e-2)
-    kernel = [("linear", 1), ("linear", 8)]
-    tiles = [("linear", 9), ("tile_linear", 9), ("linear", 24), ("tile_linear", 24)]
-    assert calls == kernel + (tiles if tile_rows else [])  # beyond: oneDNN
-    assert layer.weight is None and layer.packed is not None  # one copy of the weight: oneDNN's
+                            lambda *a, real=real, name=name: calls.append((name, a[0].shape)) or real(*a))
+    for k, layer in layers.items():
+        for m in (1, 8, 9, 24, 25):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            # the packed weight, through the kernel at any size
+            want = small_batch_gemm.vector_linear(x, layer.small_batch_weight, layer.bias)
+            assert torch.allclose(layer(x).float(), want.float(), rtol=2e-2, atol=5e-2)
+        assert layer.weight is None and layer.packed is not None  # one copy of the weight: oneDNN's
+    vector = [("linear", (m, k)) for k in (64, 48) for m in (1, 8)]
+    amx = [("linear", (9, 64)), ("amx_linear", (9, 64)), ("linear", (24, 64)), ("amx_linear", (24, 64))]
+    assert calls == (vector[:2] + amx + vector[2:] if amx_rows else vector)  # beyond: oneDNN
 
 
 @bf16_kernel
