@@ -2,7 +2,8 @@
 on the prepacked weight, as the dense linear method runs it), folio's row-major W8A8 kernel, its kernel on
 oneDNN's packed weight (VNNI) and oneDNN's int8 GEMM (folio.models.onednn_int8), each as the int8 scheme runs it
 (rotated activations, the quantisation of the rows and the scaling of the result included), and that packed weight
-on brgemm's tiles (AMX-INT8's where the CPU has them: the path of batches of 16 to 64 rows there); then the int8
+on the tiles (folio's AMX tile loop with AMX-INT8: the path of batches of 4 to 128 rows there; brgemm's
+elsewhere); then the int8
 weight with int16 activations (the int4 schemes' lm_head: the packed kernel, oneDNN's two GEMMs) and a `w8a16`
 layer (weight-only: its kernel, or from quantized_linear.dequantize_min_rows rows the dense GEMM on the weight
 dequantised for the call). The calls alternate round by round; the median over rounds is reported, with the ratios to bf16.

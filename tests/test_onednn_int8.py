@@ -24,7 +24,8 @@ EXACT_PAIRS = not {"avx512_vnni", "avx_vnni", "amx_int8"}.isdisjoint(cpu_flags()
 WEIGHT_RANGES = [63, pytest.param(127, marks=pytest.mark.skipif(not EXACT_PAIRS, reason="int16 pairs saturate"))]
 CHUNKED = onednn_int8.CHUNK_ROWS + 44  # two oneDNN calls, the second of a partial chunk
 packed_kernel = pytest.mark.skipif(not quant_kernels.has_packed_w8a8(), reason="the packed W8A8 kernel needs VNNI")
-# the packed products on the kernel's vector loop, and on brgemm's tiles (AMX-INT8's where the CPU has them)
+# the packed products on the kernel's vector loop, and on the tiles: folio's AMX tile loop where the CPU has
+# AMX-INT8 and K is a multiple of 64, else brgemm's (AMX's or VNNI's)
 TILES = [False, pytest.param(True, marks=pytest.mark.skipif(not quant_kernels.has_w8a8_tiles(),
                                                              reason="this PyTorch's brgemm has no int8 product"))]
 
@@ -58,7 +59,8 @@ def test_matches_the_reference(m, n, k, dtype, weight_range, rotated):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rotated", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (3, 151, 896), (15, 1152, 896), (5, 896, 4864), (2, 100, 96),
-                                   (1, 1, 32), (64, 200, 896)])
+                                   (1, 1, 32), (64, 200, 896), (17, 1152, 896), (33, 896, 4864), (48, 151, 576),
+                                   (20, 70, 96)])
 def test_the_packed_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype, rotated, tiles):
     """Small batches read oneDNN's packed weight in place; exact sums, the reference's float32 scalings."""
     gen = torch.Generator().manual_seed(m + n + k)
@@ -191,7 +193,7 @@ def test_the_int16_reference_is_the_exact_product_within_its_roundings():
 @pytest.mark.parametrize("tiles", TILES, ids=["vectors", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (2, 151, 896), (3, 1152, 896), (1, 896, 4864), (2, 100, 96),
-                                   (1, 1, 32), (7, 200, 128), (40, 130, 896)])
+                                   (1, 1, 32), (7, 200, 128), (40, 130, 896), (16, 200, 128), (64, 151, 576)])
 def test_the_int16_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype, tiles):
     """Both bytes' sums exact, 256 * high + low rounded once, the reference's float32 scalings; rows two at a
     time (a partial pair for odd counts)."""

@@ -40,6 +40,7 @@
 // Instruction sets: each kernel is one template over a vector type (Scalar, Avx2, Avx512); every one this
 // build's -march=native has is compiled, and `isas()` lists them, best last, so tests run each one here.
 // Sums run in different orders per ISA: weight-only results differ in float32 rounding only.
+#include "amx_tiles.h"
 #include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
@@ -648,11 +649,41 @@ void packed_w8a8_tiles(const PackedW8A8& a) {
   });
 }
 #endif
+
+// The tiles on AMX-INT8 where K is a multiple of 64 (an int8 tile's depth): folio's own tile loop
+// (amx_tiles.h), which streams the blocks with prefetches where brgemm per block reread each block once per 16
+// rows, on the same packed blocks; the codes of both passes are groups of rows, then the epilogue above.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define FOLIO_W8A8_AMX 1
+template <int PASSES>
+void packed_w8a8_amx(const PackedW8A8& a) {
+  folio::amx::Rows rows;
+  std::vector<uint8_t> padded[PASSES];
+  const uint8_t* codes[2] = {a.xu, a.xl};
+  for (int s = 0; s < PASSES; ++s) folio::amx::add_groups(rows, codes[s], a.M, a.K, a.K, padded[s]);
+  const int64_t pass_rows = (a.M + 15) / 16 * 16;
+  const folio::amx::Weight weight{reinterpret_cast<const uint8_t*>(a.w), a.block_quads * PACKED_COLUMNS * 4,
+                                  a.K / 64};
+  const auto epilogue = [&](int64_t b, const auto& sums) {
+    packed_w8a8_epilogue<PASSES>(a, 0, a.M, b, [&](int s, int64_t i, int v) {
+      return _mm512_loadu_si512(sums(s * pass_rows + i, v));
+    });
+  };
+  const folio::BlockStream streams[] = {{a.w, a.block_quads * PACKED_COLUMNS * 4},
+                                        {a.colsum, PACKED_COLUMNS * 4}, {a.sw, PACKED_COLUMNS * 4}};
+  folio::parallel_blocks(a.w, (a.N + PACKED_COLUMNS - 1) / PACKED_COLUMNS, streams, [&](int64_t b0, int64_t b1) {
+    folio::amx::multiply<folio::amx::U8S8, PACKED_COLUMNS / 16>(rows, weight, b0, b1, epilogue);
+  });
+}
+#endif
 #else
 #define FOLIO_PACKED_W8A8 0
 #endif
 #ifndef FOLIO_W8A8_TILES
 #define FOLIO_W8A8_TILES 0
+#endif
+#ifndef FOLIO_W8A8_AMX
+#define FOLIO_W8A8_AMX 0
 #endif
 
 // ----------------------------------------------------------------------------------------------- W4A8
@@ -1159,6 +1190,13 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums
                      blocks.data_ptr<int8_t>(), column_sums.data_ptr<int32_t>(), scales.data_ptr<float>(),
                      b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
                      bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, N, K, blocks.size(1)};
+#if FOLIO_W8A8_AMX
+  if (tiles && K % 64 == 0 && folio::amx::permitted()) {
+    if (int16) packed_w8a8_amx<2>(a);
+    else packed_w8a8_amx<1>(a);
+    return bf16 ? y : as_input_dtype(y, x);
+  }
+#endif
 #if FOLIO_W8A8_TILES
   if (tiles) {
     if (int16) packed_w8a8_tiles<2>(a);

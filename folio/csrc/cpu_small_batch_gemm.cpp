@@ -15,15 +15,9 @@
 //
 // bf16 on AMX tiles (`linear_bf16_amx`, built where the compiler targets AMX-BF16; meant for 9-64 rows): with
 // AMX the vector kernel above is bound by vdpbf16ps's rate from 16 rows on, and oneDNN's GEMM streamed the
-// weights of 16-64 rows at 14-22 GB/s on 2 cores of an Emerald Rapids Xeon that read 30; PyTorch's brgemm
-// called per block and 16 rows read each block from L2 (or L3) once per 16 rows and stalled on memory. Here
-// the same packed blocks, read in place, are taken in chunks of CHUNK_BYTES along K; each chunk is multiplied by
-// all of x, 32 rows at a time (2 x 2 tiles of sums where the block is 32 columns wide), while software
-// prefetches spread over the chunk's tile work pull the thread's next chunk (blocks follow each other in
-// memory) into L2; from 33 rows on, x's rows stay in L1 instead and the blocks stream past them in panels
-// (`amx_panels`). A tile product multiplies 16 rows of x by 16 pairs of K of 16 columns (exact products,
-// float32 sums); partial sums stay in the tile registers along a chunk and go to a float buffer between
-// chunks; the epilogue is the vector kernel's (bias in float32, one rounding to bf16).
+// weights of 16-64 rows at 14-22 GB/s on 2 cores of an Emerald Rapids Xeon that read 30. The same packed blocks,
+// read in place, go through folio's AMX tile loop (amx_tiles.h: chunks along K, the next one prefetched into L2
+// during the tile work), then the vector kernel's epilogue (bias in float32, one rounding to bf16).
 //
 // float32 (AVX2+FMA or AVX-512F, any K, M <= MAX_M_F32): MKL's sgemm packs the whole weight matrix on every
 // call with M >= 2 rows, so a 2-row product cost 2.3x a 1-row one and a 7-row one 2.9x (the 49152 x 576
@@ -31,9 +25,7 @@
 // float32 (sums in another order than MKL's: results differ in the last bits).
 #include "parallel.h"
 #include <ATen/core/Tensor.h>
-#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
@@ -53,8 +45,7 @@
 #endif
 #if FOLIO_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define FOLIO_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #else
 #define FOLIO_AMX 0
 #endif
@@ -150,266 +141,6 @@ void dispatch_bf16(int64_t M, int64_t nv, const c10::BFloat16* x, int64_t xs, co
     case 2: return blocks<2>(M, x, xs, w, b, y, N, pairs, block_pairs, b0, b1);
     case 3: return blocks<3>(M, x, xs, w, b, y, N, pairs, block_pairs, b0, b1);
     default: return blocks<4>(M, x, xs, w, b, y, N, pairs, block_pairs, b0, b1);
-  }
-}
-#endif
-
-#if FOLIO_AMX
-// Bytes of a block per chunk on AMX (256 pairs of K of the 32-column blocks oneDNN packs for AMX): the chunk
-// stays in L1/L2 while every 32 rows of x take it. On the Emerald Rapids Xeon 16 KiB and 64 KiB ran the same
-// within noise; without the prefetches 64 rows took 1.19x longer, 32 rows 1.19x, 16 rows 1.11x.
-constexpr int64_t CHUNK_BYTES = 32768;
-
-// Linux hands a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); oneDNN asks too, but this kernel may run before any oneDNN AMX code has.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-// Palette 1 with all eight tiles 16 rows x 64 bytes: R x NV sums (16 rows x 16 columns of float32 each) in
-// tmm0-3, R tiles of 16 rows of x x 32 values of K from tmm4, and the block's 16 pairs of K x 16 columns in the
-// tiles left (loaded in turn, so that a load overlaps the product before it).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-
-// Software prefetches of the thread's next chunk, spread evenly over the current chunk's tile steps.
-struct ChunkPrefetch {
-  const char* next = nullptr;
-  const char* end = nullptr;
-  int64_t per_step = 0;
-  void start(const char* from, const char* to, int64_t steps) {
-    next = from;
-    end = to;
-    per_step = to > from ? (to - from + steps * 64 - 1) / (steps * 64) * 64 : 0;
-  }
-  void step() {
-    const char* stop = std::min(end, next + per_step);
-    for (; next < stop; next += 64) _mm_prefetch(next, _MM_HINT_T1);
-  }
-};
-
-// The tile instructions with the tile's number a template argument: GCC's intrinsics paste it into their
-// assembly as a literal token ("%tmm" #T), so they take no constant expression; "%c" prints the constant.
-template <int T>
-inline void tile_load(const void* base, int64_t stride) {
-  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(T) : "memory");
-}
-template <int T>
-inline void tile_store(void* base, int64_t stride) {
-  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(T) : "memory");
-}
-template <int T>
-inline void tile_zero() {
-  asm volatile("tilezero %%tmm%c0" ::"i"(T));
-}
-// tmm C += tmm A (16 rows x 32 bf16) x tmm B (16 pairs x 16 columns x 2 bf16), in float32
-template <int C, int A, int B>
-inline void tile_dot() {
-  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
-}
-
-// The sums' tiles: (row group r, column tile v) is tmm r * NV + v; C's rows are NB float32 apart.
-template <int R, int NV, int T = 0>
-inline void sums_tiles(float* c, int64_t nb, bool load) {
-  if constexpr (T < R * NV) {
-    if (load)
-      tile_load<T>(c + (T / NV) * 16 * nb + (T % NV) * 16, nb * 4);
-    else
-      tile_zero<T>();
-    sums_tiles<R, NV, T + 1>(c, nb, load);
-  }
-}
-
-template <int R, int NV, int T = 0>
-inline void store_sums(float* c, int64_t nb) {
-  if constexpr (T < R * NV) {
-    tile_store<T>(c + (T / NV) * 16 * nb + (T % NV) * 16, nb * 4);
-    store_sums<R, NV, T + 1>(c, nb);
-  }
-}
-
-// One step of 16 pairs of K: column tile V of the block (in the B tiles in turn) times the R tiles of x.
-template <int R, int NV, int V = 0>
-inline void step_columns(const c10::BFloat16* wp, int64_t row_bytes) {
-  if constexpr (V < NV) {
-    constexpr int B = 4 + R + V % (4 - R);
-    tile_load<B>(wp + V * 32, row_bytes);
-    tile_dot<V, 4, B>();
-    if constexpr (R == 2) tile_dot<NV + V, 5, B>();
-    step_columns<R, NV, V + 1>(wp, row_bytes);
-  }
-}
-
-// Pairs [p0, p0 + steps * 16) of a block (NV * 16 columns) times R groups of 16 rows of x (`a`, rows xs elements
-// apart), the sums in `c` (16 R rows x NV * 16 float32): loaded first unless `first`, stored after.
-template <int R, int NV>
-void chunk_tiles(const c10::BFloat16* const* a, const int64_t* xs, const c10::BFloat16* w, int64_t p0,
-                 int64_t steps, float* c, bool first, ChunkPrefetch& prefetch) {
-  constexpr int64_t NB = NV * 16, ROW_BYTES = NB * 4;
-  sums_tiles<R, NV>(c, NB, !first);
-  for (int64_t s = 0; s < steps; ++s) {
-    const int64_t p = p0 + s * 16;
-    tile_load<4>(a[0] + 2 * p, xs[0] * 2);
-    if constexpr (R == 2) tile_load<5>(a[1] + 2 * p, xs[1] * 2);
-    step_columns<R, NV>(w + p * NB * 2, ROW_BYTES);
-    prefetch.step();
-  }
-  store_sums<R, NV>(c, NB);
-}
-
-// Blocks [b0, b1) for all M rows of x (`groups`: 16 rows each, the last maybe a zero-padded copy), two groups
-// at a time where the sums' tiles allow it.
-template <int NV>
-void amx_blocks(int64_t M, const std::vector<const c10::BFloat16*>& groups, const std::vector<int64_t>& strides,
-                const c10::BFloat16* w, int64_t block_elems, const c10::BFloat16* bias, c10::BFloat16* y,
-                int64_t N, int64_t pairs, int64_t b0, int64_t b1) {
-  constexpr int64_t NB = NV * 16, ROW_BYTES = NB * 4, CHUNK_PAIRS = CHUNK_BYTES / ROW_BYTES;
-  constexpr int R = NV <= 2 ? 2 : 1;
-  // PyTorch's brgemm skips loading its tile configuration while the kernel it ran last on this thread is
-  // unreleased: release it, so that its next call reloads over the configuration loaded here
-  at::native::cpublas::brgemm_release();
-  const TileConfig config;
-  _tile_loadconfig(&config);
-  const int64_t G = static_cast<int64_t>(groups.size());
-  std::vector<float> sums(G * 16 * NB);
-  const char* range_end = reinterpret_cast<const char*>(w + b1 * block_elems);
-  ChunkPrefetch prefetch;
-  for (int64_t b = b0; b < b1; ++b) {
-    const c10::BFloat16* wb = w + b * block_elems;
-    for (int64_t p0 = 0; p0 < pairs; p0 += CHUNK_PAIRS) {
-      const int64_t steps = std::min(CHUNK_PAIRS, pairs - p0) / 16;
-      // the next chunk in memory: the rest of this block, else the next block's start (blocks are contiguous)
-      const char* next = reinterpret_cast<const char*>(p0 + CHUNK_PAIRS < pairs ? wb + (p0 + CHUNK_PAIRS) * NB * 2
-                                                                                : wb + block_elems);
-      prefetch.start(next, std::min(range_end, next + CHUNK_BYTES), (G + R - 1) / R * steps);
-      int64_t g = 0;
-      for (; g + R <= G; g += R)
-        chunk_tiles<R, NV>(&groups[g], &strides[g], wb, p0, steps, sums.data() + g * 16 * NB, p0 == 0, prefetch);
-      if (g < G)
-        chunk_tiles<1, NV>(&groups[g], &strides[g], wb, p0, steps, sums.data() + g * 16 * NB, p0 == 0, prefetch);
-    }
-    const int64_t n0 = b * NB, cols = std::min(NB, N - n0);
-    for (int v = 0; v * 16 < cols; ++v) {
-      const Lanes lanes(bias, n0, cols, v);
-      for (int64_t m = 0; m < M; ++m) lanes.store(y + m * N + n0 + v * 16, _mm512_loadu_ps(&sums[m * NB + v * 16]));
-    }
-  }
-  _tile_release();
-}
-#endif
-
-#if FOLIO_AMX
-// The x-stationary loop for 33-64 rows (three or four tiles of rows). There amx_blocks' 2 x 2 tiles read x's
-// rows from L2 for every block (they do not fit L1 along the whole of K). Here the thread's blocks go in panels
-// of PANEL_BLOCKS, each panel along K in pieces of PANEL_PAIRS pairs: x's rows for a piece (64 x 256 values,
-// 32 KiB) stay in L1 while every 16-column slice of the panel's blocks passes, one tile of the slice (from
-// memory, prefetched a piece ahead) times each tile of x's rows; each slice's sums wait in a float buffer (the
-// panel's, in L2) between pieces. On the Emerald Rapids Xeon, against amx_blocks in one process: the 0.5B
-// Qwen2's layers 1.08-1.10x faster at 40, 48 and 64 rows, its 151936-row lm_head 1.0-1.5x; 64 and 128 pairs a
-// piece ran alike, 256 slower (1.14x the time).
-constexpr int64_t PANEL_PAIRS = 128;
-constexpr int64_t PANEL_BLOCKS = 16;
-
-// x's G tiles of rows (in tmm5-7 in turn) times the slice's tile in tmm4, into sums tmm0..G-1.
-template <int G, int T = 0>
-inline void rows_times_slice(const c10::BFloat16* const* a, const int64_t* xs, int64_t p) {
-  if constexpr (T < G) {
-    constexpr int A = 5 + T % 3;
-    tile_load<A>(a[T] + 2 * p, xs[T] * 2);
-    tile_dot<T, A, 4>();
-    rows_times_slice<G, T + 1>(a, xs, p);
-  }
-}
-
-// A slice's G tiles of sums, 1 KiB each and contiguous in `c`: loaded (or zeroed), stored.
-template <int G, int T = 0>
-inline void slice_sums(float* c, bool load) {
-  if constexpr (T < G) {
-    if (load)
-      tile_load<T>(c + T * 256, 64);
-    else
-      tile_zero<T>();
-    slice_sums<G, T + 1>(c, load);
-  }
-}
-
-template <int G, int T = 0>
-inline void store_slice_sums(float* c) {
-  if constexpr (T < G) {
-    tile_store<T>(c + T * 256, 64);
-    store_slice_sums<G, T + 1>(c);
-  }
-}
-
-template <int NV, int G>
-void amx_panels(int64_t M, const std::vector<const c10::BFloat16*>& groups, const std::vector<int64_t>& strides,
-                const c10::BFloat16* w, int64_t block_elems, const c10::BFloat16* bias, c10::BFloat16* y,
-                int64_t N, int64_t pairs, int64_t b0, int64_t b1) {
-  constexpr int64_t NB = NV * 16, ROW_BYTES = NB * 4;
-  at::native::cpublas::brgemm_release();  // as in amx_blocks
-  const TileConfig config;
-  _tile_loadconfig(&config);
-  std::vector<float> sums(PANEL_BLOCKS * NV * G * 256);
-  ChunkPrefetch prefetch;
-  for (int64_t pb = b0; pb < b1; pb += PANEL_BLOCKS) {
-    const int64_t pe = std::min(b1, pb + PANEL_BLOCKS);
-    for (int64_t p0 = 0; p0 < pairs; p0 += PANEL_PAIRS) {
-      const int64_t steps = std::min(PANEL_PAIRS, pairs - p0) / 16;
-      for (int64_t b = pb; b < pe; ++b) {
-        // the piece after this one: the next block's, else the panel's first block's next pairs, else the next
-        // panel's first piece
-        int64_t nb = b + 1, np = p0;
-        if (nb == pe) {
-          nb = p0 + PANEL_PAIRS < pairs ? pb : pe;
-          np = p0 + PANEL_PAIRS < pairs ? p0 + PANEL_PAIRS : 0;
-        }
-        const char* next = reinterpret_cast<const char*>(w + nb * block_elems + np * NB * 2);
-        prefetch.start(next, nb < b1 ? next + std::min(PANEL_PAIRS, pairs - np) * ROW_BYTES : next, NV * steps);
-        const c10::BFloat16* wb = w + b * block_elems;
-        for (int v = 0; v < NV; ++v) {
-          float* c = sums.data() + ((b - pb) * NV + v) * G * 256;
-          slice_sums<G>(c, p0 > 0);
-          for (int64_t s = 0; s < steps; ++s) {
-            const int64_t p = p0 + s * 16;
-            tile_load<4>(wb + p * NB * 2 + v * 32, ROW_BYTES);
-            rows_times_slice<G>(groups.data(), strides.data(), p);
-            prefetch.step();
-          }
-          store_slice_sums<G>(c);
-        }
-      }
-    }
-    for (int64_t b = pb; b < pe; ++b) {
-      const int64_t n0 = b * NB, cols = std::min(NB, N - n0);
-      for (int v = 0; v * 16 < cols; ++v) {
-        const Lanes lanes(bias, n0, cols, v);
-        const float* c = sums.data() + ((b - pb) * NV + v) * G * 256;
-        for (int64_t m = 0; m < M; ++m)
-          lanes.store(y + m * N + n0 + v * 16, _mm512_loadu_ps(c + (m / 16) * 256 + (m % 16) * 16));
-      }
-    }
-  }
-  _tile_release();
-}
-
-// The thread's blocks for all of x: the x-stationary loop for three or four tiles of rows, else amx_blocks.
-template <int NV>
-void amx_range(int64_t M, const std::vector<const c10::BFloat16*>& groups, const std::vector<int64_t>& strides,
-               const c10::BFloat16* w, int64_t block_elems, const c10::BFloat16* bias, c10::BFloat16* y, int64_t N,
-               int64_t pairs, int64_t b0, int64_t b1) {
-  switch (groups.size()) {
-    case 3: return amx_panels<NV, 3>(M, groups, strides, w, block_elems, bias, y, N, pairs, b0, b1);
-    case 4: return amx_panels<NV, 4>(M, groups, strides, w, block_elems, bias, y, N, pairs, b0, b1);
-    default: return amx_blocks<NV>(M, groups, strides, w, block_elems, bias, y, N, pairs, b0, b1);
   }
 }
 #endif
@@ -523,7 +254,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::
 
 bool has_amx_kernel() {
 #if FOLIO_AMX
-  return amx_permitted();
+  return folio::amx::permitted();
 #else
   return false;
 #endif
@@ -532,35 +263,33 @@ bool has_amx_kernel() {
 at::Tensor linear_bf16_amx(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(has_amx_kernel(), "built without AMX-BF16, or the OS refused the tile registers");
   const c10::BFloat16* bp = check_bf16(x, w, N, bias);
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1), NB = w.size(2);
   TORCH_CHECK(K % 32 == 0, "the AMX path takes K a multiple of 32 (a tile's depth)");
   at::Tensor y = at::empty({M, N}, x.options());
 #if FOLIO_AMX
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const int64_t xs = x.stride(0), full = M / 16, rest = M % 16;
-  std::vector<const c10::BFloat16*> groups;
-  std::vector<int64_t> strides;
-  for (int64_t g = 0; g < full; ++g) {
-    groups.push_back(xp + g * 16 * xs);
-    strides.push_back(xs);
-  }
-  at::Tensor padded;  // the last rows, zero-padded to a tile's 16: a tile load reads 16 rows
-  if (rest) {
-    padded = at::zeros({16, K}, x.options());
-    padded.narrow(0, 0, rest).copy_(x.narrow(0, full * 16, rest));
-    groups.push_back(padded.data_ptr<c10::BFloat16>());
-    strides.push_back(K);
-  }
+  folio::amx::Rows rows;
+  std::vector<uint8_t> padded;
+  folio::amx::add_groups(rows, reinterpret_cast<const uint8_t*>(x.data_ptr<c10::BFloat16>()), M, x.stride(0) * 2,
+                         K * 2, padded);
   const auto* wp = w.data_ptr<c10::BFloat16>();
+  const folio::amx::Weight weight{reinterpret_cast<const uint8_t*>(wp), w.stride(0) * 2, K / 32};
   auto* yp = y.data_ptr<c10::BFloat16>();
+  const auto epilogue = [&](int64_t b, const auto& sums) {
+    const int64_t n0 = b * NB, cols = std::min(NB, N - n0);
+    for (int v = 0; v * 16 < cols; ++v) {
+      const Lanes lanes(bp, n0, cols, v);
+      for (int64_t m = 0; m < M; ++m)
+        lanes.store(yp + m * N + n0 + v * 16, _mm512_loadu_ps(static_cast<const float*>(sums(m, v))));
+    }
+  };
   const folio::BlockStream streams[] = {{wp, w.stride(0) * 2}};
   folio::parallel_blocks(wp, w.size(0), streams, [&](int64_t b0, int64_t b1) {
-    const int64_t be = w.stride(0), pairs = K / 2;
-    switch (w.size(2) / 16) {
-      case 1: return amx_range<1>(M, groups, strides, wp, be, bp, yp, N, pairs, b0, b1);
-      case 2: return amx_range<2>(M, groups, strides, wp, be, bp, yp, N, pairs, b0, b1);
-      case 3: return amx_range<3>(M, groups, strides, wp, be, bp, yp, N, pairs, b0, b1);
-      default: return amx_range<4>(M, groups, strides, wp, be, bp, yp, N, pairs, b0, b1);
+    using folio::amx::Bf16;
+    switch (NB / 16) {
+      case 1: return folio::amx::multiply<Bf16, 1>(rows, weight, b0, b1, epilogue);
+      case 2: return folio::amx::multiply<Bf16, 2>(rows, weight, b0, b1, epilogue);
+      case 3: return folio::amx::multiply<Bf16, 3>(rows, weight, b0, b1, epilogue);
+      default: return folio::amx::multiply<Bf16, 4>(rows, weight, b0, b1, epilogue);
     }
   });
 #endif

@@ -33,8 +33,13 @@ streamed decode batches' weights at half the bandwidth: at 64 rows no faster tha
 `tile_rows` rows go to the tiles: the packed blocks read in place, each times all rows by PyTorch's brgemm
 (oneDNN's micro-kernel: AMX-INT8 tiles there, vpdpbusd on VNNI; quant_kernels.w8a8_packed_linear with tiles),
 then the packed kernel's epilogue, so the same result bit for bit. On Zen 4 they beat both the packed kernel and
-oneDNN's GEMM from 12 rows to 256 (below); on AMX their speed is not yet measured (scripts/gpu_check.sh times
-them).
+oneDNN's GEMM from 12 rows to 256 (below). With AMX-INT8 the tiles are folio's own AMX tile loop (amx_tiles.h,
+where K is a multiple of 64; brgemm otherwise), which streams the blocks with prefetches: on 2 cores of an
+Emerald Rapids Xeon (all the 0.5B Qwen2's layers from memory, `python benchmarks/int8_gemm_bench.py --shapes
+1152x896,896x896,9728x896,896x4864 --copies 24 --rows 1,2,4,6,8,12,16,32,64,96,128`), ms: 1 row 13.9 against
+the packed kernel's 13.4, 2 rows 13.2 against 13.5, 4 rows 14.4 against 15.2, 8 rows 15.5 against 19.6, 16
+rows 16.8 (packed 26.2, oneDNN 26.6), 64 rows 28.7 (oneDNN 43.6; bf16's GEMM 39.0), 96 rows 37.6 against
+oneDNN's 59.3, 128 rows 52.9 against 64.1: the tiles take 4 to 128 rows there.
 """
 
 from __future__ import annotations
@@ -49,19 +54,19 @@ from folio.platforms.cpu_features import has_amx_int8, has_avx512_vnni
 
 # the weight is packed for a batch of this many rows (prefill chunks and decode batches of tens of requests)
 _PACK_FOR_ROWS = 64
-# from this many rows oneDNN beats folio's kernels: measured on Zen 4 with VNNI (see above; the row-major kernel,
-# the packed one); on AMX a guess
+# from this many rows oneDNN (or the tiles) beats folio's packed kernel: measured on Zen 4 with VNNI (see above;
+# the row-major kernel, the packed one) and on AMX (the tiles)
 MIN_ROWS_VNNI = 2
 MIN_ROWS_VNNI_PACKED = 16
-MIN_ROWS_AMX = 16
+MIN_ROWS_AMX = 4
 # With the tiles (a PyTorch whose brgemm multiplies bytes), batches from min_rows up to tile_rows rows go to them
 # instead of oneDNN: on VNNI from 12 rows (below, the packed kernel) up to 256; on AMX-INT8 from MIN_ROWS_AMX up
-# to 64 (guesses until measured there). On Zen 4, all linear layers of the 0.5B Qwen2 from memory
+# to TILE_ROWS_AMX (above). On Zen 4, all linear layers of the 0.5B Qwen2 from memory
 # (benchmarks/int8_gemm_bench.py, copies 24), ms: at 8 rows the tiles and the packed kernel level (21.4 against
 # 22.4, 20.7 against 19.4), at 16 27.0 against 34.5 (oneDNN 44.8), at 64 70.0 against 84.6 for oneDNN, at 256
 # 305 against 333.
 TILES_FROM_VNNI, TILE_ROWS_VNNI = 12, 256
-TILE_ROWS_AMX = 64
+TILE_ROWS_AMX = 128
 # rows of one oneDNN call: its float32 result (256 x 9728 x 4 bytes = 10 MB for Qwen2-0.5B's gate/up) stays in
 # the last-level cache for the scaling pass; a 2048-row chunk wrote 80 MB to memory and read it back
 CHUNK_ROWS = 256
