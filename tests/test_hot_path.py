@@ -17,6 +17,7 @@ class Block(HotPathModule):
     def __init__(self) -> None:
         super().__init__()
         self.norm = RMSNorm(8, 1e-6)
+        nn.init.normal_(self.norm.weight)  # RMSNorm's weight is left for the loader: uninitialised memory, maybe NaN
         self.scale = nn.Parameter(torch.ones(8))
         self.register_buffer("table", torch.arange(8.0), persistent=False)
         self.plain = 3
