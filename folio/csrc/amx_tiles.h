@@ -119,6 +119,14 @@ struct ThreadTiles {
   ~ThreadTiles() { _tile_release(); }
 };
 
+// The thread's buffer of sums, at least n values: kept from call to call (a decode step makes ~100 products,
+// and a panel's 64-256 KiB would come from the allocator each time).
+inline uint32_t* sums_buffer(int64_t n) {
+  thread_local std::vector<uint32_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
 // Software prefetches of the thread's next chunk, spread evenly over the current chunk's tile steps.
 struct ChunkPrefetch {
   const uint8_t* next = nullptr;
@@ -190,7 +198,7 @@ void blocks(const Rows& x, const Weight& wt, int64_t b0, int64_t b1, const Epilo
   constexpr int R = NV <= 2 ? 2 : 1;
   const ThreadTiles tiles;
   const int64_t G = static_cast<int64_t>(x.groups.size());
-  std::vector<uint32_t> sums(G * 16 * NB);
+  uint32_t* sums = sums_buffer(G * 16 * NB);
   const uint8_t* range_end = wt.w + b1 * wt.block_bytes;
   ChunkPrefetch prefetch;
   for (int64_t b = b0; b < b1; ++b) {
@@ -248,7 +256,7 @@ template <class Dot, int NV, int G, class Epilogue>
 void panels(const Rows& x, const Weight& wt, int64_t b0, int64_t b1, const Epilogue& epilogue) {
   constexpr int64_t STEP_BYTES = 16 * NV * 64;
   const ThreadTiles tiles;
-  std::vector<uint32_t> sums(PANEL_BLOCKS * NV * G * 256);
+  uint32_t* sums = sums_buffer(PANEL_BLOCKS * NV * G * 256);
   ChunkPrefetch prefetch;
   for (int64_t pb = b0; pb < b1; pb += PANEL_BLOCKS) {
     const int64_t pe = std::min(b1, pb + PANEL_BLOCKS);

@@ -14,9 +14,9 @@ than the kernel's vector units can: on 2 pinned cores of an Emerald Rapids Xeon 
 Qwen2's layers 1.25x faster than oneDNN at 1 row and 1.48x at 4 and 8, but 0.61x at 16: MAX_ROWS_AMX is 8.
 Past it, up to AMX_ROWS rows, the same packed blocks go to the kernel's own AMX tile loop (`amx_linear`), which
 streams them at memory speed where oneDNN's GEMM read them at 14-22 GB/s (the machine reads 30): on 2 cores of
-an Emerald Rapids Xeon (`python benchmarks/small_batch_gemm_bench.py --rows 9 12 16 24 32 64 --skip-engine`,
-the 0.5B Qwen2's layers) it took 1.12-1.14x less time than oneDNN at 9 and 12 rows, 1.24x at 16, 1.18x at 24,
-1.30-1.32x at 32 and 1.09-1.11x at 64; at 96 rows 1.08x and at 128 0.93x (`AMX_ROWS` is 64).
+an Emerald Rapids Xeon (`python benchmarks/small_batch_gemm_bench.py --rows 8 9 16 32 48 64 --skip-engine`,
+the 0.5B Qwen2's layers) it took 1.17x less time than oneDNN at 9 rows, 1.20-1.24x at 16, 1.30-1.74x at 32,
+1.13x at 48 and 1.09-1.24x at 64; at 96 rows 1.08x and at 128 0.93x (`AMX_ROWS` is 64).
 
 float32 (AVX2+FMA or AVX-512F, one to eight rows): MKL packs the whole weight on every call of two rows or more,
 so verifying a few speculated tokens cost two to three times a one-token step (SmolLM2's lm_head on an AVX2 EPYC:
