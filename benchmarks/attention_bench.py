@@ -43,6 +43,8 @@ SHAPES = {  # name: (num_heads, num_kv_heads, head_dim)
     "SmolLM2-135M": (9, 3, 64),
     "Qwen2-0.5B": (14, 2, 64),
     "Qwen3-0.6B": (16, 8, 128),
+    "Llama-3-8B": (32, 8, 128),
+    "Qwen2.5-7B": (28, 4, 128),
 }
 
 

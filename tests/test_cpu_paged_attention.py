@@ -118,6 +118,39 @@ def test_other_head_dims(paged, head_dim, dtype, group):
     check_against_reference(paged, step, dtype)
 
 
+# decodes whose context ends on each side of a tile of 16 keys and of a step of 64
+DECODES = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 63), (1, 64), (1, 65), (1, 130), (1, 321)]
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
+@pytest.mark.parametrize("group,kv_heads", [(4, 4), (5, 4), (8, 3), (16, 2), (17, 1)])
+def test_grouped_query_decodes(paged, head_dim, group, kv_heads):
+    # bf16 decodes of 4 to 17 query heads per kv head in blocks of 32: on AMX the path that multiplies K's
+    # rows in place (the kv heads of an item side by side in 16 lanes: groups of 4 heads of 4, 3 heads of 5, 2 of
+    # 8, one of 16; 17 is the vector path's); elsewhere the vector path
+    step = make_step(DECODES, 32, kv_heads, group, head_dim, torch.bfloat16, seed=head_dim + group)
+    check_against_reference(paged, step, torch.bfloat16)
+
+
+def test_decode_paths(paged):
+    """Which path takes a bf16 decode: AMX's where the CPU has it (4-16 query heads per kv head, blocks of a
+    multiple of 16 slots), else the vector path (AVX512-BF16), else the general one."""
+    from folio.platforms.cpu_features import has_amx, has_fast_bf16
+
+    ext = cpu_paged.load_extension()
+    grouped = "amx" if has_amx() else "vector" if has_fast_bf16() and ext.has_avx512() else "general"
+    vector = "vector" if grouped != "general" else "general"
+    for quantized in (False, True):
+        assert ext.decode_path(64, 7, 16, quantized) == grouped
+        assert ext.decode_path(128, 16, 32, quantized) == grouped
+        assert ext.decode_path(256, 4, 64, quantized) == grouped
+        assert ext.decode_path(64, 7, 8, quantized) == vector  # blocks of 8: a tile of 16 keys spans two
+        assert ext.decode_path(64, 17, 16, quantized) == vector  # more query heads than lanes
+        assert ext.decode_path(64, 3, 16, quantized) == "general"
+        assert ext.decode_path(80, 7, 16, quantized) == "general"
+        assert ext.decode_path(224, 7, 16, quantized) == "general"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_context_split_across_threads(paged, dtype):
     # few, long decodes on 2 threads: each context is cut into partitions merged afterwards (flash-decoding)

@@ -121,15 +121,18 @@ def test_sliding_window(backend, window, block_size, dtype):
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0, 50.0])
-@pytest.mark.parametrize("window", [None, 8])
-@pytest.mark.parametrize("head_dim,group", [(64, 2), (128, 1), (40, 4), (256, 2), (64, 7), (128, 4)])
-def test_scale_and_softcap(backend, softcap, window, head_dim, group):
+@pytest.mark.parametrize("window", [None, 8, 37])
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 2, 8), (128, 1, 8), (40, 4, 8), (256, 2, 8), (64, 7, 8),
+                                                       (128, 4, 8), (64, 7, 16), (256, 8, 32)])
+def test_scale_and_softcap(backend, softcap, window, head_dim, group, block_size):
     # Gemma's query_pre_attn_scalar: a scale other than head_dim ** -0.5; Gemma 2's soft-capped scores.
     # head_dim 40 runs the kernel's scalar path, 256 (Gemma's) its widest vector one; groups of 4 and 7 its
-    # grouped-query decode path in bf16.
+    # grouped-query decode path in bf16 (on AMX with blocks of 16 or 32, from a window's first key rounded down to
+    # a tile of 16)
     params = AttentionParams(scale=1 / math.sqrt(head_dim / 2), sliding_window=window, logit_softcap=softcap)
     for dtype in (torch.float32, torch.bfloat16):
-        check(backend, make_step(MIXED, 8, 2, group, head_dim, dtype, window, seed=head_dim), params, dtype)
+        step = make_step(MIXED, block_size, 2, group, head_dim, dtype, window, seed=head_dim + block_size)
+        check(backend, step, params, dtype)
 
 
 def test_window_with_context_split_across_threads(backend):

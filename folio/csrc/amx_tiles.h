@@ -27,7 +27,7 @@
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AVX512F__)
-#include <ATen/native/CPUBlas.h>
+#include <c10/macros/Export.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -35,6 +35,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+// PyTorch's brgemm state (ATen/native/CPUBlas.h, declared here alone: that header more than doubles the build of
+// the attention kernel, which includes this one).
+namespace at::native::cpublas {
+TORCH_API void brgemm_release(bool is_vnni);
+}
 
 namespace folio::amx {
 
@@ -112,7 +118,7 @@ struct Weight {
 // it ran last on this thread is unreleased, so release it first (its next call then reloads over this one).
 struct ThreadTiles {
   ThreadTiles() {
-    at::native::cpublas::brgemm_release();
+    at::native::cpublas::brgemm_release(true);
     const TileConfig config;
     _tile_loadconfig(&config);
   }

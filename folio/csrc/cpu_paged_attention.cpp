@@ -15,7 +15,8 @@
 // on OpenMP threads (dynamic schedule, longest first; while enough are left, a thread claims its next item
 // before it runs the current one, so that the decode path below can prefetch the next one's first keys).
 // Decodes of grouped-query heads with bf16 q (from a bf16 or 8-bit cache) take a path of their own, in tiles
-// of 64 keys (attend_decode_bf16).
+// of 64 keys: on AMX-BF16 the scores as tile products of K's rows in place (paged_decode_amx.h), elsewhere
+// vdpbf16ps after a transpose of K (attend_decode_bf16).
 // When the batch has too few items to keep every thread busy (a single long decode), the keys of an item
 // are split into partitions whose partial (m, l, acc) are merged afterwards (flash-decoding).
 //
@@ -65,6 +66,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "avx512_math.h"
@@ -73,6 +75,9 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -428,19 +433,19 @@ inline void interleave_v_tile(const at::BFloat16* const* vp, int nt, uint32_t* v
     }
   }
 }
-// P.V of a tile with vdpbf16ps: av[i] += the probabilities of row r0 + i (bf16 pairs of keys, row r's at
-// pb + r * stride) times the tile's V interleaved by pairs (interleave_v_tile), for the rc <= RC rows from r0
-// over nt keys; step(jp) runs before each pair of keys.
+// P.V of a tile with vdpbf16ps: av[i] += the probabilities of row i (bf16 pairs of keys, pair jp of row i at
+// pb[i * row_stride + jp * pair_stride]) times the tile's V interleaved by pairs (interleave_v_tile), for rc <= RC
+// rows over nt keys; step(jp) runs before each pair of keys.
 template <int NV, int RC, class Step>
-inline void pv_pairs_bf16(__m512 (&av)[RC][NV], const uint32_t* pb, int64_t stride, const uint32_t* vt, int nt,
-                          int r0, int rc, const Step& step) {
+inline void pv_pairs_bf16(__m512 (&av)[RC][NV], const uint32_t* pb, int64_t row_stride, int64_t pair_stride,
+                          const uint32_t* vt, int nt, int rc, const Step& step) {
   for (int jp = 0; 2 * jp < nt; ++jp) {
     step(jp);
     __m512bh vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + (jp * NV + c) * 16);
     for (int i = 0; i < RC; ++i) {
       if (i < rc) {
-        const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pb[(size_t)(r0 + i) * stride + jp]);
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pb[i * row_stride + jp * pair_stride]);
         for (int c = 0; c < NV; ++c) av[i][c] = _mm512_dpbf16_ps(av[i][c], vv[c], pj);
       }
     }
@@ -722,7 +727,8 @@ void attend_item_avx512(const Params& P, const Item& it, float* partial, const I
         if constexpr (DP) {
 #if defined(__AVX512BF16__)
           // row r: TILE / 2 pairs at r * TILE
-          pv_pairs_bf16<NV, RC>(av, reinterpret_cast<const uint32_t*>(S), TILE, vt, nt, r0, rc, [](int) {});
+          pv_pairs_bf16<NV, RC>(av, reinterpret_cast<const uint32_t*>(S) + (size_t)r0 * TILE, TILE, 1, vt, nt, rc,
+                                [](int) {});
 #endif
         } else {
           for (int j = 0; j < nt; ++j) {
@@ -893,7 +899,7 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
         const int rc = std::min(RC, rend - r0);
         __m512 av[RC][NV];
         load_corrected<NV, RC>(av, acc, corr, r0, rc);
-        pv_pairs_bf16<NV, RC>(av, S, DECODE_TILE / 2, vt, nt, r0, rc, [&](int jp) {
+        pv_pairs_bf16<NV, RC>(av, S + (size_t)r0 * DECODE_TILE / 2, DECODE_TILE / 2, 1, vt, nt, rc, [&](int jp) {
           if (jp % PF_PV_EVERY == 0) pf.step();
         });
         store_rows<NV, RC>(av, acc, r0, rc);
@@ -904,6 +910,9 @@ void attend_decode_bf16(const Params& P, const Item& it, float* partial, const I
   }
   finish_rows<at::BFloat16, true, NV>(P, it, R, acc, lv, m, partial);
 }
+#if defined(__AMX_BF16__)
+#include "paged_decode_amx.h"
+#endif
 #endif
 #endif  // __AVX512F__
 
@@ -943,23 +952,49 @@ ItemFn<T> pick_kernel(int D) {
   return attend_item_scalar<T, C>;
 }
 
-// The decode path for grouped-query heads (attend_decode_bf16) where it applies: q and out in bf16, the cache
-// in bf16 or 8 bits, with AVX512-BF16, head_dim a multiple of 32, at least DECODE_MIN_G query heads per kv
-// head; else null.
+// The decode paths for DECODE_MIN_G or more query heads per kv head, with bf16 q and out, a bf16 or 8-bit cache,
+// AVX512-BF16 and head_dim a multiple of 32 (to 256): on AMX-BF16 attend_decode_amx, where a kv head has at most
+// 16 query heads and blocks a multiple of 16 slots; else attend_decode_bf16. (With 2 or 3 query heads per kv head
+// the general path reads the cache at the machine's bandwidth already, and the AMX path was 0.86-0.98x it.)
 constexpr int DECODE_MIN_G = TRANSPOSE_MIN_ROWS;
 
+enum class DecodePath { GENERAL, VECTOR, AMX };
+
 template <typename T, typename C>
-ItemFn<T> pick_decode_kernel(int D, int G) {
+DecodePath decode_path_for(int D, int G, int block_size) {
+#if defined(__AVX512BF16__)
+  const bool types = std::is_same<T, at::BFloat16>::value && (std::is_same<C, T>::value || Cache<C>::QUANTIZED);
+  if (!types || G < DECODE_MIN_G || D % 32 != 0 || D > 256 || D == 224) return DecodePath::GENERAL;
+#if defined(__AMX_BF16__)
+  if (G <= amx_decode::LANES && block_size % 16 == 0 && amx_decode_usable()) return DecodePath::AMX;
+#endif
+  return DecodePath::VECTOR;
+#else
+  return DecodePath::GENERAL;
+#endif
+}
+
+// The decode path's kernel for head_dim 32 NC (null: the general path).
+template <typename T, typename C>
+ItemFn<T> pick_decode_kernel(int D, int G, int block_size) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same<T, at::BFloat16>::value && (std::is_same<C, T>::value || Cache<C>::QUANTIZED)) {
-    if (G >= DECODE_MIN_G) switch (D) {
-      case 32: return attend_decode_bf16<C, 1>;
-      case 64: return attend_decode_bf16<C, 2>;
-      case 96: return attend_decode_bf16<C, 3>;
-      case 128: return attend_decode_bf16<C, 4>;
-      case 160: return attend_decode_bf16<C, 5>;
-      case 192: return attend_decode_bf16<C, 6>;
-      case 256: return attend_decode_bf16<C, 8>;
+    const DecodePath path = decode_path_for<T, C>(D, G, block_size);
+    auto kernel = [&](auto nc) -> ItemFn<T> {
+      constexpr int NC = decltype(nc)::value;
+#if defined(__AMX_BF16__)
+      if (path == DecodePath::AMX) return attend_decode_amx<C, NC>;
+#endif
+      return attend_decode_bf16<C, NC>;
+    };
+    if (path != DecodePath::GENERAL) switch (D / 32) {
+      case 1: return kernel(std::integral_constant<int, 1>{});
+      case 2: return kernel(std::integral_constant<int, 2>{});
+      case 3: return kernel(std::integral_constant<int, 3>{});
+      case 4: return kernel(std::integral_constant<int, 4>{});
+      case 5: return kernel(std::integral_constant<int, 5>{});
+      case 6: return kernel(std::integral_constant<int, 6>{});
+      case 8: return kernel(std::integral_constant<int, 8>{});
       default: break;
     }
   }
@@ -1138,7 +1173,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   // longest items first, so that dynamic scheduling ends with the short ones
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  const ItemFn<T> fn = pick_kernel<T, C>(P.D), decode = pick_decode_kernel<T, C>(P.D, G);
+  const ItemFn<T> fn = pick_kernel<T, C>(P.D), decode = pick_decode_kernel<T, C>(P.D, G, P.block_size);
   const int64_t n = (int64_t)items.size();
   const int nt = (int)std::min<int64_t>(nthreads, n);
   float* pbase = partials.data();
@@ -1211,6 +1246,14 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
   return out;
 }
 
+// Which path decodes a bf16 q with head_dim D, G query heads per kv head, blocks of block_size slots, a bf16 or
+// 8-bit cache: "amx" (attend_decode_amx), "vector" (attend_decode_bf16) or "general" (the per-item kernels).
+std::string decode_path(int64_t D, int64_t G, int64_t block_size, bool quantized) {
+  const DecodePath path = quantized ? decode_path_for<at::BFloat16, int8_t>((int)D, (int)G, (int)block_size)
+                                    : decode_path_for<at::BFloat16, at::BFloat16>((int)D, (int)G, (int)block_size);
+  return path == DecodePath::AMX ? "amx" : path == DecodePath::VECTOR ? "vector" : "general";
+}
+
 bool has_avx512() {
 #if defined(__AVX512F__)
   return true;
@@ -1225,4 +1268,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "write new K/V into the paged cache and attend in place (returns out)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_avx512", &has_avx512, "whether the vector path was compiled");
+  m.def("decode_path", &decode_path, "which path decodes bf16 q: amx, vector or general (head_dim, group, block_size, quantized)");
 }
