@@ -42,6 +42,7 @@
 // Sums run in different orders per ISA: weight-only results differ in float32 rounding only.
 #include "amx_tiles.h"
 #include "parallel.h"
+#include "span_scale.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
@@ -775,47 +776,47 @@ float abs_max(const float* v, int64_t K) {
   return amax;
 }
 
-// Symmetric int8 of n consecutive values of x (a row for W8A8, a block of 32 for W4A8): s = max|x| / 127 (1
-// for a zero span), q = round_half_even(x / s) + offset (128 for an unsigned GEMM source, stored as uint8), as
-// the reference; qa, when given, gets |q| (the W8A8 kernel's sign trick). The division is IEEE's in every
-// lane, so the vector loop gives the scalar one's codes.
+// Symmetric int8 of n consecutive values of x (a row for W8A8, a block of 32 for W4A8): codes
+// round_half_even(x * 127 / a) + offset (128 for an unsigned GEMM source, stored as uint8), scale a / 127
+// (span_scale.h), as the reference; qa, when given, gets |q| (the W8A8 kernel's sign trick). Products are IEEE's
+// in every lane, so the vector loop gives the scalar one's codes.
 void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa, float* scale) {
-  const float amax = abs_max(v, K);
-  const float s = amax > 0.f ? amax / 127.f : 1.f;
-  *scale = s;
+  const SpanScale ss = span_scale(abs_max(v, K), 127.f);
+  *scale = ss.scale;
+  const float inv = ss.inverse;
   int64_t k = 0;
 #if FOLIO_AVX512
-  const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(127.f);
+  const __m512 vinv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.f);
   const __m512i off = _mm512_set1_epi32(offset);
   for (; k + 16 <= K; k += 16) {
-    __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(v + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), r)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
     if (qa) _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + k), _mm512_cvtepi32_epi8(_mm512_abs_epi32(c)));
   }
 #endif
   for (; k < K; ++k) {
-    const float c = std::min(127.f, std::max(-127.f, std::nearbyint(v[k] / s)));
+    const float c = std::min(127.f, std::max(-127.f, std::nearbyint(v[k] * inv)));
     q[k] = static_cast<int8_t>(static_cast<int>(c) + offset);
     if (qa) qa[k] = static_cast<int8_t>(std::fabs(c));
   }
 }
 
-// One row's K values quantised symmetrically to 16-bit codes (q = round(v / s) within +-INT16_CODE_MAX,
-// s = amax / INT16_CODE_MAX, half to even as torch.round), split as q = 256 h + l into two signed bytes stored
+// One row's K values quantised symmetrically to 16-bit codes (q = round(v * INT16_CODE_MAX / a) within
+// +-INT16_CODE_MAX, span_scale.h, half to even as torch.round), split as q = 256 h + l into two signed bytes stored
 // + 128 (the unsigned codes vpdpbusd and oneDNN take, with the 128 * column-sum correction): u = q + 32896 is
 // 256 (h + 128) + (l + 128), so hi = u >> 8 and lo = u & 255.
 constexpr float INT16_CODE_MAX = 32639.f;  // 127 * 257: the largest q whose h = (q + 128) >> 8 is at most 127
 void quantize_span16(const float* v, int64_t K, uint8_t* hi, uint8_t* lo, float* scale) {
-  const float amax = abs_max(v, K);
-  const float s = amax > 0.f ? amax / INT16_CODE_MAX : 1.f;
-  *scale = s;
+  const SpanScale ss = span_scale(abs_max(v, K), INT16_CODE_MAX);
+  *scale = ss.scale;
+  const float inv = ss.inverse;
   int64_t k = 0;
 #if FOLIO_AVX512
-  const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(INT16_CODE_MAX);
+  const __m512 vinv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(INT16_CODE_MAX);
   const __m512i off = _mm512_set1_epi32(32896), low = _mm512_set1_epi32(255);
   for (; k + 16 <= K; k += 16) {
-    __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(v + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512i u = _mm512_add_epi32(
         _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), r))), off);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
@@ -823,7 +824,7 @@ void quantize_span16(const float* v, int64_t K, uint8_t* hi, uint8_t* lo, float*
   }
 #endif
   for (; k < K; ++k) {
-    const float c = std::min(INT16_CODE_MAX, std::max(-INT16_CODE_MAX, std::nearbyint(v[k] / s)));
+    const float c = std::min(INT16_CODE_MAX, std::max(-INT16_CODE_MAX, std::nearbyint(v[k] * inv)));
     const int u = static_cast<int>(c) + 32896;
     hi[k] = static_cast<uint8_t>(u >> 8);
     lo[k] = static_cast<uint8_t>(u & 255);
@@ -835,6 +836,18 @@ void quantize_spans(const float* x, int64_t num_spans, int64_t span, int8_t* xq,
   folio::parallel_for(0, num_spans, std::max<int64_t>(1, 65536 / span), [&](int64_t s0, int64_t s1) {
     for (int64_t i = s0; i < s1; ++i) quantize_span(x + i * span, span, 0, xq + i * span, nullptr, scales + i);
   });
+}
+
+// K bf16 values as float32 (what the compiler made of the scalar loop took a sixth of a row's quantisation).
+inline void widen(const at::BFloat16* x, float* out, int64_t K) {
+  int64_t k = 0;
+#if FOLIO_AVX512
+  for (; k + 16 <= K; k += 16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
+    _mm512_storeu_ps(out + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
+#endif
+  for (; k < K; ++k) out[k] = static_cast<float>(x[k]);
 }
 
 // ------------------------------------------------------------------------------- W8A8's row quantiser
@@ -916,7 +929,7 @@ struct RowQuantizer {
       if (static_cast<int64_t>(buf.size()) < K) buf.resize(K);
       for (int64_t m = m0; m < m1; ++m) {
         if (bf16) {
-          for (int64_t k = 0; k < K; ++k) buf[k] = static_cast<float>(xb[m * K + k]);
+          widen(xb + m * K, buf.data(), K);
         } else {
           std::memcpy(buf.data(), xf + m * K, K * sizeof(float));
         }

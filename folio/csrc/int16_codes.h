@@ -6,6 +6,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "parallel.h"
+#include "span_scale.h"
 #include <immintrin.h>
 
 #include <cstdint>
@@ -23,8 +24,8 @@ constexpr int64_t PARALLEL_ROWS = 64;      // rows of x from which their prepara
 
 // A row of x [K] (K a multiple of 16) as 16-bit codes into q [K], written by vector stores only (the kernels read
 // the buffer back as 32-bit pairs: give it int32 storage); returns s_x. Bit for bit
-// quant_reference.quantize_rows_int16: s_x = amax / INT16_CODE_MAX (1 for a zero row), q = round(x / s_x) half
-// to even, within +-INT16_CODE_MAX.
+// quant_reference.quantize_rows_int16: q = round(x * INT16_CODE_MAX / a) half to even, within +-INT16_CODE_MAX,
+// s_x = a / INT16_CODE_MAX (span_scale.h).
 inline float quantize_row_int16(const float* x, int64_t K, int16_t* q) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 amax = _mm256_setzero_ps();
@@ -32,12 +33,12 @@ inline float quantize_row_int16(const float* x, int64_t K, int16_t* q) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   const float a = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  const float s = a > 0.f ? a / INT16_CODE_MAX : 1.f;
-  const __m256 vs = _mm256_set1_ps(s), lim = _mm256_set1_ps(INT16_CODE_MAX), neg = _mm256_set1_ps(-INT16_CODE_MAX);
+  const SpanScale ss = span_scale(a, INT16_CODE_MAX);
+  const __m256 vinv = _mm256_set1_ps(ss.inverse), lim = _mm256_set1_ps(INT16_CODE_MAX), neg = _mm256_set1_ps(-INT16_CODE_MAX);
   for (int64_t k = 0; k < K; k += 16) {
     __m256i c[2];
     for (int i = 0; i < 2; ++i) {
-      const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k + 8 * i), vs),
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * i), vinv),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       c[i] = _mm256_cvtps_epi32(_mm256_max_ps(neg, _mm256_min_ps(lim, r)));
     }
@@ -45,7 +46,7 @@ inline float quantize_row_int16(const float* x, int64_t K, int16_t* q) {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), packed);
   }
-  return s;
+  return ss.scale;
 }
 
 // Every row of x [M, K] (row stride xs) as 16-bit codes: row m's codes as 32-bit pairs (k = 2p, 2p + 1 in lane p)
