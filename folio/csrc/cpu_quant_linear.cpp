@@ -841,18 +841,6 @@ void quantize_spans(const float* x, int64_t num_spans, int64_t span, int8_t* xq,
   });
 }
 
-// K bf16 values as float32 (what the compiler made of the scalar loop took a sixth of a row's quantisation).
-inline void widen(const at::BFloat16* x, float* out, int64_t K) {
-  int64_t k = 0;
-#if FOLIO_AVX512
-  for (; k + 16 <= K; k += 16) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
-    _mm512_storeu_ps(out + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-  }
-#endif
-  for (; k < K; ++k) out[k] = static_cast<float>(x[k]);
-}
-
 // ------------------------------------------------------------------------------- W8A8's row quantiser
 // W8A8's activations: each row of x (float32 or bf16 [M, K]) widened to float32, rotated if asked (each block
 // of B values times the Walsh-Hadamard matrix of order B, unnormalised: folio.models.quant_reference.rotate),
@@ -934,7 +922,7 @@ struct RowQuantizer {
       float* row = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
       for (int64_t m = m0; m < m1; ++m) {
         if (bf16) {
-          widen(xb + m * K, row, K);
+          for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(xb[m * K + k]);
         } else {
           std::memcpy(row, xf + m * K, K * sizeof(float));
         }
