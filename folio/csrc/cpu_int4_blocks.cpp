@@ -188,8 +188,9 @@ void group_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, int64_
 
 #if FOLIO_INT4_F32
 // ------------------------------------------------------------------------------------------ float32 x
-// The same blocks times float32 x on AVX2, each row of x first quantised to 16-bit codes (q_x = round(x / s_x), s_x
-// = max |x| / INT16_CODE_MAX, as quant_reference.quantize_rows_int16), so that the products are integer ones:
+// The same blocks times float32 x on AVX2, each row of x first quantised to 16-bit codes (q_x = round(x *
+// INT16_CODE_MAX / max |x|), s_x = max |x| / INT16_CODE_MAX: span_scale.h, as quant_reference.quantize_rows_int16),
+// so that the products are integer ones:
 // vpmaddwd multiplies 16 pairs of int16 and adds adjacent pairs into 8 int32 lanes in one instruction, where float32
 // needed a conversion and an FMA per 8 products (Zen 3, one thread, a block in cache: 13.4 against 17.3 ns a step at
 // 2 rows; at one row from memory both are bound by memory). Read as eight 32-bit lanes, the half h of a step (bytes

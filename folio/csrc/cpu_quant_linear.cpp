@@ -786,20 +786,20 @@ float abs_max(const float* v, int64_t K) {
 void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa, float* scale) {
   const SpanScale ss = span_scale(abs_max(v, K), 127.f);
   *scale = ss.scale;
-  const float inv = ss.inverse;
+  const double inv = ss.inverse;
   int64_t k = 0;
 #if FOLIO_AVX512
-  const __m512 vinv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.f);
-  const __m512i off = _mm512_set1_epi32(offset);
+  const __m512d vinv = _mm512_set1_pd(inv);
+  const __m512i lim = _mm512_set1_epi32(127), off = _mm512_set1_epi32(offset);
   for (; k + 16 <= K; k += 16) {
-    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), r)));
+    const __m512i c = _mm512_min_epi32(lim, _mm512_max_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), lim),
+                                                             span_codes(_mm512_loadu_ps(v + k), vinv)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
     if (qa) _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + k), _mm512_cvtepi32_epi8(_mm512_abs_epi32(c)));
   }
 #endif
   for (; k < K; ++k) {
-    const float c = std::min(127.f, std::max(-127.f, std::nearbyint(v[k] * inv)));
+    const float c = static_cast<float>(std::min(127.0, std::max(-127.0, std::nearbyint(v[k] * inv))));
     q[k] = static_cast<int8_t>(static_cast<int>(c) + offset);
     if (qa) qa[k] = static_cast<int8_t>(std::fabs(c));
   }
@@ -813,21 +813,23 @@ constexpr float INT16_CODE_MAX = 32639.f;  // 127 * 257: the largest q whose h =
 void quantize_span16(const float* v, int64_t K, uint8_t* hi, uint8_t* lo, float* scale) {
   const SpanScale ss = span_scale(abs_max(v, K), INT16_CODE_MAX);
   *scale = ss.scale;
-  const float inv = ss.inverse;
+  const double inv = ss.inverse;
   int64_t k = 0;
 #if FOLIO_AVX512
-  const __m512 vinv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(INT16_CODE_MAX);
+  const __m512d vinv = _mm512_set1_pd(inv);
+  const __m512i lim = _mm512_set1_epi32(static_cast<int>(INT16_CODE_MAX));
   const __m512i off = _mm512_set1_epi32(32896), low = _mm512_set1_epi32(255);
   for (; k + 16 <= K; k += 16) {
-    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512i u = _mm512_add_epi32(
-        _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), r))), off);
+        _mm512_min_epi32(lim, _mm512_max_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), lim),
+                                               span_codes(_mm512_loadu_ps(v + k), vinv))), off);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + k), _mm512_cvtepi32_epi8(_mm512_and_si512(u, low)));
   }
 #endif
   for (; k < K; ++k) {
-    const float c = std::min(INT16_CODE_MAX, std::max(-INT16_CODE_MAX, std::nearbyint(v[k] * inv)));
+    const float c = static_cast<float>(
+        std::min<double>(INT16_CODE_MAX, std::max<double>(-INT16_CODE_MAX, std::nearbyint(v[k] * inv))));
     const int u = static_cast<int>(c) + 32896;
     hi[k] = static_cast<uint8_t>(u >> 8);
     lo[k] = static_cast<uint8_t>(u & 255);

@@ -34,13 +34,15 @@ inline float quantize_row_int16(const float* x, int64_t K, int16_t* q) {
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   const float a = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
   const SpanScale ss = span_scale(a, INT16_CODE_MAX);
-  const __m256 vinv = _mm256_set1_ps(ss.inverse), lim = _mm256_set1_ps(INT16_CODE_MAX), neg = _mm256_set1_ps(-INT16_CODE_MAX);
+  const __m256d vinv = _mm256_set1_pd(ss.inverse);
+  const __m256i lim = _mm256_set1_epi32(static_cast<int>(INT16_CODE_MAX)), neg = _mm256_set1_epi32(-static_cast<int>(INT16_CODE_MAX));
   for (int64_t k = 0; k < K; k += 16) {
     __m256i c[2];
-    for (int i = 0; i < 2; ++i) {
-      const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * i), vinv),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      c[i] = _mm256_cvtps_epi32(_mm256_max_ps(neg, _mm256_min_ps(lim, r)));
+    for (int i = 0; i < 2; ++i) {  // x * inverse in float64, rounded half to even (span_scale.h)
+      const __m256 v = _mm256_loadu_ps(x + k + 8 * i);
+      const __m128i lo = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), vinv));
+      const __m128i hi = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), vinv));
+      c[i] = _mm256_max_epi32(neg, _mm256_min_epi32(lim, _mm256_set_m128i(hi, lo)));
     }
     // packs works within 128-bit lanes: (c0 lo, c1 lo, c0 hi, c1 hi), put back in order
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
