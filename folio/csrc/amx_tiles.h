@@ -22,8 +22,12 @@
 //
 // Measured on the Emerald Rapids Xeon (bf16, against oneDNN's GEMM, all the 0.5B Qwen2's layers from memory):
 // 1.2x at 16 rows, 1.3-1.7x at 32, 1.1x at 64; without the prefetches 64 rows took 1.19x longer; the panels
-// 1.08-1.10x faster than 2 x 2 tiles at 40-64 rows; 16 and 64 KiB chunks ran as 32, panel pieces of 4 and 8
-// steps alike, 16 steps 1.14x slower.
+// 1.08-1.10x faster than 2 x 2 tiles in 32 KiB chunks at 40-64 rows; 16 and 64 KiB chunks ran as 32, panel pieces
+// of 4 and 8 steps alike, 16 steps 1.14x slower. The AMX unit itself multiplies at its nominal rate there (16
+// cycles a product: 3.2 TFLOP/s bf16, 6.5 TOPS int8 a core, from tiles in registers); what the loop loses is in its
+// tile loads and the sums' round trips between pieces (a C++ copy of the panels took 12.2 ns a product with them,
+// 7.6 without). 2 x 2 tiles over each block's whole K for four groups (sums stored once a block, the block read
+// twice) measured 0.94-1.20x the panels from memory at 62-64 rows, run to run, and was not kept.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AVX512F__)
@@ -66,6 +70,15 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
+
+// Loads a tile configuration. GCC's _tile_loadconfig does not tell the compiler that it reads the struct: in a
+// clone of ThreadTiles' constructor it stored the palette byte and zeros over the first half, dropped the rows'
+// counts as dead stores, and ldtilecfg faulted. The asm's memory operand is the whole struct.
+template <class Config>
+inline void load_config(const Config& config) {
+  static_assert(sizeof(Config) == 64, "a tile configuration is 64 bytes");
+  asm volatile("ldtilecfg %0" ::"m"(config));
+}
 
 // The tile instructions with the tile's number a template argument: GCC's intrinsics paste it into their
 // assembly as a literal token ("%tmm" #T), so they take no constant expression; "%c" prints the constant.
@@ -120,7 +133,7 @@ struct ThreadTiles {
   ThreadTiles() {
     at::native::cpublas::brgemm_release(true);
     const TileConfig config;
-    _tile_loadconfig(&config);
+    load_config(config);
   }
   ~ThreadTiles() { _tile_release(); }
 };

@@ -144,7 +144,7 @@ void attend_decode_amx(const Params& P, const Item& it, float* partial, const It
 
   const ScoresConfig config(G);
   at::native::cpublas::brgemm_release(true);  // see folio::amx::ThreadTiles
-  _tile_loadconfig(&config);
+  folio::amx::load_config(config);
 
   const C* kc = static_cast<const C*>(P.k_cache);
   const C* vc = static_cast<const C*>(P.v_cache);
