@@ -966,7 +966,7 @@ DecodePath decode_path_for(int D, int G, int block_size) {
   const bool types = std::is_same<T, at::BFloat16>::value && (std::is_same<C, T>::value || Cache<C>::QUANTIZED);
   if (!types || G < DECODE_MIN_G || D % 32 != 0 || D > 256 || D == 224) return DecodePath::GENERAL;
 #if defined(__AMX_BF16__)
-  if (G <= amx_decode::LANES && block_size % 16 == 0 && amx_decode_usable()) return DecodePath::AMX;
+  if (G <= amx_decode::LANES && block_size % 16 == 0 && folio::amx::permitted()) return DecodePath::AMX;
 #endif
   return DecodePath::VECTOR;
 #else

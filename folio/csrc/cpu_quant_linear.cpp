@@ -792,16 +792,15 @@ void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa,
   const __m512d vinv = _mm512_set1_pd(inv);
   const __m512i lim = _mm512_set1_epi32(127), off = _mm512_set1_epi32(offset);
   for (; k + 16 <= K; k += 16) {
-    const __m512i c = _mm512_min_epi32(lim, _mm512_max_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), lim),
-                                                             span_codes(_mm512_loadu_ps(v + k), vinv)));
+    const __m512i c = span_codes(_mm512_loadu_ps(v + k), vinv, lim);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
     if (qa) _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + k), _mm512_cvtepi32_epi8(_mm512_abs_epi32(c)));
   }
 #endif
   for (; k < K; ++k) {
-    const float c = static_cast<float>(std::min(127.0, std::max(-127.0, std::nearbyint(v[k] * inv))));
-    q[k] = static_cast<int8_t>(static_cast<int>(c) + offset);
-    if (qa) qa[k] = static_cast<int8_t>(std::fabs(c));
+    const int c = span_code(v[k], inv, 127);
+    q[k] = static_cast<int8_t>(c + offset);
+    if (qa) qa[k] = static_cast<int8_t>(std::abs(c));
   }
 }
 
@@ -820,17 +819,13 @@ void quantize_span16(const float* v, int64_t K, uint8_t* hi, uint8_t* lo, float*
   const __m512i lim = _mm512_set1_epi32(static_cast<int>(INT16_CODE_MAX));
   const __m512i off = _mm512_set1_epi32(32896), low = _mm512_set1_epi32(255);
   for (; k + 16 <= K; k += 16) {
-    const __m512i u = _mm512_add_epi32(
-        _mm512_min_epi32(lim, _mm512_max_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), lim),
-                                               span_codes(_mm512_loadu_ps(v + k), vinv))), off);
+    const __m512i u = _mm512_add_epi32(span_codes(_mm512_loadu_ps(v + k), vinv, lim), off);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + k), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + k), _mm512_cvtepi32_epi8(_mm512_and_si512(u, low)));
   }
 #endif
   for (; k < K; ++k) {
-    const float c = static_cast<float>(
-        std::min<double>(INT16_CODE_MAX, std::max<double>(-INT16_CODE_MAX, std::nearbyint(v[k] * inv))));
-    const int u = static_cast<int>(c) + 32896;
+    const int u = span_code(v[k], inv, static_cast<int>(INT16_CODE_MAX)) + 32896;
     hi[k] = static_cast<uint8_t>(u >> 8);
     lo[k] = static_cast<uint8_t>(u & 255);
   }

@@ -85,11 +85,6 @@ inline void store_score_tiles(float* s, int lane, int nsub) {
 
 }  // namespace amx_decode
 
-// Whether this machine's kernel may run the AMX decode path: compiled for AMX-BF16, and the tile registers granted.
-inline bool amx_decode_usable() {
-  return folio::amx::permitted();
-}
-
 template <typename C, int NC>
 void attend_decode_amx(const Params& P, const Item& it, float* partial, const Item* ahead) {
   using namespace amx_decode;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -24,12 +25,18 @@ inline SpanScale span_scale(float amax, float limit) {
   return {a / limit, static_cast<double>(limit) / static_cast<double>(a)};
 }
 
+// One value's code: x times the span's inverse in float64, rounded half to even, within +-limit.
+inline int span_code(float x, double inverse, int limit) {
+  return static_cast<int>(std::min<double>(limit, std::max<double>(-limit, std::nearbyint(x * inverse))));
+}
+
 #if defined(__AVX512F__)
-// 16 floats times the span's inverse in float64, rounded half to even (MXCSR's default), as int32.
-inline __m512i span_codes(__m512 x, __m512d inverse) {
+// The same for 16 floats (vcvtpd2dq rounds half to even, MXCSR's default), as int32.
+inline __m512i span_codes(__m512 x, __m512d inverse, __m512i limit) {
   const __m256i lo = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)), inverse));
   const __m256i hi = _mm512_cvtpd_epi32(
       _mm512_mul_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))), inverse));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  return _mm512_min_epi32(limit, _mm512_max_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), limit), c));
 }
 #endif
