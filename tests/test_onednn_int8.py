@@ -60,7 +60,7 @@ def test_matches_the_reference(m, n, k, dtype, weight_range, rotated):
 @pytest.mark.parametrize("rotated", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (3, 151, 896), (15, 1152, 896), (5, 896, 4864), (2, 100, 96),
                                    (1, 1, 32), (64, 200, 896), (17, 1152, 896), (33, 896, 4864), (48, 151, 576),
-                                   (20, 70, 96)])
+                                   (20, 70, 96), (80, 151, 576), (97, 1152, 896), (161, 896, 4864), (300, 70, 128)])
 def test_the_packed_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype, rotated, tiles):
     """Small batches read oneDNN's packed weight in place; exact sums, the reference's float32 scalings."""
     gen = torch.Generator().manual_seed(m + n + k)
@@ -193,7 +193,8 @@ def test_the_int16_reference_is_the_exact_product_within_its_roundings():
 @pytest.mark.parametrize("tiles", TILES, ids=["vectors", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (2, 151, 896), (3, 1152, 896), (1, 896, 4864), (2, 100, 96),
-                                   (1, 1, 32), (7, 200, 128), (40, 130, 896), (16, 200, 128), (64, 151, 576)])
+                                   (1, 1, 32), (7, 200, 128), (40, 130, 896), (16, 200, 128), (64, 151, 576),
+                                   (97, 130, 896), (161, 200, 128)])
 def test_the_int16_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype, tiles):
     """Both bytes' sums exact, 256 * high + low rounded once, the reference's float32 scalings; rows two at a
     time (a partial pair for odd counts)."""

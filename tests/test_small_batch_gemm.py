@@ -44,12 +44,13 @@ def takes(path: str, k: int) -> None:
 
 
 @PATH_PARAMS
-@pytest.mark.parametrize("m", [1, 2, 7, 13, 16, 17, 33, 48, 64])
+@pytest.mark.parametrize("m", [1, 2, 7, 13, 16, 17, 33, 48, 64, 80, 97, 161])
 @pytest.mark.parametrize("n,k", [(1, 2), (5, 96), (1000, 576), (37, 1536), (100, 30), (1152, 896), (896, 4864)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_exact_product_to_one_bf16_step(path, m, n, k, with_bias):
     """Every shape family of the supported models' layers (the 0.5B Qwen2's down projection among them), odd
-    widths and row counts that leave a partial tile of rows or an odd number of them."""
+    widths and row counts that leave a partial tile of rows or an odd number of them (past 64 rows the tile
+    loop's gemm: pairs of groups and a last single one)."""
     takes(path, k)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)

@@ -15,7 +15,9 @@
 //   sums (one group at a time with four column tiles where the block has three or four);
 // - three or four groups (`panels`): x's rows stay in L1 for PANEL_STEPS tile steps while the 16-column slices
 //   of PANEL_BLOCKS blocks stream past, each slice's G tiles of sums waiting in the panel's buffer (L2) between
-//   pieces (with 2 x 2 tiles x's rows came from L2 for every block).
+//   pieces (with 2 x 2 tiles x's rows came from L2 for every block);
+// - more (`gemm`, prefill chunks and large batches): the weight read once from memory in panels that stay in L2
+//   while every pair of groups passes them in 2 x 2 tiles over each block's whole K (below).
 // Sums stay in tile registers along a chunk or piece (float32 or int32, 16 x 16 a tile); a thread's finished
 // block goes to the caller's epilogue, `epilogue(b, sums)` with sums(row, v) the 16 sums of row `row` (of the
 // groups' 16 G rows) and the block's columns 16 v .. 16 v + 15.
@@ -114,10 +116,13 @@ struct U8S8 {
 };
 #endif
 
-// x's rows in groups of 16: the first row's address and the row stride, in bytes.
+// x's rows in groups of 16: the first row's address and the row stride, in bytes. With `passes` > 1 the groups
+// are that many passes over the same rows one after the other (int16 codes: their high bytes, then their low).
 struct Rows {
   std::vector<const uint8_t*> groups;
   std::vector<int64_t> strides;
+  int passes = 1;
+  int64_t pass_groups() const { return static_cast<int64_t>(groups.size()) / passes; }
 };
 
 // Where a product's weight lies: blocks `block_bytes` apart, `steps` tile steps of K each.
@@ -138,12 +143,13 @@ struct ThreadTiles {
   ~ThreadTiles() { _tile_release(); }
 };
 
-// The thread's buffer of sums, at least n values: kept from call to call (a decode step makes ~100 products,
-// and a panel's 64-256 KiB would come from the allocator each time).
+// The thread's buffer of sums, at least n values on a cache line: kept from call to call (a decode step makes
+// ~100 products, and a panel's 64-256 KiB would come from the allocator each time).
 inline uint32_t* sums_buffer(int64_t n) {
   thread_local std::vector<uint32_t> buffer;
-  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
-  return buffer.data();
+  if (static_cast<int64_t>(buffer.size()) < n + 16) buffer.resize(n + 16);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<uint32_t*>((at + 63) / 64 * 64);
 }
 
 // Software prefetches of the thread's next chunk, spread evenly over the current chunk's tile steps.
@@ -313,13 +319,104 @@ void panels(const Rows& x, const Weight& wt, int64_t b0, int64_t b1, const Epilo
   }
 }
 
-// The thread's blocks [b0, b1) times all of x's groups: panels for three or four groups, else blocks.
+// ------------------------------------------------------------------ gemm: five groups of rows or more
+// A prefill's hundreds of rows: 2 x 2 tiles of sums (two groups of rows by two column tiles) over a block's whole
+// K, stored once; the thread's blocks go in panels of about GEMM_PANEL_BYTES, which stay in L2 while every pair
+// of groups passes them (x's rows of a pair from L1 or L2 along the panel). One core, operands in L1: 4.2-5.3 ns a
+// product with four tile loads to four products, AMX's rate; on two cores, int8, 1856 rows of the 0.5B Qwen2's
+// layers (their tiles' loop alone, no epilogue), 6.2-7.8 TOPS where oneDNN's int8 GEMM ran at 2.6-2.9. In bf16
+// (x's rows twice the bytes, both operands from L2) it measured 0.91x oneDNN's GEMM at 1852 rows, so bf16
+// batches past small_batch_gemm.AMX_ROWS stay on oneDNN. Software prefetches of the next panel and the next
+// pair's rows measured no faster.
+constexpr int64_t GEMM_PANEL_BYTES = 786432;
+// more groups a pass than this take the gemm: at 48-64 rows, weights from memory, it measured 0.80-0.85x the
+// panels (int8 and bf16), which stream each block once for all rows
+constexpr int64_t GEMM_FROM_GROUPS = 4;
+
+// Groups a[0 .. R) times C column tiles of a block over all its steps (`wp` the first tile of the first step, steps
+// `step_bytes` apart, its rows `w_stride`), into sums tile r * 2 + c, stored at `out` (rows of `out_stride` bytes;
+// group r 16 rows down).
+template <class Dot, int R, int C>
+inline void strip(const uint8_t* const* a, const int64_t* xs, const uint8_t* wp, int64_t w_stride,
+                  int64_t step_bytes, int64_t steps, uint8_t* out, int64_t out_stride) {
+  tile_zero<0>();
+  if constexpr (C == 2) tile_zero<1>();
+  if constexpr (R == 2) tile_zero<2>();
+  if constexpr (R == 2 && C == 2) tile_zero<3>();
+  for (int64_t s = 0; s < steps; ++s, wp += step_bytes) {
+    tile_load<4>(a[0] + 64 * s, xs[0]);
+    tile_load<6>(wp, w_stride);
+    Dot::template dot<0, 4, 6>();
+    if constexpr (R == 2) {
+      tile_load<5>(a[1] + 64 * s, xs[1]);
+      Dot::template dot<2, 5, 6>();
+    }
+    if constexpr (C == 2) {
+      tile_load<7>(wp + 64, w_stride);
+      Dot::template dot<1, 4, 7>();
+      if constexpr (R == 2) Dot::template dot<3, 5, 7>();
+    }
+  }
+  tile_store<0>(out, out_stride);
+  if constexpr (C == 2) tile_store<1>(out + 64, out_stride);
+  if constexpr (R == 2) tile_store<2>(out + 16 * out_stride, out_stride);
+  if constexpr (R == 2 && C == 2) tile_store<3>(out + 16 * out_stride + 64, out_stride);
+}
+
+// One or two groups (`a`, `xs`) times a whole block, its sums as rows of NV * 16 lanes at `out`.
+template <class Dot, int NV, int R>
+inline void block_strips(const uint8_t* const* a, const int64_t* xs, const uint8_t* block, int64_t steps,
+                         uint32_t* out) {
+  constexpr int64_t STEP_BYTES = 16 * NV * 64, OUT_STRIDE = NV * 64;
+  uint8_t* o = reinterpret_cast<uint8_t*>(out);
+  for (int v = 0; v + 1 < NV; v += 2)
+    strip<Dot, R, 2>(a, xs, block + v * 64, NV * 64, STEP_BYTES, steps, o + v * 64, OUT_STRIDE);
+  if constexpr (NV % 2) strip<Dot, R, 1>(a, xs, block + (NV - 1) * 64, NV * 64, STEP_BYTES, steps,
+                                         o + (NV - 1) * 64, OUT_STRIDE);
+}
+
+template <class Dot, int NV, class Epilogue>
+void gemm(const Rows& x, const Weight& wt, int64_t b0, int64_t b1, const Epilogue& epilogue) {
+  constexpr int64_t NB = NV * 16;
+  const ThreadTiles tiles;
+  const int64_t PG = x.pass_groups(), P = x.passes;
+  const int64_t panel = std::max<int64_t>(1, GEMM_PANEL_BYTES / wt.block_bytes);
+  uint32_t* sums = sums_buffer(P * 32 * NB);  // per pass, two groups of rows by the block's columns
+  for (int64_t pb = b0; pb < b1; pb += panel) {
+    const int64_t pe = std::min(b1, pb + panel);
+    for (int64_t g = 0; g < PG; g += 2) {
+      const bool two = g + 1 < PG;
+      for (int64_t b = pb; b < pe; ++b) {
+        const uint8_t* block = wt.w + b * wt.block_bytes;
+        for (int64_t s = 0; s < P; ++s) {
+          const int64_t i = s * PG + g;
+          if (two) block_strips<Dot, NV, 2>(&x.groups[i], &x.strides[i], block, wt.steps, sums + s * 32 * NB);
+          else block_strips<Dot, NV, 1>(&x.groups[i], &x.strides[i], block, wt.steps, sums + s * 32 * NB);
+        }
+        epilogue(b, 16 * g, 16 * (g + (two ? 2 : 1)), [&](int64_t s, int64_t m, int v) -> const void* {
+          return &sums[(s * 32 + m - 16 * g) * NB + v * 16];
+        });
+      }
+    }
+  }
+}
+
+// The thread's blocks [b0, b1) times all of x's groups: panels for three or four groups a pass, blocks for one or
+// two, gemm for more. The epilogue takes a block's rows [m0, m1) of every pass, `epilogue(b, m0, m1, sums)`, with
+// sums(pass, row, v) the 16 sums of that row (m0 <= row < m1, rows past x's being padding) and the block's columns
+// 16 v .. 16 v + 15.
 template <class Dot, int NV, class Epilogue>
 void multiply(const Rows& x, const Weight& wt, int64_t b0, int64_t b1, const Epilogue& epilogue) {
+  const int64_t pass_rows = 16 * x.pass_groups();
+  const auto whole = [&](int64_t b, const auto& sums) {
+    epilogue(b, 0, pass_rows, [&](int64_t s, int64_t m, int v) { return sums(s * pass_rows + m, v); });
+  };
   switch (x.groups.size()) {
-    case 3: return panels<Dot, NV, 3>(x, wt, b0, b1, epilogue);
-    case 4: return panels<Dot, NV, 4>(x, wt, b0, b1, epilogue);
-    default: return blocks<Dot, NV>(x, wt, b0, b1, epilogue);
+    case 3: return panels<Dot, NV, 3>(x, wt, b0, b1, whole);
+    case 4: return panels<Dot, NV, 4>(x, wt, b0, b1, whole);
+    default:
+      if (x.pass_groups() > GEMM_FROM_GROUPS) return gemm<Dot, NV>(x, wt, b0, b1, epilogue);
+      return blocks<Dot, NV>(x, wt, b0, b1, whole);
   }
 }
 

@@ -659,15 +659,15 @@ void packed_w8a8_tiles(const PackedW8A8& a) {
 template <int PASSES>
 void packed_w8a8_amx(const PackedW8A8& a) {
   folio::amx::Rows rows;
+  rows.passes = PASSES;
   std::vector<uint8_t> padded[PASSES];
   const uint8_t* codes[2] = {a.xu, a.xl};
   for (int s = 0; s < PASSES; ++s) folio::amx::add_groups(rows, codes[s], a.M, a.K, a.K, padded[s]);
-  const int64_t pass_rows = (a.M + 15) / 16 * 16;
   const folio::amx::Weight weight{reinterpret_cast<const uint8_t*>(a.w), a.block_quads * PACKED_COLUMNS * 4,
                                   a.K / 64};
-  const auto epilogue = [&](int64_t b, const auto& sums) {
-    packed_w8a8_epilogue<PASSES>(a, 0, a.M, b, [&](int s, int64_t i, int v) {
-      return _mm512_loadu_si512(sums(s * pass_rows + i, v));
+  const auto epilogue = [&](int64_t b, int64_t m0, int64_t m1, const auto& sums) {
+    packed_w8a8_epilogue<PASSES>(a, m0, std::min(m1, a.M) - m0, b, [&](int s, int64_t i, int v) {
+      return _mm512_loadu_si512(sums(s, m0 + i, v));
     });
   };
   const folio::BlockStream streams[] = {{a.w, a.block_quads * PACKED_COLUMNS * 4},

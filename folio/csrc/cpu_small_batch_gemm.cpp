@@ -274,12 +274,12 @@ at::Tensor linear_bf16_amx(at::Tensor x, at::Tensor w, int64_t N, c10::optional<
   const auto* wp = w.data_ptr<c10::BFloat16>();
   const folio::amx::Weight weight{reinterpret_cast<const uint8_t*>(wp), w.stride(0) * 2, K / 32};
   auto* yp = y.data_ptr<c10::BFloat16>();
-  const auto epilogue = [&](int64_t b, const auto& sums) {
+  const auto epilogue = [&](int64_t b, int64_t m0, int64_t m1, const auto& sums) {
     const int64_t n0 = b * NB, cols = std::min(NB, N - n0);
     for (int v = 0; v * 16 < cols; ++v) {
       const Lanes lanes(bp, n0, cols, v);
-      for (int64_t m = 0; m < M; ++m)
-        lanes.store(yp + m * N + n0 + v * 16, _mm512_loadu_ps(static_cast<const float*>(sums(m, v))));
+      for (int64_t m = m0; m < std::min(m1, M); ++m)
+        lanes.store(yp + m * N + n0 + v * 16, _mm512_loadu_ps(static_cast<const float*>(sums(0, m, v))));
     }
   };
   const folio::BlockStream streams[] = {{wp, w.stride(0) * 2}};

@@ -38,8 +38,11 @@ where K is a multiple of 64; brgemm otherwise), which streams the blocks with pr
 Emerald Rapids Xeon (all the 0.5B Qwen2's layers from memory, `python benchmarks/int8_gemm_bench.py --shapes
 1152x896,896x896,9728x896,896x4864 --copies 24 --rows 1,2,4,6,8,12,16,32,64,96,128`), ms: 1 row 13.9 against
 the packed kernel's 13.4, 2 rows 13.2 against 13.5, 4 rows 14.4 against 15.2, 8 rows 15.5 against 19.6, 16
-rows 16.8 (packed 26.2, oneDNN 26.6), 64 rows 28.7 (oneDNN 43.6; bf16's GEMM 39.0), 96 rows 37.6 against
-oneDNN's 59.3, 128 rows 52.9 against 64.1: the tiles take 4 to 128 rows there.
+rows 16.8 (packed 26.2, oneDNN 26.6), 64 rows 28.7 (oneDNN 43.6; bf16's GEMM 39.0). Past 64 rows the loop runs
+as a GEMM (2 x 2 tiles over each block's whole K, the weight in L2 for all rows): the same command, 128 rows
+48.5 against oneDNN's 61.4, 256 rows 99.3 against 139.9, 1852 rows 545 against 671 (bf16's GEMM 653); with the
+layers in cache, 1852 rows 17.4 against 25.2 ms (bf16 19.9). So on AMX-INT8 the tiles take every batch from
+MIN_ROWS_AMX rows on, prefill chunks included: W1 in `int8` went from 1.15x bf16's output tokens/s to 1.28-1.31x.
 """
 
 from __future__ import annotations
@@ -60,13 +63,13 @@ MIN_ROWS_VNNI = 2
 MIN_ROWS_VNNI_PACKED = 16
 MIN_ROWS_AMX = 4
 # With the tiles (a PyTorch whose brgemm multiplies bytes), batches from min_rows up to tile_rows rows go to them
-# instead of oneDNN: on VNNI from 12 rows (below, the packed kernel) up to 256; on AMX-INT8 from MIN_ROWS_AMX up
-# to TILE_ROWS_AMX (above). On Zen 4, all linear layers of the 0.5B Qwen2 from memory
+# instead of oneDNN: on VNNI from 12 rows (below, the packed kernel) up to 256; on AMX-INT8 from MIN_ROWS_AMX on,
+# any number (above). On Zen 4, all linear layers of the 0.5B Qwen2 from memory
 # (benchmarks/int8_gemm_bench.py, copies 24), ms: at 8 rows the tiles and the packed kernel level (21.4 against
 # 22.4, 20.7 against 19.4), at 16 27.0 against 34.5 (oneDNN 44.8), at 64 70.0 against 84.6 for oneDNN, at 256
 # 305 against 333.
 TILES_FROM_VNNI, TILE_ROWS_VNNI = 12, 256
-TILE_ROWS_AMX = 128
+TILE_ROWS_AMX = 1 << 62  # no limit
 # rows of one oneDNN call: its float32 result (256 x 9728 x 4 bytes = 10 MB for Qwen2-0.5B's gate/up) stays in
 # the last-level cache for the scaling pass; a 2048-row chunk wrote 80 MB to memory and read it back
 CHUNK_ROWS = 256
