@@ -17,7 +17,7 @@ from folio.models import onednn_int8, quant_kernels
 from folio.models import quant_reference as ref
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear
-from folio.platforms.cpu_features import cpu_flags
+from folio.platforms.cpu_features import cpu_flags, has_amx_int8
 
 pytestmark = pytest.mark.skipif(not onednn_int8.available(), reason="this PyTorch has no oneDNN int8 linear")
 EXACT_PAIRS = not {"avx512_vnni", "avx_vnni", "amx_int8"}.isdisjoint(cpu_flags().split())
@@ -136,6 +136,15 @@ def test_w8a8_layers_run_every_batch_on_the_packed_weight(monkeypatch, tile_rows
         else:
             check_close(got, expected)
     assert onednn_calls == [rows for rows in (packed.min_rows, 40, 100) if rows > packed.tile_rows]
+
+
+@pytest.mark.skipif(not (has_amx_int8() and quant_kernels.has_w8a8_tiles()), reason="needs AMX-INT8 and the tiles")
+def test_on_amx_the_tile_loop_takes_every_batch_where_it_runs():
+    """Prefill chunks too (its gemm); layers whose K it cannot take keep brgemm's tiles for up to 128 rows only."""
+    weight, scales = torch.randint(-127, 128, (96, 128), dtype=torch.int8), torch.rand(96) * 0.01
+    assert onednn_int8.prepack(weight, scales).tile_rows == (
+        onednn_int8.TILE_ROWS_AMX if quant_kernels.has_w8a8_amx() else onednn_int8.BRGEMM_ROWS_AMX)
+    assert onednn_int8.prepack(weight[:, :96].contiguous(), scales).tile_rows == onednn_int8.BRGEMM_ROWS_AMX
 
 
 def test_default_follows_the_cpu():

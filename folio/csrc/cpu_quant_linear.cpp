@@ -1227,6 +1227,13 @@ at::Tensor w8_int16_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor co
 
 bool has_packed_w8a8() { return FOLIO_PACKED_W8A8; }
 bool has_w8a8_tiles() { return FOLIO_PACKED_W8A8 && FOLIO_W8A8_TILES; }
+bool has_w8a8_amx() {
+#if FOLIO_PACKED_W8A8 && FOLIO_W8A8_AMX
+  return folio::amx::permitted();
+#else
+  return false;
+#endif
+}
 
 // out [M, N] (float32 or bf16) = y [M, N] float32 (sums already times the weight's scales) times each row's
 // scale (+ bias): the epilogue of an int8 GEMM whose activation scale is per token. out may be rows of a larger
@@ -1304,6 +1311,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_packed_w8a8", &has_packed_w8a8, "whether w8a8_packed_linear was compiled in (AVX512-VNNI)");
   m.def("has_w8a8_tiles", &has_w8a8_tiles, "whether the packed W8A8 products can run on brgemm's tiles (tiles=True)");
+  m.def("has_w8a8_amx", &has_w8a8_amx, "whether tiles=True runs folio's AMX tile loop (where K % 64 == 0)");
   m.def("quantize_rows_unsigned", &quantize_rows_unsigned, "x's rows as W8A8 quantises them, codes + 128 as uint8",
         pybind11::arg("x"), pybind11::arg("rotate"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("scale_rows", &scale_rows, "out = y times each row's scale (+ bias)", pybind11::arg("y"),

@@ -69,7 +69,8 @@ MIN_ROWS_AMX = 4
 # 22.4, 20.7 against 19.4), at 16 27.0 against 34.5 (oneDNN 44.8), at 64 70.0 against 84.6 for oneDNN, at 256
 # 305 against 333.
 TILES_FROM_VNNI, TILE_ROWS_VNNI = 12, 256
-TILE_ROWS_AMX = 1 << 62  # no limit
+TILE_ROWS_AMX = 1 << 62  # no limit: folio's tile loop
+BRGEMM_ROWS_AMX = 128  # brgemm's tiles, where the loop cannot run (K not a multiple of 64, no tile registers)
 # rows of one oneDNN call: its float32 result (256 x 9728 x 4 bytes = 10 MB for Qwen2-0.5B's gate/up) stays in
 # the last-level cache for the scaling pass; a 2048-row chunk wrote 80 MB to memory and read it back
 CHUNK_ROWS = 256
@@ -121,7 +122,8 @@ def prepack(weight: torch.Tensor, scales: torch.Tensor) -> PackedInt8Weight:
     column_sums = None if blocks is None else _row_sums(weight)
     tiles = blocks is not None and quant_kernels.has_w8a8_tiles()
     if has_amx_int8():
-        min_rows, tile_rows = MIN_ROWS_AMX, TILE_ROWS_AMX if tiles else 0
+        loop = quant_kernels.has_w8a8_amx() and weight.shape[1] % 64 == 0  # else brgemm's tiles, per block
+        min_rows, tile_rows = MIN_ROWS_AMX, (TILE_ROWS_AMX if loop else BRGEMM_ROWS_AMX) if tiles else 0
     elif tiles:
         min_rows, tile_rows = TILES_FROM_VNNI, TILE_ROWS_VNNI
     else:

@@ -104,6 +104,13 @@ def has_w8a8_tiles() -> bool:
     return ext is not None and ext.has_w8a8_tiles()
 
 
+def has_w8a8_amx() -> bool:
+    """Whether the tiles are folio's AMX tile loop here (layers whose K is a multiple of 64; brgemm's for the
+    others): the kernel built for AMX-INT8, and the OS lends the tile registers."""
+    ext = KERNEL.load()
+    return ext is not None and ext.has_w8a8_amx()
+
+
 def w8a8_packed_linear(x: torch.Tensor, blocks: torch.Tensor, column_sums: torch.Tensor, scales: torch.Tensor,
                        bias: Optional[torch.Tensor], rotated: bool, tiles: bool = False) -> torch.Tensor:
     """w8a8_linear with the weight in oneDNN's packed int8 blocks [N / 64, K' / 4, 64, 4], its column sums int32 [N]
