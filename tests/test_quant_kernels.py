@@ -77,7 +77,8 @@ def test_w8a8_equals_the_reference_bit_for_bit(n, k):
                 assert torch.equal(got, want[:m]), (isa, m, rotated)
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
+# and rotation blocks of 1024, 512 (2560 = 5 x 512) and 4096 values: twelve stages, most between vectors
+@pytest.mark.parametrize("n,k", SHAPES + [(1, 1024), (1, 2560), (1, 4096)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_unsigned_row_quantiser_equals_the_reference_bit_for_bit(n, k, dtype):
     """The oneDNN path's activations: the reference's codes (rotated or not) + 128, and its scales."""
