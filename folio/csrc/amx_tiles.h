@@ -1,5 +1,5 @@
-// folio's own AMX tile loop for matmuls of a few to 64 rows of x by a packed weight read in place: bf16
-// (cpu_small_batch_gemm.cpp) and int8 (cpu_quant_linear.cpp) run the same loop, with their own tile product
+// folio's own AMX tile loop for matmuls of a few rows of x to a prefill chunk's by a packed weight read in place:
+// bf16 (cpu_small_batch_gemm.cpp) and int8 (cpu_quant_linear.cpp) run the same loop, with their own tile product
 // and epilogue.
 //
 // The weight is oneDNN's packed layout: column blocks of NV * 16 output columns, one after the other in memory,
@@ -18,9 +18,8 @@
 //   pieces (with 2 x 2 tiles x's rows came from L2 for every block);
 // - more (`gemm`, prefill chunks and large batches): the weight read once from memory in panels that stay in L2
 //   while every pair of groups passes them in 2 x 2 tiles over each block's whole K (below).
-// Sums stay in tile registers along a chunk or piece (float32 or int32, 16 x 16 a tile); a thread's finished
-// block goes to the caller's epilogue, `epilogue(b, sums)` with sums(row, v) the 16 sums of row `row` (of the
-// groups' 16 G rows) and the block's columns 16 v .. 16 v + 15.
+// Sums stay in tile registers along a chunk, piece or block (float32 or int32, 16 x 16 a tile); a thread's
+// finished rows of a block go to the caller's epilogue (`multiply`, at the end).
 //
 // Measured on the Emerald Rapids Xeon (bf16, against oneDNN's GEMM, all the 0.5B Qwen2's layers from memory):
 // 1.2x at 16 rows, 1.3-1.7x at 32, 1.1x at 64; without the prefetches 64 rows took 1.19x longer; the panels
