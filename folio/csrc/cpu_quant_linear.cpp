@@ -860,9 +860,11 @@ struct RowQuantizer {
   }
 
 #if FOLIO_AVX512
-  // stage h inside one 16-lane register: lanes with bit h set get (partner - self), the others self + partner
+  // stage h inside one 16-lane register: lanes with bit h set get (partner - self), the others self + partner, as
+  // self * sign + partner in one FMA (the product by +-1 is exact, so it rounds as the add or sub: one instruction
+  // fewer a stage than an add and a masked sub)
   static __m512 butterfly(__m512 v, __m512 partner, __mmask16 high) {
-    return _mm512_mask_sub_ps(_mm512_add_ps(v, partner), high, partner, v);
+    return _mm512_fmadd_ps(v, _mm512_mask_blend_ps(high, _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f)), partner);
   }
   static void rotate_block(float* b) {
     __m512 lo = _mm512_loadu_ps(b), hi = _mm512_loadu_ps(b + 16);
