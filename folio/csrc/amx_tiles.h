@@ -169,51 +169,53 @@ struct ChunkPrefetch {
 
 // ------------------------------------------------------------------ blocks: one or two groups of rows
 
-// The sums' tiles: (group r, column tile v) is tmm r * NV + v; a block's sums are rows of NV * 16 lanes.
-template <int R, int NV, int T = 0>
+// The sums' tiles of C column tiles of a block NV tiles wide: (group r, column tile v) is tmm r * C + v; a block's
+// sums are rows of NV * 16 lanes.
+template <int R, int C, int NV, int T = 0>
 inline void block_sums(uint32_t* c, bool load) {
-  if constexpr (T < R * NV) {
+  if constexpr (T < R * C) {
     if (load)
-      tile_load<T>(c + (T / NV) * 16 * NV * 16 + (T % NV) * 16, NV * 64);
+      tile_load<T>(c + (T / C) * 16 * NV * 16 + (T % C) * 16, NV * 64);
     else
       tile_zero<T>();
-    block_sums<R, NV, T + 1>(c, load);
+    block_sums<R, C, NV, T + 1>(c, load);
   }
 }
 
-template <int R, int NV, int T = 0>
+template <int R, int C, int NV, int T = 0>
 inline void store_block_sums(uint32_t* c) {
-  if constexpr (T < R * NV) {
-    tile_store<T>(c + (T / NV) * 16 * NV * 16 + (T % NV) * 16, NV * 64);
-    store_block_sums<R, NV, T + 1>(c);
+  if constexpr (T < R * C) {
+    tile_store<T>(c + (T / C) * 16 * NV * 16 + (T % C) * 16, NV * 64);
+    store_block_sums<R, C, NV, T + 1>(c);
   }
 }
 
-// One tile step: column tile V of the block (in the B tiles left after the R tiles of x, in turn) times x's R tiles.
-template <class Dot, int R, int NV, int V = 0>
+// One tile step: column tile V of C (in the B tiles left after the R tiles of x, in turn) times x's R tiles.
+template <class Dot, int R, int C, int NV, int V = 0>
 inline void step_columns(const uint8_t* wp) {
-  if constexpr (V < NV) {
+  if constexpr (V < C) {
     constexpr int B = 4 + R + V % (4 - R);
     tile_load<B>(wp + V * 64, NV * 64);
     Dot::template dot<V, 4, B>();
-    if constexpr (R == 2) Dot::template dot<NV + V, 5, B>();
-    step_columns<Dot, R, NV, V + 1>(wp);
+    if constexpr (R == 2) Dot::template dot<C + V, 5, B>();
+    step_columns<Dot, R, C, NV, V + 1>(wp);
   }
 }
 
-// Tile steps [s0, s0 + steps) of a block times R groups of x's rows (`a`, `xs`), the sums in `c`: loaded first
-// unless `first`, stored after.
-template <class Dot, int R, int NV>
+// Tile steps [s0, s0 + steps) of C column tiles of a block NV tiles wide (`block` at the first of them) times R
+// groups of x's rows (`a`, `xs`), the sums in `c` (at the first column tile's): loaded first unless `first`,
+// stored after.
+template <class Dot, int R, int C, int NV>
 void chunk(const uint8_t* const* a, const int64_t* xs, const uint8_t* block, int64_t s0, int64_t steps,
            uint32_t* c, bool first, ChunkPrefetch& prefetch) {
-  block_sums<R, NV>(c, !first);
+  block_sums<R, C, NV>(c, !first);
   for (int64_t s = s0; s < s0 + steps; ++s) {
     tile_load<4>(a[0] + 64 * s, xs[0]);
     if constexpr (R == 2) tile_load<5>(a[1] + 64 * s, xs[1]);
-    step_columns<Dot, R, NV>(block + s * 16 * NV * 64);
+    step_columns<Dot, R, C, NV>(block + s * 16 * NV * 64);
     prefetch.step();
   }
-  store_block_sums<R, NV>(c);
+  store_block_sums<R, C, NV>(c);
 }
 
 template <class Dot, int NV, class Epilogue>
@@ -235,9 +237,11 @@ void blocks(const Rows& x, const Weight& wt, int64_t b0, int64_t b1, const Epilo
       prefetch.start(next, std::min(range_end, next + CHUNK_BYTES), (G + R - 1) / R * steps);
       int64_t g = 0;
       for (; g + R <= G; g += R)
-        chunk<Dot, R, NV>(&x.groups[g], &x.strides[g], block, s0, steps, &sums[g * 16 * NB], s0 == 0, prefetch);
+        chunk<Dot, R, NV, NV>(&x.groups[g], &x.strides[g], block, s0, steps, &sums[g * 16 * NB], s0 == 0,
+                              prefetch);
       if (g < G)
-        chunk<Dot, 1, NV>(&x.groups[g], &x.strides[g], block, s0, steps, &sums[g * 16 * NB], s0 == 0, prefetch);
+        chunk<Dot, 1, NV, NV>(&x.groups[g], &x.strides[g], block, s0, steps, &sums[g * 16 * NB], s0 == 0,
+                              prefetch);
     }
     epilogue(b, [&](int64_t row, int v) -> const void* { return &sums[row * NB + v * 16]; });
   }
@@ -332,46 +336,15 @@ constexpr int64_t GEMM_PANEL_BYTES = 786432;
 // panels (int8 and bf16), which stream each block once for all rows
 constexpr int64_t GEMM_FROM_GROUPS = 4;
 
-// Groups a[0 .. R) times C column tiles of a block over all its steps (`wp` the first tile of the first step, steps
-// `step_bytes` apart, its rows `w_stride`), into sums tile r * 2 + c, stored at `out` (rows of `out_stride` bytes;
-// group r 16 rows down).
-template <class Dot, int R, int C>
-inline void strip(const uint8_t* const* a, const int64_t* xs, const uint8_t* wp, int64_t w_stride,
-                  int64_t step_bytes, int64_t steps, uint8_t* out, int64_t out_stride) {
-  tile_zero<0>();
-  if constexpr (C == 2) tile_zero<1>();
-  if constexpr (R == 2) tile_zero<2>();
-  if constexpr (R == 2 && C == 2) tile_zero<3>();
-  for (int64_t s = 0; s < steps; ++s, wp += step_bytes) {
-    tile_load<4>(a[0] + 64 * s, xs[0]);
-    tile_load<6>(wp, w_stride);
-    Dot::template dot<0, 4, 6>();
-    if constexpr (R == 2) {
-      tile_load<5>(a[1] + 64 * s, xs[1]);
-      Dot::template dot<2, 5, 6>();
-    }
-    if constexpr (C == 2) {
-      tile_load<7>(wp + 64, w_stride);
-      Dot::template dot<1, 4, 7>();
-      if constexpr (R == 2) Dot::template dot<3, 5, 7>();
-    }
-  }
-  tile_store<0>(out, out_stride);
-  if constexpr (C == 2) tile_store<1>(out + 64, out_stride);
-  if constexpr (R == 2) tile_store<2>(out + 16 * out_stride, out_stride);
-  if constexpr (R == 2 && C == 2) tile_store<3>(out + 16 * out_stride + 64, out_stride);
-}
-
-// One or two groups (`a`, `xs`) times a whole block, its sums as rows of NV * 16 lanes at `out`.
+// One or two groups (`a`, `xs`) times a whole block, two column tiles at a time (the 2 x 2 tiles of sums), its
+// sums as rows of NV * 16 lanes at `out`.
 template <class Dot, int NV, int R>
 inline void block_strips(const uint8_t* const* a, const int64_t* xs, const uint8_t* block, int64_t steps,
                          uint32_t* out) {
-  constexpr int64_t STEP_BYTES = 16 * NV * 64, OUT_STRIDE = NV * 64;
-  uint8_t* o = reinterpret_cast<uint8_t*>(out);
-  for (int v = 0; v + 1 < NV; v += 2)
-    strip<Dot, R, 2>(a, xs, block + v * 64, NV * 64, STEP_BYTES, steps, o + v * 64, OUT_STRIDE);
-  if constexpr (NV % 2) strip<Dot, R, 1>(a, xs, block + (NV - 1) * 64, NV * 64, STEP_BYTES, steps,
-                                         o + (NV - 1) * 64, OUT_STRIDE);
+  ChunkPrefetch none;  // the panel is in L2
+  for (int v = 0; v + 1 < NV; v += 2) chunk<Dot, R, 2, NV>(a, xs, block + v * 64, 0, steps, out + v * 16, true, none);
+  if constexpr (NV % 2)
+    chunk<Dot, R, 1, NV>(a, xs, block + (NV - 1) * 64, 0, steps, out + (NV - 1) * 16, true, none);
 }
 
 template <class Dot, int NV, class Epilogue>
