@@ -1,4 +1,4 @@
-"""Per-layer time of a decoder layer's elementwise ops: reference torch code (folio.models.layers) vs the
+"""Per-layer time of a decoder layer's elementwise ops: the reference torch code (folio.models.fused_ops.ref_*) vs the
 fused bf16 kernels (folio.models.fused_ops), side by side.
 
 One layer = 2 x (add + RMSNorm) + rotary embedding of q and k + SiLU-and-mul, on bf16 tensors.
@@ -15,7 +15,7 @@ import time
 import torch
 
 from folio.models import fused_ops as F
-from folio.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from folio.models.layers import RMSNorm, RotaryEmbedding
 
 MODELS = {  # hidden, heads, kv heads, head_dim, intermediate
     "SmolLM2-135M": (576, 9, 3, 64, 1536),
@@ -51,9 +51,9 @@ def bench(model: str, t: int, iters: int) -> None:
     w, eps = norm.weight, norm.eps
 
     ops = {
-        "add+rms_norm": (lambda: norm(x, res), lambda: F.fused_add_rms_norm(x, res, w, eps)),
-        "rotary": (lambda: rot(pos, q, k), lambda: F.rotary_embedding_(pos, q, k, rot.cos, rot.sin)),
-        "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: F.silu_and_mul(gate_up)),
+        "add+rms_norm": (lambda: F.ref_rms_norm(x, w, eps, res), lambda: F.fused_add_rms_norm(x, res, w, eps)),
+        "rotary": (lambda: F.ref_rotary(pos, q, k, rot.cos, rot.sin), lambda: F.rotary_embedding_(pos, q, k, rot.cos, rot.sin)),
+        "silu_and_mul": (lambda: F.ref_silu_and_mul(gate_up), lambda: F.silu_and_mul(gate_up)),
     }
     per_layer = {"add+rms_norm": 2, "rotary": 1, "silu_and_mul": 1}
     tot_ref = tot_fused = 0.0

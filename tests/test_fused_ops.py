@@ -207,6 +207,12 @@ def test_silu_float32_intermediate_matches_torch(ext, inline):
 def test_silu_and_mul_both_exp_paths(ext, inline):
     gate_up = (torch.randn(300, 2 * 1536) * 4).to(torch.bfloat16)
     assert same_bits(ext.silu_and_mul(gate_up, inline), F.ref_silu_and_mul(gate_up))
+    # every bf16 gate value (NaNs, infinities, subnormals included), each through the vector loop's table
+    gates = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int16).view(torch.bfloat16).reshape(512, 128)
+    ups = (torch.randn(512, 128) * 3).to(torch.bfloat16)
+    ups[:, :8] = 1.0
+    gate_up = torch.cat([gates, ups], dim=1)
+    assert same_bits(ext.silu_and_mul(gate_up, inline), F.ref_silu_and_mul(gate_up))
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):

@@ -15,7 +15,8 @@
 //     load time against torch's float32 silu) or libtorch_cpu's exported Sleef_expf16_u10 (AVX2:
 //     Sleef_expf8_u10; weakly linked: without it and without the check passing, std::exp, no longer bit-exact),
 //     and std::exp for the per-row tail that ATen runs through its scalar loop (bf16: the last I % 64 elements
-//     of each row; float32: see silu_segment).
+//     of each row; float32: see silu_segment). A bf16 gate has 65536 values: the vector loop looks its rounded
+//     silu up in a table of them that the same vector code made (silu_table).
 //
 //   * float32 tensors take the same formulas with no rounding to bf16 (Elem<float>); each eager op rounds its own
 //     float result, so the file is built with -ffp-contract=off (fused_ops.py): a product and a sum never fuse
@@ -141,6 +142,39 @@ inline __m512 exp_sleef(__m512 d) {
   u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.f), d, _CMP_LT_OQ),
                          _mm512_set1_ps(INFINITY));  // d > 100 -> inf
   return u;
+}
+
+// rnd(silu(x)) of 16 bf16 values widened to float, as ATen's vector loop computes it (SLEEF's exp: inline_exp, the
+// inline copy, else libtorch's Sleef_expf16_u10, which the caller checked is there).
+inline __m512 silu_rounded(__m512 x, bool inline_exp) {
+  const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), x);
+  const __m512 e = inline_exp ? exp_sleef(m) : Sleef_expf16_u10(m);
+  return vrf(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+}
+
+// rnd(silu(x)) for every bf16 x, indexed by its bits: a bf16 gate takes 65536 values, and looking 16 of them up
+// (one gather) costs a fraction of the exp and the division it replaces. Built on first use from silu_rounded, so
+// the entries are the vector loop's own bits; one table per exp. The gather reads four bytes at each entry: one
+// entry of padding.
+struct SiluTable {
+  alignas(64) uint16_t bits[65536 + 16];
+  explicit SiluTable(bool inline_exp) {
+    alignas(64) uint32_t lanes[16];
+    for (uint32_t x = 0; x < 65536; x += 16) {
+      for (uint32_t l = 0; l < 16; ++l) lanes[l] = (x + l) << 16;
+      vstore(bits + x, vround(silu_rounded(_mm512_castsi512_ps(_mm512_load_si512(lanes)), inline_exp)));
+    }
+    std::fill(bits + 65536, bits + 65536 + 16, uint16_t{0});
+  }
+};
+
+inline const int* silu_table(bool inline_exp) {
+  if (inline_exp) {
+    static const SiluTable table(true);
+    return reinterpret_cast<const int*>(table.bits);
+  }
+  static const SiluTable table(false);  // (the caller checked that libtorch's exp is there)
+  return reinterpret_cast<const int*>(table.bits);
 }
 #endif
 
@@ -452,8 +486,12 @@ at::Tensor silu_and_mul(at::Tensor gate_up, bool inline_exp) {
   at::Tensor out = at::empty({T, I}, gate_up.options());
   const auto* gp = (const uint16_t*)gate_up.data_ptr();
   auto* op = (uint16_t*)out.data_ptr();
-  // ATen runs 64 bf16 at a time through the vector code (Sleef exp), the rest of a row through std::exp
+  // ATen runs 64 bf16 at a time through the vector code (Sleef exp: here its results, silu_table), the rest of a
+  // row through std::exp
   [[maybe_unused]] const int64_t vec_end = I - I % 64;
+#if FOLIO_AVX512
+  const int* table = inline_exp || Sleef_expf16_u10 != nullptr ? silu_table(inline_exp) : nullptr;
+#endif
   folio::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* g = gp + t * gs;
@@ -461,29 +499,10 @@ at::Tensor silu_and_mul(at::Tensor gate_up, bool inline_exp) {
       uint16_t* o = op + t * I;
       int64_t j = 0;
 #if FOLIO_AVX512
-      const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-      if (inline_exp) {
-        for (; j + 32 <= vec_end; j += 32) {  // two independent chains: hides the exp's FMA latency
-          const __m512 x0 = vload(g + j), x1 = vload(g + j + 16);
-          const __m512 e0 = exp_sleef(_mm512_sub_ps(zero, x0)), e1 = exp_sleef(_mm512_sub_ps(zero, x1));
-          const __m512 s0 = vrf(_mm512_div_ps(x0, _mm512_add_ps(one, e0)));
-          const __m512 s1 = vrf(_mm512_div_ps(x1, _mm512_add_ps(one, e1)));
-          vstore(o + j, vround(_mm512_mul_ps(s0, vload(u + j))));
-          vstore(o + j + 16, vround(_mm512_mul_ps(s1, vload(u + j + 16))));
-        }
-        for (; j < vec_end; j += 16) {
-          const __m512 x = vload(g + j);
-          const __m512 e = exp_sleef(_mm512_sub_ps(zero, x));
-          const __m512 sb = vrf(_mm512_div_ps(x, _mm512_add_ps(one, e)));
-          vstore(o + j, vround(_mm512_mul_ps(sb, vload(u + j))));
-        }
-      } else if (Sleef_expf16_u10 != nullptr) {
-        for (; j < vec_end; j += 16) {
-          const __m512 x = vload(g + j);
-          const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(zero, x));
-          const __m512 sb = vrf(_mm512_div_ps(x, _mm512_add_ps(one, e)));
-          vstore(o + j, vround(_mm512_mul_ps(sb, vload(u + j))));
-        }
+      for (; table && j < vec_end; j += 16) {
+        const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j)));
+        const __m512 sb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(x, table, 2), 16));
+        vstore(o + j, vround(_mm512_mul_ps(sb, vload(u + j))));
       }
 #endif
       for (; j < I; ++j) {
