@@ -93,6 +93,26 @@ def test_the_unsigned_row_quantiser_equals_the_reference_bit_for_bit(n, k, dtype
         assert torch.equal(scales, want_scales)
 
 
+def test_codes_near_a_half_equal_the_reference():
+    """The kernel decides a code from the float32 product x * (127 / a) unless it lies within a margin of a half
+    (span_scale.h, span_codes_fast): values whose exact codes are halves, or a hair either side of one, must still
+    round as the reference's float64 product does, in rows whose scale is not a power of two."""
+    gen = torch.Generator().manual_seed(7)
+    rows = []
+    for a in (3.0, 0.7131, 1e-3 * 1.2345, 41.9):
+        inverse = 127 / torch.tensor(a, dtype=torch.float64)
+        halves = torch.arange(-126, 127, dtype=torch.float64) + 0.5
+        for offset in (0.0, 1e-7, -1e-7, 2e-6, -2e-6, 1.6e-5, -1.6e-5, 3.2e-5, -3.2e-5, 1e-4, -1e-4):
+            row = ((halves + offset) / inverse).float()
+            row = torch.cat([row, torch.rand(63, generator=gen, dtype=torch.float64).float() * a,
+                             torch.tensor([a], dtype=torch.float32)])  # 317 values, a the largest
+            rows.append(row[torch.randperm(row.numel(), generator=gen)])
+    x = torch.stack(rows)
+    codes, scales = quant_kernels.quantize_rows_unsigned(x, False)
+    want_codes, want_scales = ref.quantize_rows(x)
+    assert torch.equal(codes.int() - 128, want_codes.int()) and torch.equal(scales, want_scales)
+
+
 @pytest.mark.parametrize("n", [1, 15, 16, 151, 4864])
 def test_scale_rows_equals_torch(n):
     gen = torch.Generator().manual_seed(n)

@@ -783,16 +783,17 @@ float abs_max(const float* v, int64_t K) {
 // round_half_even(x * 127 / a) + offset (128 for an unsigned GEMM source, stored as uint8), scale a / 127
 // (span_scale.h), as the reference; qa, when given, gets |q| (the W8A8 kernel's sign trick). Products are IEEE's
 // in every lane, so the vector loop gives the scalar one's codes.
-void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa, float* scale) {
-  const SpanScale ss = span_scale(abs_max(v, K), 127.f);
+void quantize_span(const float* v, int64_t K, int offset, int8_t* q, int8_t* qa, float* scale, float amax = -1.f) {
+  const SpanScale ss = span_scale(amax < 0.f ? abs_max(v, K) : amax, 127.f);
   *scale = ss.scale;
   const double inv = ss.inverse;
   int64_t k = 0;
 #if FOLIO_AVX512
   const __m512d vinv = _mm512_set1_pd(inv);
+  const __m512 vinv_f = _mm512_set1_ps(static_cast<float>(inv)), margin = _mm512_set1_ps(127.f * 0x1p-22f);
   const __m512i lim = _mm512_set1_epi32(127), off = _mm512_set1_epi32(offset);
   for (; k + 16 <= K; k += 16) {
-    const __m512i c = span_codes(_mm512_loadu_ps(v + k), vinv, lim);
+    const __m512i c = span_codes_fast(_mm512_loadu_ps(v + k), vinv_f, vinv, lim, margin);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, off)));
     if (qa) _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + k), _mm512_cvtepi32_epi8(_mm512_abs_epi32(c)));
   }
@@ -866,47 +867,82 @@ struct RowQuantizer {
   static __m512 butterfly(__m512 v, __m512 partner, __mmask16 high) {
     return _mm512_fmadd_ps(v, _mm512_mask_blend_ps(high, _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f)), partner);
   }
-  static void rotate_block(float* b) {
-    __m512 lo = _mm512_loadu_ps(b), hi = _mm512_loadu_ps(b + 16);
-    auto in_register = [](__m512 v) {
-      v = butterfly(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);         // h = 1
-      v = butterfly(v, _mm512_permute_ps(v, 0x4E), 0xCCCC);         // h = 2
-      v = butterfly(v, _mm512_shuffle_f32x4(v, v, 0xB1), 0xF0F0);   // h = 4
-      return butterfly(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);  // h = 8
-    };
-    lo = in_register(lo);
-    hi = in_register(hi);
-    _mm512_storeu_ps(b, _mm512_add_ps(lo, hi));  // h = 16
-    _mm512_storeu_ps(b + 16, _mm512_sub_ps(lo, hi));
+  static __m512 in_register(__m512 v) {
+    v = butterfly(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);         // h = 1
+    v = butterfly(v, _mm512_permute_ps(v, 0x4E), 0xCCCC);         // h = 2
+    v = butterfly(v, _mm512_shuffle_f32x4(v, v, 0xB1), 0xF0F0);   // h = 4
+    return butterfly(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);  // h = 8
+  }
+  static __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 load16(const at::BFloat16* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+
+  // 16 NV values of src widened to float32, through stages 1 .. 8 NV in registers (those inside a register, then
+  // between registers), into out; `amax` takes their largest |value|. (Widened into the row first and taken
+  // through memory stage by stage, these passes were two thirds of a rotated 4864-value row's quantisation.)
+  template <int NV, class T>
+  static __m512 rotate_block(const T* src, float* out, __m512 amax) {
+    __m512 v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = in_register(load16(src + 16 * i));
+    for (int h = 1; h < NV; h *= 2)
+      for (int i = 0; i < NV; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          const __m512 a = v[j], c = v[j + h];
+          v[j] = _mm512_add_ps(a, c);
+          v[j + h] = _mm512_sub_ps(a, c);
+        }
+    for (int i = 0; i < NV; ++i) {
+      _mm512_storeu_ps(out + 16 * i, v[i]);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+    }
+    return amax;
   }
 #endif
 
-  // v [K] times the Walsh-Hadamard matrix in blocks of rotation_block(K): stages 1 .. 16 in registers per 32
-  // values, the later ones between vectors, stage by stage as the reference
-  static void rotate_row(float* v, int64_t K) {
+  // K values of src (bf16 or float32) times the Walsh-Hadamard matrix in blocks of rotation_block(K), into out,
+  // stage by stage as the reference: blocks of up to 256 values wholly in registers, the stages past them through
+  // memory. Returns the largest |value| where the blocks were whole (found on the way), else -1.
+  template <class T>
+  static float rotate_row(const T* src, float* out, int64_t K) {
     const int64_t B = K & -K;  // quant_reference.rotation_block: the largest power of two dividing K
 #if FOLIO_AVX512
-    for (int64_t b = 0; b < K; b += BLOCK) rotate_block(v + b);
-    for (int64_t h = BLOCK; h < B; h *= 2)
+    const int64_t part = std::min<int64_t>(B, 256);
+    __m512 amax = _mm512_setzero_ps();
+    const auto blocks = [&](auto nv) {
+      for (int64_t b = 0; b < K; b += part) amax = rotate_block<decltype(nv)::value>(src + b, out + b, amax);
+    };
+    switch (part) {
+      case 32: blocks(std::integral_constant<int, 2>{}); break;
+      case 64: blocks(std::integral_constant<int, 4>{}); break;
+      case 128: blocks(std::integral_constant<int, 8>{}); break;
+      default: blocks(std::integral_constant<int, 16>{}); break;
+    }
+    if (B == part) return _mm512_reduce_max_ps(amax);
+    for (int64_t h = part; h < B; h *= 2)
       for (int64_t g = 0; g < K; g += 2 * h)
         for (int64_t j = g; j < g + h; j += 16) {
-          const __m512 a = _mm512_loadu_ps(v + j), c = _mm512_loadu_ps(v + j + h);
-          _mm512_storeu_ps(v + j, _mm512_add_ps(a, c));
-          _mm512_storeu_ps(v + j + h, _mm512_sub_ps(a, c));
+          const __m512 a = _mm512_loadu_ps(out + j), c = _mm512_loadu_ps(out + j + h);
+          _mm512_storeu_ps(out + j, _mm512_add_ps(a, c));
+          _mm512_storeu_ps(out + j + h, _mm512_sub_ps(a, c));
         }
 #else
-    rotate_scalar(v, K, B);
+    for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(src[k]);
+    rotate_scalar(out, K, B);
 #endif
+    return -1.f;
   }
 
   void run(const at::Tensor& x, int8_t* q, int8_t* qa, float* scales) const {
     const int64_t K = x.size(1);
-    each_row(x, [&](const float* v, int64_t m) {
-      quantize_span(v, K, offset, q + m * K, qa ? qa + m * K : nullptr, scales + m);
+    each_row(x, [&](const float* v, int64_t m, float amax) {
+      quantize_span(v, K, offset, q + m * K, qa ? qa + m * K : nullptr, scales + m, amax);
     });
   }
 
-  // span(v, m) for each row m of x, v its K values widened to float32 (and rotated if asked) in a buffer
+  // span(v, m, amax) for each row m of x, v its K values widened to float32 (and rotated if asked) in a buffer,
+  // amax their largest |value| where the rotation found it on the way (else -1)
   template <class Span>
   void each_row(const at::Tensor& x, const Span& span) const {
     const int64_t M = x.size(0), K = x.size(1);
@@ -920,13 +956,15 @@ struct RowQuantizer {
       // on a cache line: with vectors split across two lines a rotated 4864-value row took 1.31x as long
       float* row = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
       for (int64_t m = m0; m < m1; ++m) {
-        if (bf16) {
+        float amax = -1.f;  // the row's largest |value|, where the rotation found it
+        if (rotate) {
+          amax = bf16 ? rotate_row(xb + m * K, row, K) : rotate_row(xf + m * K, row, K);
+        } else if (bf16) {
           for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(xb[m * K + k]);
         } else {
           std::memcpy(row, xf + m * K, K * sizeof(float));
         }
-        if (rotate) rotate_row(row, K);
-        span(row, m);
+        span(row, m, amax);
       }
     });
   }
@@ -1133,7 +1171,7 @@ void quantize_unsigned_into(const at::Tensor& xr, bool rotate, uint8_t* q, float
 
 void quantize_int16_bytes_into(const at::Tensor& xr, uint8_t* hi, uint8_t* lo, float* sx) {
   const int64_t K = xr.size(1);
-  RowQuantizer{false, 0}.each_row(xr, [&](const float* v, int64_t m) {
+  RowQuantizer{false, 0}.each_row(xr, [&](const float* v, int64_t m, float) {
     quantize_span16(v, K, hi + m * K, lo + m * K, sx + m);
   });
 }
