@@ -11,8 +11,9 @@
 // bf16 weights at 14-22 GB/s where the machine reads 30, and brgemm called per block and 16 rows reread each
 // block from L2 or L3 once per 16 rows. Here each thread takes its blocks in chunks along K and prefetches its
 // next chunk into L2 while the tiles work on the current one:
-// - up to two groups of rows (`blocks`): each chunk (CHUNK_BYTES) times 32 rows at a time in 2 x 2 tiles of
-//   sums (one group at a time with four column tiles where the block has three or four);
+// - up to two groups of rows (`blocks`; int8 codes up to four, see multiply): each chunk (CHUNK_BYTES) times 32
+//   rows at a time in 2 x 2 tiles of sums (one group at a time with four column tiles where the block has three
+//   or four);
 // - three or four groups (`panels`): x's rows stay in L1 for PANEL_STEPS tile steps while the 16-column slices
 //   of PANEL_BLOCKS blocks stream past, each slice's G tiles of sums waiting in the panel's buffer (L2) between
 //   pieces (with 2 x 2 tiles x's rows came from L2 for every block);
@@ -99,6 +100,7 @@ inline void tile_zero() {
 #if defined(__AMX_BF16__)
 // tmm C += tmm A (16 rows x 32 bf16) x tmm B (16 pairs x 16 columns x 2 bf16), in float32
 struct Bf16 {
+  static constexpr bool FOUR_GROUPS_ON_BLOCKS = false;  // (see multiply)
   template <int C, int A, int B>
   static void dot() {
     asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
@@ -108,6 +110,7 @@ struct Bf16 {
 #if defined(__AMX_INT8__)
 // tmm C += tmm A (16 rows x 64 unsigned bytes) x tmm B (16 quads x 16 columns x 4 signed bytes), in int32
 struct U8S8 {
+  static constexpr bool FOUR_GROUPS_ON_BLOCKS = true;  // (see multiply)
   template <int C, int A, int B>
   static void dot() {
     asm volatile("tdpbusd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
@@ -376,7 +379,12 @@ void gemm(const Rows& x, const Weight& wt, int64_t b0, int64_t b1, const Epilogu
 // The thread's blocks [b0, b1) times all of x's groups: panels for three or four groups a pass, blocks for one or
 // two, gemm for more. The epilogue takes a block's rows [m0, m1) of every pass, `epilogue(b, m0, m1, sums)`, with
 // sums(pass, row, v) the 16 sums of that row (m0 <= row < m1, rows past x's being padding) and the block's columns
-// 16 v .. 16 v + 15.
+// 16 v .. 16 v + 15. Four groups of int8 codes go to the blocks instead (Dot::FOUR_GROUPS_ON_BLOCKS: their blocks
+// are four column tiles wide, so a group at a time keeps its four tiles of sums over a chunk of 8 steps, the chunk
+// in L1 for the next group): the 0.5B Qwen2's layers at 62-64 rows from memory took the panels 1.07-1.10x as long,
+// and int16 codes' two passes of two groups (17-32 rows) 1.11x, the two alternating in one process (W1 in
+// `int8`, passes alternating in one engine: 1.00-1.07x, median 1.05x); bf16's two-tile blocks took 0.93-0.97x the
+// panels' time, and three groups of either ran alike on both.
 template <class Dot, int NV, class Epilogue>
 void multiply(const Rows& x, const Weight& wt, int64_t b0, int64_t b1, const Epilogue& epilogue) {
   const int64_t pass_rows = 16 * x.pass_groups();
@@ -385,7 +393,9 @@ void multiply(const Rows& x, const Weight& wt, int64_t b0, int64_t b1, const Epi
   };
   switch (x.groups.size()) {
     case 3: return panels<Dot, NV, 3>(x, wt, b0, b1, whole);
-    case 4: return panels<Dot, NV, 4>(x, wt, b0, b1, whole);
+    case 4:
+      if (Dot::FOUR_GROUPS_ON_BLOCKS) return blocks<Dot, NV>(x, wt, b0, b1, whole);
+      return panels<Dot, NV, 4>(x, wt, b0, b1, whole);
     default:
       if (x.pass_groups() > GEMM_FROM_GROUPS) return gemm<Dot, NV>(x, wt, b0, b1, epilogue);
       return blocks<Dot, NV>(x, wt, b0, b1, whole);
