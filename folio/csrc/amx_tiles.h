@@ -170,7 +170,7 @@ struct ChunkPrefetch {
   }
 };
 
-// ------------------------------------------------------------------ blocks: one or two groups of rows
+// ------------------------------------------------------------------ blocks: one or two groups of rows (int8: up to four)
 
 // The sums' tiles of C column tiles of a block NV tiles wide: (group r, column tile v) is tmm r * C + v; a block's
 // sums are rows of NV * 16 lanes.
