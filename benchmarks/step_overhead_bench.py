@@ -16,6 +16,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.engine.llm_engine import LLMEngine
+from folio.models.layers import silu_and_mul
 from folio.models.linear import Linear
 
 
@@ -58,7 +59,7 @@ def main() -> None:
         key = (id(layer), x.shape[0])
         if key not in zeros:
             zeros[key] = torch.zeros(x.shape[0], layer.output_size, dtype=x.dtype)
-        return zeros[key]
+        return silu_and_mul(zeros[key]) if layer.silu_and_mul else zeros[key]  # a gate/up's op still runs
 
     real, zeroed = [], []
     forward = Linear.forward

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from folio.models import quant_kernels
 from folio.models.linear import Linear
 
 
 def int8_weight(layer: Linear) -> torch.Tensor:
     """The layer's int8 weight [N, K]: its own, or read back from the one copy it keeps: column blocks
     [N / 64, K / 2, 64, 2] (folio.models.int8_blocks), or oneDNN's packed blocks [N / 64, K' / 4, 64, 4]
-    (folio.models.onednn_int8)."""
+    (folio.models.onednn_int8), gated or not."""
     if layer.weight is not None:
         return layer.weight
     if getattr(layer, "int8_blocks", None) is not None:
@@ -19,4 +20,8 @@ def int8_weight(layer: Linear) -> torch.Tensor:
         return plain[:layer.output_size]
     blocks = layer.onednn_weight.blocks
     plain = blocks.permute(0, 2, 1, 3).reshape(blocks.shape[0] * blocks.shape[2], -1)
-    return plain[:layer.output_size, :layer.input_size]
+    plain = plain[:layer.output_size, :layer.input_size]
+    if layer.onednn_weight.silu_table is not None:  # a gated gate/up: its rows interleaved, gates first again
+        order = quant_kernels.interleave_gated(torch.arange(layer.output_size))
+        plain = plain[order.argsort()]
+    return plain

@@ -104,6 +104,25 @@ def test_linear_declarations_are_checked():
         Linear(4, 8, tied_to=torch.nn.Parameter(torch.empty(8, 5)))
     with pytest.raises(ValueError, match="already bound to DenseLinearMethod"):
         bind_linear_methods(_bound_fused_layer(), DenseLinearMethod())
+    for sizes in (8, {0: 4, 1: 3}, {0: 4, 1: 4, 2: 4}):
+        with pytest.raises(ValueError, match="two shards of one size"):
+            Linear(4, sizes, silu_and_mul=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_silu_and_mul_layer_returns_silu_of_its_gates_times_its_ups(dtype):
+    """A method that does not fuse the op (here the dense one) applies it to its product."""
+    layer = Linear(16, {0: 8, 1: 8}, params_dtype=dtype, silu_and_mul=True)
+    bind_linear_methods(layer, DenseLinearMethod())
+    weights = [torch.randn(8, 16).to(dtype) for _ in range(2)]
+    for shard, weight in enumerate(weights):
+        layer.weight.weight_loader(layer.weight, weight, shard)
+    layer.method.process_weights_after_loading(layer)
+    x = torch.randn(3, 16).to(dtype)
+    gate, up = layer.method.apply(layer, x).chunk(2, dim=-1)  # the product, gates first
+    torch.testing.assert_close(gate, F.linear(x, weights[0]))
+    assert torch.equal(layer(x), F.silu(gate) * up)
+    assert layer(x.view(1, 3, 16)).shape == (1, 3, 8)
 
 
 def _edited_copy(src: str, dst: str, edit) -> str:

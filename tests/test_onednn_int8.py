@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.models import onednn_int8, quant_kernels
+from folio.models import fused_ops, onednn_int8, quant_kernels
 from folio.models import quant_reference as ref
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear
@@ -264,3 +264,60 @@ def test_int16_layers_take_the_kernel_then_onednn_or_run_weight_only_without_it(
                 assert torch.equal(got, ref.w8_int16_linear(x, weight, scales, layer.bias))
             else:
                 check_close(got, ref.w8_int16_linear(x, weight, scales, layer.bias), 2 ** -21)
+
+
+silu_table = pytest.mark.skipif(fused_ops.bf16_silu_table() is None, reason="bf16 SiLU-and-mul uses no table here")
+
+
+@packed_kernel
+@silu_table
+@pytest.mark.parametrize("tiles", TILES, ids=["vectors", "tiles"])
+@pytest.mark.parametrize("codes", ["int8", "int8-rotated", "int16"])
+@pytest.mark.parametrize("m,i,k", [(1, 64, 64), (3, 128, 896), (17, 64, 128), (48, 192, 128), (62, 128, 256),
+                                   (64, 64, 64), (100, 128, 128), (300, 64, 192)])
+def test_a_gated_product_is_silu_and_mul_of_the_plain_one_bit_for_bit(m, i, k, codes, tiles):
+    """A gate/up weight with its rows interleaved for the epilogue's SiLU-and-mul gives what silu_and_mul gives on
+    the plain weight's product, on every path of the kernel (rows one or two at a time, blocks, panels, gemm)."""
+    weight, scales, _, x = _int16_case(m, 2 * i, k, torch.bfloat16)
+    x[1 % m] = float("nan")  # a NaN gate row, rounded as the op rounds it (and a zero row: _int16_case)
+    plain = onednn_int8.prepack(weight, scales)
+    interleaved = onednn_int8.prepack(quant_kernels.interleave_gated(weight), quant_kernels.interleave_gated(scales))
+    table = fused_ops.bf16_silu_table()
+    if codes == "int16":
+        product = lambda w, t=None: quant_kernels.w8_int16_packed_linear(x, w.blocks, w.column_sums, w.scales, None,
+                                                                         tiles, t)
+    else:
+        product = lambda w, t=None: quant_kernels.w8a8_packed_linear(x, w.blocks, w.column_sums, w.scales, None,
+                                                                     codes == "int8-rotated", tiles, t)
+    expected = fused_ops.silu_and_mul(product(plain))
+    got = product(interleaved, table)
+    assert got.shape == (m, i) and torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    with pytest.raises(RuntimeError, match="gated product takes bf16 x"):
+        quant_kernels.w8a8_packed_linear(x.float(), plain.blocks, plain.column_sums, plain.scales, None, False,
+                                         tiles, table)
+
+
+@pytest.mark.parametrize("int16", [False, True], ids=["w8a8", "int16"])
+def test_a_swiglu_int8_layer_fuses_silu_and_mul_where_every_batch_runs_on_folios_epilogue(int16):
+    """A bf16 gate/up layer (Linear's silu_and_mul) gives what the same layer without it gives, then silu_and_mul,
+    bit for bit at every batch size; its weight is gated on AMX-INT8 with folio's tile loop, else packed as it is."""
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(128, 256, generator=gen) * 0.05 for _ in range(2)]
+    layers = []
+    for fused in (True, False):
+        layer = Linear(256, {0: 128, 1: 128}, params_dtype=torch.bfloat16, silu_and_mul=fused)
+        method = Int8LinearMethod(int8_activations=not int16, rotated=not int16, int16_activations=int16)
+        layer.bind(method)
+        for shard, weight in enumerate(weights):
+            layer.weight.weight_loader(layer.weight, weight, shard)
+        method.process_weights_after_loading(layer)
+        layers.append(layer)
+    gated, plain = layers
+    every_batch_on_the_epilogue = (onednn_int8.usable() and has_amx_int8() and quant_kernels.has_w8a8_amx()
+                                   and fused_ops.bf16_silu_table() is not None)
+    assert (gated.onednn_weight is not None and gated.onednn_weight.silu_table is not None) == \
+        every_batch_on_the_epilogue
+    for rows in (1, 2, 3, 4, 40, 64, 100, 300):
+        x = (torch.randn(rows, 256, generator=gen) * 2).bfloat16()
+        assert torch.equal(gated(x).view(torch.int16), fused_ops.silu_and_mul(plain(x)).view(torch.int16))
+    assert gated(x.view(3, 100, 256)).shape == (3, 100, 128)

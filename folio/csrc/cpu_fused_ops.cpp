@@ -27,9 +27,11 @@
 // formulas (their element-wise loops left to the compiler's vectoriser); float32 SiLU has its own vector loop.
 //
 // Only the ATen headers needed (not torch/extension.h): keeps the first-use build short.
+#include "bf16_silu_and_mul.h"
 #include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
@@ -102,14 +104,7 @@ inline __m512 vload(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-inline __m256i vround(__m512 f) {  // = at::vec cvtfp32_bf16
-  const __m512i v = _mm512_castps_si512(f);
-  __m512i t = _mm512_and_si512(_mm512_srli_epi32(v, 16), _mm512_set1_epi32(1));
-  t = _mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), v);
-  t = _mm512_srli_epi32(t, 16);
-  t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), t);
-  return _mm512_cvtusepi32_epi16(t);
-}
+inline __m256i vround(__m512 f) { return folio::round_bf16_aten(f); }  // = at::vec cvtfp32_bf16
 
 inline __m512 vwiden(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 inline __m512 vrf(__m512 f) { return vwiden(vround(f)); }  // round through bf16
@@ -501,8 +496,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up, bool inline_exp) {
 #if FOLIO_AVX512
       for (; table && j < vec_end; j += 16) {
         const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j)));
-        const __m512 sb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(x, table, 2), 16));
-        vstore(o + j, vround(_mm512_mul_ps(sb, vload(u + j))));
+        vstore(o + j, folio::silu_times_up(table, x, vload(u + j)));
       }
 #endif
       for (; j < I; ++j) {
@@ -524,6 +518,18 @@ at::Tensor row_sums(at::Tensor x, int64_t lanes) {
 }
 
 bool has_avx512() { return FOLIO_AVX512 != 0; }
+
+// The table bf16 silu_and_mul looks its gates up in with this exp (silu_table), as int32 [32776] over its 65552
+// uint16 entries, for an epilogue that fuses the op (cpu_quant_linear.cpp); None where the op uses none (no
+// AVX-512, or no vector exp). The table is static: the tensor does not own it.
+at::Tensor bf16_silu_table(bool inline_exp) {
+#if FOLIO_AVX512
+  if (inline_exp || Sleef_expf16_u10 != nullptr)
+    return at::from_blob(const_cast<int*>(silu_table(inline_exp)), {(65536 + 16) / 2},
+                         at::TensorOptions().dtype(at::kInt));
+#endif
+  return at::Tensor();
+}
 
 // ------------------------------------------------------------------------------ float32 SiLU and mul
 // ATen's float32 silu, x / (1 + exp(-x)), runs each contiguous segment TensorIterator hands its loop two
@@ -636,6 +642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("row_sums", &row_sums, "row sums in ATen's cascade order with lanes-wide vectors");
+  m.def("bf16_silu_table", &bf16_silu_table, "the table of bf16 silu_and_mul's rounded silu (None: none used)");
   m.def("silu_f32", &silu_f32, "float32 silu as the kernel computes it (checks)");
   m.def("has_avx512", &has_avx512, "whether the vector paths were compiled");
   m.def("has_sleef", &has_sleef, "whether Sleef_expf16_u10 (AVX2: Sleef_expf8_u10) was found in libtorch_cpu");

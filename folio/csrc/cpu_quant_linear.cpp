@@ -41,6 +41,7 @@
 // build's -march=native has is compiled, and `isas()` lists them, best last, so tests run each one here.
 // Sums run in different orders per ISA: weight-only results differ in float32 rounding only.
 #include "amx_tiles.h"
+#include "bf16_silu_and_mul.h"
 #include "parallel.h"
 #include "span_scale.h"
 #include <ATen/core/Tensor.h>
@@ -545,8 +546,12 @@ struct PackedW8A8 {
   const float* sw;        // [N]
   const float* bias;      // [N] or null
   float* y;               // [M, N] float32, or null when yb is set
-  at::BFloat16* yb;       // [M, N] bf16 (the float32 result rounded to nearest even), or null
+  at::BFloat16* yb;       // [M, N] bf16 (the float32 result rounded to nearest even), or null; gated: [M, N / 2]
   int64_t M, N, K, block_quads;
+  // a gated weight's SiLU-and-mul (bf16 y only): each block's columns are the gates (0-31) and the ups (32-63)
+  // of outputs 32 b .. 32 b + 31 (onednn_int8.prepack's gated layout), and y gets rnd(rnd(silu(gate)) * up) as
+  // bf16 silu_and_mul computes it from the rounded gate and up, looked up in its table (bf16_silu_and_mul.h)
+  const int* silu = nullptr;
 };
 
 // Rows m0 .. m0 + rows of block b from their int32 sums, acc(pass, row, v) for the block's columns 16 v ..
@@ -583,7 +588,16 @@ inline void packed_w8a8_epilogue(const PackedW8A8& a, int64_t m0, int64_t rows, 
       out[v] = _mm512_mul_round_ps(sum, _mm512_mul_ps(sx, sw[v]), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       if (a.bias) out[v] = _mm512_add_ps(out[v], bias[v]);
     }
-    if (whole_lines) {
+    if (a.silu) {
+      const auto gate = [](__m512 f) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)); };
+      const auto up = [](__m512 f) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)), 16));
+      };
+      const __m256i low = folio::silu_times_up(a.silu, gate(out[0]), up(out[2]));
+      const __m256i high = folio::silu_times_up(a.silu, gate(out[1]), up(out[3]));
+      _mm512_storeu_si512(a.yb + (m0 + i) * (a.N / 2) + n0 / 2,
+                          _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+    } else if (whole_lines) {
       at::BFloat16* dst = a.yb + (m0 + i) * a.N + n0;
       _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(out[1], out[0]));
       _mm512_storeu_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(out[3], out[2]));
@@ -1219,12 +1233,18 @@ std::vector<at::Tensor> quantize_rows_int16_bytes(at::Tensor x) {
 }
 
 // x [M, K] times the weight in oneDNN's packed blocks int8 [N / 64, K' / 4, 64, 4] (K' >= K), its column sums
-// int32 [N] and scales float32 [N], x's rows quantised to int8 (int16 = false) or int16 codes.
+// int32 [N] and scales float32 [N], x's rows quantised to int8 (int16 = false) or int16 codes. With silu_table
+// (fused_ops' bf16_silu_table) the weight is gated (PackedW8A8::silu) and the result SiLU-and-mul's [M, N / 2].
 at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                         c10::optional<at::Tensor> bias, bool rotate, bool int16, bool tiles) {
+                         c10::optional<at::Tensor> bias, bool rotate, bool int16, bool tiles,
+                         c10::optional<at::Tensor> silu_table) {
   TORCH_CHECK(FOLIO_PACKED_W8A8, "built without AVX512-VNNI");
   TORCH_CHECK(!tiles || FOLIO_W8A8_TILES, "this PyTorch's brgemm has no int8 product");
   const int64_t N = scales.numel(), K = x.size(-1);
+  const bool gated = silu_table.has_value() && silu_table->defined();
+  TORCH_CHECK(!gated || (x.scalar_type() == at::kBFloat16 && N % 128 == 0 && silu_table->scalar_type() == at::kInt &&
+                         silu_table->numel() == (65536 + 16) / 2),
+              "a gated product takes bf16 x, N a multiple of 128 and the int32 [32776] silu table");
   TORCH_CHECK(blocks.dim() == 4 && blocks.scalar_type() == at::kChar && blocks.is_contiguous() &&
                   blocks.size(2) == 64 && blocks.size(3) == 4,
               "blocks must be contiguous int8 [N / 64, K / 4, 64, 4]");
@@ -1245,14 +1265,15 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums
   else quantize_unsigned_into(xr, rotate, codes.data(), sx.data());
   // bf16 x: y in bf16 straight from the epilogue (bias and rounding included: no extra pass over y)
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  at::Tensor y = at::empty({M, N}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor y = at::empty({M, gated ? N / 2 : N}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "bias must have N values");
 #if FOLIO_PACKED_W8A8
   const PackedW8A8 a{codes.data(), int16 ? codes.data() + M * K : nullptr, sx.data(),
                      blocks.data_ptr<int8_t>(), column_sums.data_ptr<int32_t>(), scales.data_ptr<float>(),
                      b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
-                     bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, N, K, blocks.size(1)};
+                     bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, N, K, blocks.size(1),
+                     gated ? silu_table->data_ptr<int>() : nullptr};
 #if FOLIO_W8A8_AMX
   if (tiles && K % 64 == 0 && folio::amx::permitted()) {
     if (int16) packed_w8a8_amx<2>(a);
@@ -1275,14 +1296,15 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums
 
 // w8a8_linear's product with the weight in oneDNN's packed blocks (packed_linear).
 at::Tensor w8a8_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                              c10::optional<at::Tensor> bias, bool rotate, bool tiles) {
-  return packed_linear(x, blocks, column_sums, scales, bias, rotate, false, tiles);
+                              c10::optional<at::Tensor> bias, bool rotate, bool tiles,
+                              c10::optional<at::Tensor> silu_table) {
+  return packed_linear(x, blocks, column_sums, scales, bias, rotate, false, tiles, silu_table);
 }
 
 // x's rows quantised to int16, times the weight in oneDNN's packed blocks (packed_linear).
 at::Tensor w8_int16_packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums, at::Tensor scales,
-                                  c10::optional<at::Tensor> bias, bool tiles) {
-  return packed_linear(x, blocks, column_sums, scales, bias, false, true, tiles);
+                                  c10::optional<at::Tensor> bias, bool tiles, c10::optional<at::Tensor> silu_table) {
+  return packed_linear(x, blocks, column_sums, scales, bias, false, true, tiles, silu_table);
 }
 
 bool has_packed_w8a8() { return FOLIO_PACKED_W8A8; }
@@ -1361,11 +1383,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_packed_linear", &w8a8_packed_linear, "w8a8_linear with the weight in oneDNN's packed int8 blocks",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("column_sums"), pybind11::arg("scales"),
         pybind11::arg("bias"), pybind11::arg("rotate"), pybind11::arg("tiles") = false,
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("silu_table") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("w8_int16_packed_linear", &w8_int16_packed_linear,
         "x quantised per row to 16-bit codes times int8 W in oneDNN's packed blocks (+ b)", pybind11::arg("x"),
         pybind11::arg("blocks"), pybind11::arg("column_sums"), pybind11::arg("scales"), pybind11::arg("bias"),
-        pybind11::arg("tiles") = false, pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("tiles") = false, pybind11::arg("silu_table") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quantize_rows_int16_bytes", &quantize_rows_int16_bytes,
         "x's rows quantised to 16-bit codes, as (high bytes + 128, low bytes + 128, scales)", pybind11::arg("x"),
         pybind11::call_guard<pybind11::gil_scoped_release>());

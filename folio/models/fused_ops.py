@@ -110,6 +110,14 @@ def prepare() -> None:
         float32_silu()
 
 
+def bf16_silu_table() -> Optional[torch.Tensor]:
+    """The table bf16 silu_and_mul looks each gate's rounded silu up in (int32 [32776] over 65552 uint16 entries),
+    for a kernel that fuses the op into its epilogue with the same results (folio.models.onednn_int8's gated
+    weights); None where the op uses no table here (the kernel missing, no AVX-512 or no vector exp)."""
+    ext = KERNEL.load()
+    return None if ext is None else ext.bf16_silu_table(inline_exp())
+
+
 def extension_error() -> Optional[str]:
     return KERNEL.error
 

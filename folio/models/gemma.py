@@ -77,6 +77,8 @@ class GemmaAttention(LlamaAttention):
 class GemmaMLP(LlamaMLP):
     """Llama's MLP with GeGLU (tanh-approximated GELU) instead of SwiGLU."""
 
+    swiglu = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)

@@ -64,7 +64,9 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def process_weights_after_loading(self, layer: Linear) -> None:
         super().process_weights_after_loading(layer)
         if self.onednn:
-            layer.onednn_weight = onednn_int8.prepack(layer.weight.detach(), layer.weight_scale.view(-1))
+            # a SwiGLU gate/up of a bf16 model: SiLU-and-mul in the epilogue where the CPU runs every batch there
+            gated = layer.silu_and_mul and layer.bias is None and layer.params_dtype is torch.bfloat16
+            layer.onednn_weight = onednn_int8.prepack(layer.weight.detach(), layer.weight_scale.view(-1), gated)
             if layer.onednn_weight.blocks is not None:
                 layer.weight = None  # every batch reads oneDNN's copy: the layer keeps one
         elif (not self.int8_activations and int8_blocks.available(layer.params_dtype)
@@ -79,6 +81,13 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         q, scales = quantize_int8(rotate(w) / rotation_block(w.shape[1]) if self.rotated else w, w.shape[1])
         return q, scales, None
+
+    def apply_silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        packed = layer.onednn_weight
+        if packed is None or packed.silu_table is None:
+            return super().apply_silu_and_mul(layer, x)
+        y = self.matmul(layer, x.reshape(-1, layer.input_size))  # a gated weight's product is SiLU-and-mul's
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.int8_blocks is not None:

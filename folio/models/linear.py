@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from folio.models.hot_path import HotPathModule
+from folio.models.layers import silu_and_mul
 from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
 
 
@@ -49,6 +50,12 @@ class LinearMethod(ABC):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b for x [..., input_size]; on the hot path, once per layer per step."""
 
+    def apply_silu_and_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a layer made with silu_and_mul=True, [..., output_size / 2]: folio.models.layers.
+        silu_and_mul of apply's product. A method may fuse the op into its matmul (the int8 one on AMX-INT8:
+        folio.models.onednn_int8's gated weights), which then writes half the product and skips the op's pass."""
+        return silu_and_mul(self.apply(layer, x))
+
 
 LinearMethodChooser = Callable[[str, "Linear"], LinearMethod]
 LinearMethods = Union[LinearMethod, LinearMethodChooser]
@@ -60,16 +67,22 @@ class Linear(HotPathModule):
     output_sizes: the number of output rows, or {shard id: rows} for a fused layer whose checkpoint keeps
     its parts as separate tensors (e.g. {"q": 512, "k": 128, "v": 128}); its output is their concatenation.
     tied_to: the embedding parameter that is this layer's weight too (a tied lm_head).
+    silu_and_mul: the layer is a gated MLP's gate/up, two shards of one size, gates first, and its output is
+    silu(gate) * up, [..., output_size / 2] (SwiGLU): by its method's apply_silu_and_mul, which may fuse the two.
     params_dtype: the weights' dtype; by default torch's default dtype while the model is built (the
     loader builds it under the serving dtype), so weights are created directly in it.
     """
 
     def __init__(self, input_size: int, output_sizes: Union[int, Mapping[ShardId, int]], bias: bool = False,
-                 tied_to: Optional[nn.Parameter] = None, params_dtype: Optional[torch.dtype] = None) -> None:
+                 tied_to: Optional[nn.Parameter] = None, params_dtype: Optional[torch.dtype] = None,
+                 silu_and_mul: bool = False) -> None:
         super().__init__()
         sizes = {None: output_sizes} if isinstance(output_sizes, int) else dict(output_sizes)
         if not sizes or any(size <= 0 for size in sizes.values()):
             raise ValueError(f"Linear output sizes must be positive, got {output_sizes!r}")
+        if silu_and_mul and (len(sizes) != 2 or len(set(sizes.values())) != 1):
+            raise ValueError(f"a silu_and_mul Linear has two shards of one size (gate, up), got {output_sizes!r}")
+        self.silu_and_mul = silu_and_mul
         self.input_size = input_size
         self.shards: dict[ShardId, tuple[int, int]] = {}  # shard id -> (first row, rows)
         first = 0
@@ -94,6 +107,8 @@ class Linear(HotPathModule):
         self.method = method
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_and_mul:
+            return self.method.apply_silu_and_mul(self, x)
         return self.method.apply(self, x)
 
     def row_parameter(self, *row_shape: int, dtype: Optional[torch.dtype] = None) -> nn.Parameter:

@@ -16,7 +16,7 @@ from torch import nn
 
 from folio.attention.backend import AttentionBackend, AttentionParams
 from folio.models.hot_path import HotPathModule
-from folio.models.layers import Embedding, RMSNorm, RotaryEmbedding, silu_and_mul
+from folio.models.layers import Embedding, RMSNorm, RotaryEmbedding
 from folio.models.linear import Linear
 from folio.models.model_config import ModelConfig
 from folio.models.weight_loader import ShardId
@@ -64,14 +64,16 @@ class LlamaAttention(HotPathModule):
 
 
 class LlamaMLP(HotPathModule):
+    swiglu = True  # gate_up_proj's output is SiLU-and-mul's (Linear's silu_and_mul); GeGLU models set False
+
     def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None) -> None:
         super().__init__()
         size = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, {0: size, 1: size})
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: size, 1: size}, silu_and_mul=self.swiglu)
         self.down_proj = Linear(size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(HotPathModule):

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from typing import ContextManager, Optional, Union
+from typing import TYPE_CHECKING, ContextManager, Optional, Union
 
 import torch
 from torch import nn
 
 from folio.attention.backend import AttentionBackend
-from folio.models.linear import LinearMethods
+
+if TYPE_CHECKING:  # (folio.models.linear imports the fused ops, whose build asks the platform)
+    from folio.models.linear import LinearMethods
 
 
 class Platform(ABC):
