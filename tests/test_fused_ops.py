@@ -73,6 +73,22 @@ def test_rms_norm_bit_exact(h, t, dtype):
     assert same_bits(F.rms_norm(x, n.weight, n.eps), F.ref_rms_norm(x, n.weight, n.eps))
 
 
+def test_rms_norm_rounds_denormals_nans_and_infinities_as_torch():
+    """Rows whose products fall below float32's normals (tiny weights), and NaN and infinite inputs: bf16's
+    rounding of such values differs between the CPU's instruction and ATen's, and the kernel must be ATen's."""
+    h = 896
+    n = norm(h, 4)
+    n.weight.data[: h // 2] = 1e-39  # a float32 denormal: w * x is one
+    n.weight.data[h // 2: h // 2 + 4] = torch.tensor([float("nan"), float("inf"), -1e-45, 3e38])
+    x = torch.randn(4, h).to(torch.bfloat16)
+    x[1, 7], x[2, 100], x[3, 5] = float("nan"), float("inf"), 1e-40
+    res = torch.randn(4, h).to(torch.bfloat16)
+    ref_out, ref_res = F.ref_rms_norm(x, n.weight, n.eps, res)
+    out, new_res = F.fused_add_rms_norm(x, res, n.weight, n.eps)
+    assert same_bits(new_res, ref_res) and same_bits(out, ref_out)
+    assert same_bits(F.rms_norm(x, n.weight, n.eps), F.ref_rms_norm(x, n.weight, n.eps))
+
+
 def test_rms_norm_non_contiguous_and_3d():
     h = 576
     n = norm(h, 3)
