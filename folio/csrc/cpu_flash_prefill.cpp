@@ -306,7 +306,10 @@ RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, in
   __m512 x[NV];
   __mmask16 seen[NV];
   __m512 mx = none;
+  // vectors wholly outside [first, lim) (half a diagonal tile's, on average) only get their zeros
+  const int v0 = first / 16, v1 = (lim + 15) / 16;
   for (int i = 0; i < NV; ++i) {
+    if (i < v0 || i >= v1) continue;
     const int lo = std::min(16, std::max(0, first - 16 * i)), hi = std::min(16, std::max(0, lim - 16 * i));
     seen[i] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));  // lanes [lo, hi)
     __m512 v = _mm512_loadu_ps(s + 16 * i);
@@ -320,6 +323,10 @@ RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, in
   const float mn = std::max(old_max, _mm512_reduce_max_ps(mx));
   __m512 sum = _mm512_setzero_ps();
   for (int i = 0; i < NV; ++i) {
+    if (i < v0 || i >= v1) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), _mm256_setzero_si256());
+      continue;
+    }
     const __m512 e = _mm512_maskz_mov_ps(seen[i], exp2_ps(_mm512_sub_ps(x[i], _mm512_set1_ps(mn))));
     const __m256bh rounded = _mm512_cvtneps_pbh(e);
     const __m256bh operand = vscale ? _mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_loadu_ps(vscale + 16 * i))) : rounded;
