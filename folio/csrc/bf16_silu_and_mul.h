@@ -1,7 +1,8 @@
-// bf16 rounding as ATen does it, and bf16 SiLU-and-mul's vector step, shared by the op itself (cpu_fused_ops.cpp, silu_and_mul) and the W8A8
-// epilogue that fuses it into a gated MLP's gate/up product (cpu_quant_linear.cpp): 16 outputs
-// rnd(table[gate] * up) from the gates' bf16 bits, looked up in the op's table of every bf16 gate's rounded silu
-// (which cpu_fused_ops.cpp builds and hands out), so the fused results are the op's bit for bit.
+// bf16 rounding as ATen does it, and bf16 SiLU-and-mul's vector step, shared by the fused elementwise ops
+// (cpu_fused_ops.cpp: every rounding, and silu_and_mul) and the W8A8 epilogue that fuses SiLU-and-mul into a gated
+// MLP's gate/up product (cpu_quant_linear.cpp): 16 outputs rnd(table[gate] * up) from the gates' bf16 bits,
+// looked up in the op's table of every bf16 gate's rounded silu (which cpu_fused_ops.cpp builds and hands out),
+// so the fused results are the op's bit for bit.
 // (folio.csrc_build hashes this folder's headers into every kernel's build key.)
 #pragma once
 
