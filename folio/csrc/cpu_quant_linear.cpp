@@ -76,11 +76,14 @@ enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 constexpr int BLOCK = 32;  // values per int4 block; K and G are multiples of it
 constexpr int MAX_MR = 4;  // rows of x per pass over a weight row (accumulators in registers)
 constexpr int64_t MIN_BYTES_PER_TASK = 16384;  // of weights: one sequential stream per thread
-// Values of x or y per task of the row quantiser and the scaling epilogue (tens of microseconds of work): a
-// decode batch's rows are done inline, since a parallel region costs more than that when the threads sleep
-// between regions (OMP_WAIT_POLICY=PASSIVE: 5.8 and 7.3 ms per decode step of 62 rows on Qwen2-0.5B, against
-// 1.4 and 2.9 ms of work)
-constexpr int64_t MIN_VALUES_PER_TASK = 1 << 17;
+// Values of x or y per task of the row quantiser and the scaling epilogue (about ten microseconds of work): a
+// batch of a few rows is done inline, a decode batch of tens of rows on both threads. With libgomp's default
+// wait policy the threads spin between the step's regions, and a 62-row decode step of the 0.5B Qwen2 in `int8`
+// on an Emerald Rapids Xeon took 1.2-1.7 % less time than with the rows inline (1 << 17 values a task: 62 x 896
+// rows quantised on one thread, 19 us each), steps alternating in one engine. Where the threads sleep between
+// regions (OMP_WAIT_POLICY=PASSIVE) a region costs more than such work: the quantisers and epilogues of a decode
+// step in parallel regions took 5.8 and 7.3 ms there, against 1.4 and 2.9 ms inline.
+constexpr int64_t MIN_VALUES_PER_TASK = 1 << 15;
 
 // ---------------------------------------------------------------------------------------- vector types
 struct Scalar {
