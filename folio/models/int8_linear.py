@@ -86,8 +86,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
         packed = layer.onednn_weight
         if packed is None or packed.silu_table is None:
             return super().apply_silu_and_mul(layer, x)
-        y = self.matmul(layer, x.reshape(-1, layer.input_size))  # a gated weight's product is SiLU-and-mul's
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+        return self.apply(layer, x)  # a gated weight's product is SiLU-and-mul's already
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.int8_blocks is not None:

@@ -101,7 +101,7 @@ class QuantizedLinearMethod(LinearMethod):
         if x.dim() == 2:  # the model's flattened batch: no reshapes (microseconds each, per layer per step)
             return self.matmul(layer, x)
         y = self.matmul(layer, x.reshape(-1, layer.input_size))
-        return y.reshape(*x.shape[:-1], layer.output_size)
+        return y.reshape(*x.shape[:-1], y.shape[-1])  # (a gated int8 layer's product is half its output_size)
 
     @abstractmethod
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
