@@ -133,3 +133,36 @@ def test_prompt_logprobs_once_with_n_samples_and_preemption(llama_dir):
         assert len(out.prompt_logprobs) == len(prompt) and len(out.outputs) == 2
         got = [e[prompt[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None]
         assert got == pytest.approx([ref[i - 1][prompt[i]].item() for i in range(1, len(prompt))], abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_all_greedy_steps_take_the_heads_argmax_and_others_the_logits(llama_dir, dtype):
+    """A step whose every request is plain greedy asks the model for its tokens (the head's method may skip the
+    logits: bf16 on AMX from 9 rows), and they are the logits' argmax; a step with a request that wants more
+    (logprobs here) computes the logits."""
+    from folio.sample.sampling_ops import argmax_rows
+
+    llm = LLM(llama_dir, dtype=dtype, kv_cache_memory=1 << 24)
+    model = llm.llm_engine.runner.model
+    calls = {"compute_greedy_tokens": 0, "compute_logits": 0}
+
+    def counted(name: str, real):
+        def call(hidden: torch.Tensor) -> torch.Tensor:
+            calls[name] += 1
+            return real(hidden)
+        return call
+
+    for name in calls:
+        setattr(model, name, counted(name, getattr(model, name)))
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 3 for j in range(5 + i)]} for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    fused = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert calls == {"compute_greedy_tokens": 8, "compute_logits": 0}  # one step of 12 prompts, then 7 decodes
+    model.compute_greedy_tokens = lambda hidden: argmax_rows(model.compute_logits(hidden))
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == fused
+
+    model.compute_greedy_tokens = counted("compute_greedy_tokens", argmax_rows)  # must not be called
+    calls.update(compute_greedy_tokens=0, compute_logits=0)
+    wants_logprobs = [params] * 11 + [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)]
+    assert _tokens(llm.generate(prompts, wants_logprobs, use_tqdm=False)) == fused
+    assert calls == {"compute_greedy_tokens": 0, "compute_logits": 8}

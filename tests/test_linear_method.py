@@ -125,6 +125,26 @@ def test_a_silu_and_mul_layer_returns_silu_of_its_gates_times_its_ups(dtype):
     assert layer(x.view(1, 3, 16)).shape == (1, 3, 8)
 
 
+@pytest.mark.parametrize("method", [DenseLinearMethod, ReferenceLinearMethod])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_the_argmax_of_the_layers_output(method, dtype):
+    """Every method answers Linear.argmax as torch.argmax of its own product, at every batch size (the dense
+    bf16 method without writing the product where the AMX tiles take the batch)."""
+    layer = Linear(64, 3000, bias=True, params_dtype=dtype)
+    bind_linear_methods(layer, method())
+    weight = torch.randn(3000, 64).to(dtype)
+    weight[2999] = weight[1234]  # tied columns: the first one leads where they do
+    layer.weight.data.copy_(weight)
+    layer.bias.data.zero_()
+    layer.method.process_weights_after_loading(layer)
+    for rows in (1, 8, 9, 40, 64, 65):
+        x = torch.randn(rows, 64).to(dtype)
+        x[0] = weight[1234]
+        tokens = layer.argmax(x)
+        assert tokens.dtype == torch.int64 and torch.equal(tokens, torch.argmax(layer(x), dim=-1))
+        assert tokens[0] == 1234
+
+
 def _edited_copy(src: str, dst: str, edit) -> str:
     shutil.copytree(src, dst)
     path = os.path.join(dst, "model.safetensors")

@@ -229,3 +229,45 @@ def test_float32_layers_send_up_to_eight_rows_to_the_kernel(monkeypatch):
         x = torch.randn(m, 100)
         assert torch.allclose(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-4)
     assert calls == [1, 8]  # 9 and 64 rows stay on MKL
+
+
+@amx_kernel
+@pytest.mark.parametrize("m", [9, 17, 62, 64])
+@pytest.mark.parametrize("n,k", [(1000, 576), (37, 64), (5003, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_argmax_is_the_argmax_of_the_written_product(m, n, k, with_bias):
+    """The tile loop's argmax epilogue ranks the bf16 values amx_linear writes as torch.argmax does: the first
+    of equal maxima (tied columns, a zero row), the first NaN (a NaN row), column 0 of a row of -inf."""
+    w = torch.randn(n, k).to(torch.bfloat16)
+    if n > 100:
+        w[n // 2] = w[n // 3]  # two columns equal in every row: the earlier one is the argmax where they lead
+        w[n - 1] = w[n // 3]  # and one in the last, partly filled block
+    weight = packed(w)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    x[1] = 0  # every column 0 (or its bias)
+    x[2, 5] = float("nan")  # every column NaN
+    x[3] = x[3] * 50  # large sums: ties after rounding to bf16 are likelier
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    y = small_batch_gemm.amx_linear(x, weight, bias)
+    assert torch.equal(small_batch_gemm.linear_argmax(x, weight, bias), torch.argmax(y, dim=-1))
+    if n > 100:  # a row led by the tied columns
+        x[4] = w[n // 3] * 4
+        y = small_batch_gemm.amx_linear(x, weight, bias)
+        assert torch.equal(small_batch_gemm.linear_argmax(x, weight, bias), torch.argmax(y, dim=-1))
+        assert with_bias or int(torch.argmax(y[4])) == n // 3  # the first of the three tied columns
+    w[n // 2:, 0], w[n // 2:, 1] = float("inf"), float("-inf")  # NaN columns (inf - inf): the first one leads
+    x = torch.randn(m, k).to(torch.bfloat16)
+    x[:, :2] = 1
+    y = small_batch_gemm.amx_linear(x, packed(w), bias)
+    assert torch.equal(small_batch_gemm.linear_argmax(x, packed(w), bias), torch.argmax(y, dim=-1))
+    assert small_batch_gemm.linear_argmax(x, packed(w), bias).tolist() == [n // 2] * m
+    ninf = torch.full((n,), float("-inf")).to(torch.bfloat16)
+    assert small_batch_gemm.linear_argmax(torch.zeros(m, k).to(torch.bfloat16), weight, ninf).tolist() == [0] * m
+
+
+@bf16_kernel
+def test_linear_argmax_leaves_other_batches_to_the_caller():
+    """Batches of the vector kernel's size, and plain weights, get None: the caller takes apply's argmax."""
+    weight = packed(torch.randn(40, 64).to(torch.bfloat16))
+    assert small_batch_gemm.linear_argmax(torch.randn(8, 64).to(torch.bfloat16), weight, None) is None
+    assert small_batch_gemm.linear_argmax(torch.randn(20, 64), torch.randn(40, 64), None) is None

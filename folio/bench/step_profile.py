@@ -2,7 +2,8 @@
 
 `profile_steps(engine)` swaps instance attributes for timed wrappers while its block runs and puts the originals
 back after: the step itself, the scheduler's schedule/update_from_output/finish_requests, the attention
-backend's build_metadata and forward, the model's forward and compute_logits, the sampler and the output
+backend's build_metadata and forward, the model's forward, compute_logits and compute_greedy_tokens (both
+"lm_head": an all-greedy step takes its tokens from the head), the sampler and the output
 processor. The engine's code is not edited, so the profile follows whatever the engine does today, and a phase
 the engine stops calling shows up as zero (its time lands in "other"). CPU ops run synchronously, so wall time
 around a call is its cost; a wrapper costs about a microsecond, per layer for attention. A mixture-of-experts
@@ -81,14 +82,19 @@ class StepProfile:
         self._ns: dict[str, int] = defaultdict(int)  # the step being run
         self._steps: list[_Step] = []
         self._shape = (0, 0, False)  # (requests, tokens, decode_only) of the step being run
+        self._open: set[str] = set()  # the phases whose wrapper is running
 
     def _timed(self, fn: Callable, phase: str) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if phase in self._open:  # a call within the same phase (greedy tokens through the logits) counts once
+                return fn(*args, **kwargs)
+            self._open.add(phase)
             start = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._ns[phase] += time.perf_counter_ns() - start
+                self._open.discard(phase)
         return timed
 
     def _schedule(self, fn: Callable, requests: dict[str, Request]) -> Callable:
@@ -169,6 +175,7 @@ def profile_steps(engine: LLMEngine) -> Iterator[StepProfile]:
         (runner.backend, "forward", lambda fn: profile._timed(fn, "attention")),
         (runner.model, "forward", lambda fn: profile._timed(fn, "model forward")),
         (runner.model, "compute_logits", lambda fn: profile._timed(fn, "lm_head")),
+        (runner.model, "compute_greedy_tokens", lambda fn: profile._timed(fn, "lm_head")),
         (runner, "sampler", lambda fn: profile._timed(fn, "sampling")),
         (engine.structured_output, "grammar_bitmask", lambda fn: profile._timed(fn, "grammar bitmask")),
         *[(p, "apply", lambda fn: profile._timed(fn, "grammar mask apply"))

@@ -30,6 +30,7 @@ from folio.models.linear import Linear
 from folio.models.llama import LlamaAttention, LlamaMLP, StepContext, checkpoint_target
 from folio.models.model_config import ModelConfig
 from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
+from folio.sample.sampling_ops import argmax_rows
 
 GELU_TANH = ("gelu_pytorch_tanh",)
 
@@ -158,6 +159,13 @@ class Gemma2ForCausalLM(nn.Module):
         if self.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits
+
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax(compute_logits(hidden), dim=-1), int64. Soft-capping is monotonic, but its rounding may tie
+        logits the head ranked apart, so capped logits are computed whole."""
+        if self.final_logit_softcap is not None:
+            return argmax_rows(self.compute_logits(hidden))
+        return self.lm_head.argmax(hidden)
 
     def map_checkpoint_name(self, name: str) -> Optional[tuple[str, ShardId]]:
         """Where a checkpoint tensor (Hugging Face name) goes: (parameter name, shard id), or None to skip it."""

@@ -25,6 +25,7 @@ from torch import nn
 from folio.models.hot_path import HotPathModule
 from folio.models.layers import silu_and_mul
 from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
+from folio.sample.sampling_ops import argmax_rows
 
 
 class LinearMethod(ABC):
@@ -55,6 +56,12 @@ class LinearMethod(ABC):
         silu_and_mul of apply's product. A method may fuse the op into its matmul (the int8 one on AMX-INT8:
         folio.models.onednn_int8's gated weights), which then writes half the product and skips the op's pass."""
         return silu_and_mul(self.apply(layer, x))
+
+    def apply_argmax(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        """The index of each row's largest output, int64 [rows of x] (torch.argmax's: first maximum, first NaN):
+        a greedy step's token from the lm_head. Default: the argmax of apply's product. A method may keep the
+        product from ever being written (the dense one on AMX: folio.models.small_batch_gemm.amx_argmax)."""
+        return argmax_rows(self.apply(layer, x.reshape(-1, x.shape[-1])))
 
 
 LinearMethodChooser = Callable[[str, "Linear"], LinearMethod]
@@ -110,6 +117,10 @@ class Linear(HotPathModule):
         if self.silu_and_mul:
             return self.method.apply_silu_and_mul(self, x)
         return self.method.apply(self, x)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """argmax(forward(x), dim=-1) for x [rows, input_size], by the method's apply_argmax."""
+        return self.method.apply_argmax(self, x)
 
     def row_parameter(self, *row_shape: int, dtype: Optional[torch.dtype] = None) -> nn.Parameter:
         """An uninitialised parameter with one row per output feature (a weight: row_shape (input_size,);

@@ -139,6 +139,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax(compute_logits(hidden), dim=-1), int64: the head's method may skip writing the logits."""
+        return self.lm_head.argmax(hidden)
+
     def map_checkpoint_name(self, name: str) -> Optional[tuple[str, ShardId]]:
         """Where a checkpoint tensor (Hugging Face name) goes: (parameter name, shard id), or None to skip it."""
         return checkpoint_target(name.removeprefix("model."), self.stacked_params, self.config.tie_word_embeddings)

@@ -118,3 +118,13 @@ def amx_serves(x: torch.Tensor) -> bool:
 def amx_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] (bf16, unit stride) @ weight^T (+ bias) on AMX tiles driven by the kernel, any M (`amx_serves`)."""
     return KERNEL.load().linear_bf16_amx(x, weight.blocks, weight.out_features, bias)
+
+
+def linear_argmax(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor],
+                  bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """For a batch that `linear` sends to the AMX tiles: argmax(linear(x, weight, bias), dim=-1) as int64 [M]
+    (first maximum, first NaN), the product never written (a greedy step's lm_head, whose logits would be
+    megabytes written and read back by the argmax). None for the other batches, which `linear` serves as before."""
+    if not isinstance(weight, PackedWeight) or x.shape[0] <= MAX_ROWS[torch.bfloat16]:
+        return None
+    return KERNEL.load().linear_bf16_amx_argmax(x.contiguous(), weight.blocks, weight.out_features, bias)

@@ -30,7 +30,6 @@ from folio.loader.model_loader import load_model
 from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
 from folio.platforms.interface import Platform
-from folio.sample.sampling_ops import argmax_rows
 from folio.spec_decode.config import SpeculativeConfig
 from folio.spec_decode.proposer import Proposer
 from folio.utils.math_utils import cdiv
@@ -139,4 +138,4 @@ class DraftModelProposer(Proposer):
         ctx = StepContext(self.backend, [self.backend.build_metadata(layout)], self.kv_caches)
         ids = torch.from_numpy(np.concatenate(token_ids).astype(np.int64)).to(self.device)
         hidden = self.model(ids, torch.from_numpy(flat).to(self.device), ctx)
-        return argmax_rows(self.model.compute_logits(hidden[torch.from_numpy(np.cumsum(qlens) - 1)])).tolist()
+        return self.model.compute_greedy_tokens(hidden[torch.from_numpy(np.cumsum(qlens) - 1)]).tolist()

@@ -115,8 +115,7 @@ class ModelRunner:
             bitmask = sched.grammar_bitmask  # structured outputs: what each constrained request may sample
             for request, draft in zip(samplers, drafts):
                 request.token_bitmasks = bitmask.rows_of(request.request_id, 1 + len(draft)) if bitmask else None
-            logits = self.model.compute_logits(hidden[sample_rows])  # the samplers make their own fp32 copies
-            for request, draft, sampled in zip(samplers, drafts, self._sample(logits, samplers, drafts)):
+            for request, draft, sampled in zip(samplers, drafts, self._sample(hidden[sample_rows], samplers, drafts)):
                 request.output_token_ids.extend(sampled.token_ids)
                 self.inputs.append_tokens(request.request_id, sampled.token_ids)
                 if draft:
@@ -131,12 +130,17 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[job.hidden_rows]).float()
             output.prompt_logprobs[job.request_id] = compute_prompt_logprobs(logits, job.targets, job.num_logprobs)
 
-    def _sample(self, logits: torch.Tensor, requests: list[RequestState],
+    def _sample(self, hidden: torch.Tensor, requests: list[RequestState],
                 drafts: list[list[int]]) -> list[SampledTokens]:
-        """One token per request, or with drafts to verify, the accepted ones and one more."""
+        """One token per request from its rows of hidden states, or with drafts to verify, the accepted ones and
+        one more. A step whose every row is plain greedy takes the head's argmax (its method may never write the
+        logits); the samplers make their own float32 copies of the logits."""
         if any(drafts):
-            return self.rejection_sampler(logits, requests, drafts, self.logits_processors)
-        out = self.sampler(logits, SamplingMetadata.build(requests, self.logits_processors))
+            return self.rejection_sampler(self.model.compute_logits(hidden), requests, drafts, self.logits_processors)
+        metadata = SamplingMetadata.build(requests, self.logits_processors)
+        if not metadata.full_rows:
+            return [SampledTokens([token], []) for token in self.model.compute_greedy_tokens(hidden).tolist()]
+        out = self.sampler(self.model.compute_logits(hidden), metadata)
         return [SampledTokens([token], [lp] if lp is not None else [])
                 for token, lp in zip(out.sampled_token_ids, out.logprobs)]
 
