@@ -60,7 +60,7 @@ class LinearMethod(ABC):
     def apply_argmax(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         """The index of each row's largest output, int64 [rows of x] (torch.argmax's: first maximum, first NaN):
         a greedy step's token from the lm_head. Default: the argmax of apply's product. A method may keep the
-        product from ever being written (the dense one on AMX: folio.models.small_batch_gemm.amx_argmax)."""
+        product from ever being written (the dense one on AMX: folio.models.small_batch_gemm.linear_argmax)."""
         return argmax_rows(self.apply(layer, x.reshape(-1, x.shape[-1])))
 
 
