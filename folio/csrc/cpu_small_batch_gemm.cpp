@@ -321,11 +321,18 @@ inline bool ranks_before(float a, int32_t ia, float b, int32_t ib) {
 }
 #endif
 
-at::Tensor linear_bf16_amx(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
+// The checks both AMX paths make (check_bf16's, and the tiles' own), and the bias.
+const c10::BFloat16* check_amx(const at::Tensor& x, const at::Tensor& w, int64_t N,
+                               const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_amx_kernel(), "built without AMX-BF16, or the OS refused the tile registers");
   const c10::BFloat16* bp = check_bf16(x, w, N, bias);
-  const int64_t M = x.size(0), K = x.size(1), NB = w.size(2);
-  TORCH_CHECK(K % 32 == 0, "the AMX path takes K a multiple of 32 (a tile's depth)");
+  TORCH_CHECK(x.size(1) % 32 == 0, "the AMX path takes K a multiple of 32 (a tile's depth)");
+  return bp;
+}
+
+at::Tensor linear_bf16_amx(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
+  const c10::BFloat16* bp = check_amx(x, w, N, bias);
+  const int64_t M = x.size(0), NB = w.size(2);
   at::Tensor y = at::empty({M, N}, x.options());
 #if FOLIO_AMX
   auto* yp = y.data_ptr<c10::BFloat16>();
@@ -345,10 +352,8 @@ at::Tensor linear_bf16_amx(at::Tensor x, at::Tensor w, int64_t N, c10::optional<
 // argmax(x W^T (+ b), dim=-1) of the bf16 product linear_bf16_amx writes, without writing it: a greedy step's
 // lm_head (62 rows of Qwen2's 151936 columns: 18.8 MB of logits stored and read again by the argmax).
 at::Tensor linear_bf16_amx_argmax(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(has_amx_kernel(), "built without AMX-BF16, or the OS refused the tile registers");
-  const c10::BFloat16* bp = check_bf16(x, w, N, bias);
-  const int64_t M = x.size(0), K = x.size(1), NB = w.size(2);
-  TORCH_CHECK(K % 32 == 0, "the AMX path takes K a multiple of 32 (a tile's depth)");
+  const c10::BFloat16* bp = check_amx(x, w, N, bias);
+  const int64_t M = x.size(0), NB = w.size(2);
   TORCH_CHECK(N <= std::numeric_limits<int32_t>::max(), "N must fit in int32");
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
 #if FOLIO_AMX

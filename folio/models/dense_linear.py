@@ -62,8 +62,6 @@ class DenseLinearMethod(LinearMethod):
     def apply_argmax(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """Batches on the small-batch kernel's AMX tiles take the argmax in its epilogue, the product never
         written (a greedy step's lm_head); others the argmax of apply's product."""
-        if layer.small_batch_weight is not None and small_batch_gemm.serves(x):
-            tokens = small_batch_gemm.linear_argmax(x, layer.small_batch_weight, layer.bias)
-            if tokens is not None:
-                return tokens
-        return super().apply_argmax(layer, x)
+        weight = layer.small_batch_weight
+        tokens = None if weight is None else small_batch_gemm.linear_argmax(x, weight, layer.bias)
+        return tokens if tokens is not None else super().apply_argmax(layer, x)

@@ -91,11 +91,16 @@ def linear(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor], bias: Opt
     (the vector loop up to MAX_ROWS rows, then the AMX tiles), float32 x with a plain float32 weight [N, K]."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if _on_tiles(x, weight):
+        return amx_linear(x, weight, bias)
     if isinstance(weight, PackedWeight):
-        if x.shape[0] > MAX_ROWS[torch.bfloat16]:
-            return amx_linear(x, weight, bias)
         return vector_linear(x, weight, bias)
     return KERNEL.load().linear_f32(x, weight, bias)
+
+
+def _on_tiles(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor]) -> bool:
+    """Whether `linear` sends a batch that `serves` takes to the AMX tiles: bf16 past the vector loop's rows."""
+    return isinstance(weight, PackedWeight) and x.shape[0] > MAX_ROWS[torch.bfloat16]
 
 
 def vector_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -124,7 +129,7 @@ def linear_argmax(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor],
                   bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """For a batch that `linear` sends to the AMX tiles: argmax(linear(x, weight, bias), dim=-1) as int64 [M]
     (first maximum, first NaN), the product never written (a greedy step's lm_head, whose logits would be
-    megabytes written and read back by the argmax). None for the other batches, which `linear` serves as before."""
-    if not isinstance(weight, PackedWeight) or x.shape[0] <= MAX_ROWS[torch.bfloat16]:
+    megabytes written and read back by the argmax). None for every other batch (the caller takes its own)."""
+    if not (serves(x) and _on_tiles(x, weight)):
         return None
     return KERNEL.load().linear_bf16_amx_argmax(x.contiguous(), weight.blocks, weight.out_features, bias)
