@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from folio.models import quant_kernels
+from folio.models import gated_layout
 from folio.models.linear import Linear
 
 
@@ -22,6 +22,6 @@ def int8_weight(layer: Linear) -> torch.Tensor:
     plain = blocks.permute(0, 2, 1, 3).reshape(blocks.shape[0] * blocks.shape[2], -1)
     plain = plain[:layer.output_size, :layer.input_size]
     if layer.onednn_weight.silu_table is not None:  # a gated gate/up: its rows interleaved, gates first again
-        order = quant_kernels.interleave_gated(torch.arange(layer.output_size))
+        order = gated_layout.interleave_gated(torch.arange(layer.output_size))
         plain = plain[order.argsort()]
     return plain

@@ -15,6 +15,7 @@ import torch
 
 from folio.csrc_build import CppKernel
 from folio.models import fused_ops as F
+from folio.models import gated_layout
 from folio.models.layers import RMSNorm, RotaryEmbedding
 
 TOKENS = (1, 7, 64, 300)
@@ -229,6 +230,35 @@ def test_silu_and_mul_both_exp_paths(ext, inline):
     ups[:, :8] = 1.0
     gate_up = torch.cat([gates, ups], dim=1)
     assert same_bits(ext.silu_and_mul(gate_up, inline), F.ref_silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("t", [1, 7, 300])
+def test_silu_and_mul_of_the_gated_layout_is_the_ops_on_the_plain_product(t):
+    """silu_and_mul_runs reads a product whose columns are in the gated layout in place: the bits silu_and_mul
+    gives the plain product, for every bf16 gate value (through the op's table, as rows of a multiple of 64
+    outputs take it); shapes it does not serve get None."""
+    if not F.has_bf16_silu_table():
+        pytest.skip("bf16 silu_and_mul uses no table here")
+    gates = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int16).view(torch.bfloat16)
+    i = 4864
+    g = torch.Generator().manual_seed(t)
+    plain = (torch.randn(t, 2 * i, generator=g) * 4).to(torch.bfloat16)
+    # random gate values; with 300 rows every one of them in turn
+    which = torch.arange(t * i) if t == 300 else torch.randint(0, 1 << 16, (t * i,), generator=g)
+    plain[:, :i] = gates[which % (1 << 16)].view(t, i)
+    gated = gated_layout.interleave_gated(plain.t()).t().contiguous()
+    assert same_bits(gated_layout.plain_order(gated), plain)
+    assert same_bits(F.silu_and_mul_runs(gated), F.silu_and_mul(plain))
+    assert same_bits(F.silu_and_mul_runs(gated.view(1, t, 2 * i)), F.silu_and_mul(plain).view(1, t, i))
+    assert F.silu_and_mul_runs(torch.randn(t, 2 * 96).to(torch.bfloat16)) is None  # 96 outputs: not whole 64s
+    assert F.silu_and_mul_runs(torch.randn(t, 2 * 64)) is None  # float32
+
+
+def test_gated_layout_without_the_kernel_takes_the_op_over_the_plain_order(monkeypatch):
+    plain = torch.randn(5, 2 * 192).to(torch.bfloat16)
+    gated = gated_layout.interleave_gated(plain.t()).t().contiguous()
+    monkeypatch.setattr(F, "silu_and_mul_runs", lambda gate_up: None)
+    assert same_bits(gated_layout.silu_and_mul_gated(gated), F.ref_silu_and_mul(plain))
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):

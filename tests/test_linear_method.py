@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from folio import LLM, SamplingParams
 from folio.loader.model_loader import load_model
-from folio.models import small_batch_gemm
-from folio.models.dense_linear import DenseLinearMethod
+from folio.models import dense_linear, fused_ops, small_batch_gemm
+from folio.models.dense_linear import DenseLinearMethod, can_prepack
 from folio.models.linear import Linear, LinearMethod, bind_linear_methods
 from folio.platforms import current_platform
 
@@ -123,6 +123,44 @@ def test_a_silu_and_mul_layer_returns_silu_of_its_gates_times_its_ups(dtype):
     torch.testing.assert_close(gate, F.linear(x, weights[0]))
     assert torch.equal(layer(x), F.silu(gate) * up)
     assert layer(x.view(1, 3, 16)).shape == (1, 3, 8)
+
+
+def _gate_up(weights: list[torch.Tensor], gated: bool, monkeypatch) -> Linear:
+    """A bf16 SwiGLU gate/up on the dense method, in the gated layout where the method chooses it (gated) or
+    never (the method's table lookup made to answer None)."""
+    i, k = weights[0].shape
+    layer = Linear(k, {0: i, 1: i}, params_dtype=torch.bfloat16, silu_and_mul=True)
+    bind_linear_methods(layer, DenseLinearMethod())
+    for shard, weight in enumerate(weights):
+        layer.weight.weight_loader(layer.weight, weight, shard)
+    with monkeypatch.context() as patch:
+        if not gated:
+            patch.setattr(dense_linear, "gated_silu_table", lambda layer: None)
+        layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("i,k", [(64, 64), (4864, 896), (96, 64)])
+def test_a_gated_gate_up_gives_silu_and_mul_of_the_plain_product(i, k, monkeypatch):
+    """Where the AMX tiles take its small batches, a bf16 gate/up of a multiple of 64 outputs (no bias) is packed
+    in the gated layout: every batch size (the vector loop's, the tiles' epilogue, oneDNN's) gives the bits of
+    the same layer packed plainly, through Linear and through the method's apply; elsewhere, and for 96 outputs,
+    nothing changes."""
+    if not can_prepack(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 linear here")
+    weights = [(torch.randn(i, k) * 0.1).to(torch.bfloat16) for _ in range(2)]
+    gated, plain = _gate_up(weights, True, monkeypatch), _gate_up(weights, False, monkeypatch)
+    expect_gated = i % 64 == 0 and small_batch_gemm.AMX_ROWS > 0 and fused_ops.has_bf16_silu_table()
+    assert (gated.silu_table is not None) == expect_gated and plain.silu_table is None
+    assert gated.weight is None  # one packed copy, as for any other layer
+    for rows in (1, 8, 9, 40, 62, 64, 65, 300):
+        x = (torch.randn(rows, k) * 2).to(torch.bfloat16)
+        want = plain(x)
+        assert want.shape == (rows, i) and torch.equal(gated(x).view(torch.int16), want.view(torch.int16))
+        if expect_gated:  # the product asked for directly is SiLU-and-mul's too
+            assert torch.equal(gated.method.apply(gated, x).view(torch.int16), want.view(torch.int16))
+    x3 = torch.randn(2, 5, k).to(torch.bfloat16)
+    assert torch.equal(gated(x3).view(torch.int16), plain(x3).view(torch.int16))
 
 
 @pytest.mark.parametrize("method", [DenseLinearMethod, ReferenceLinearMethod])

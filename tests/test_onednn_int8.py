@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.models import fused_ops, onednn_int8, quant_kernels
+from folio.models import fused_ops, gated_layout, onednn_int8, quant_kernels
 from folio.models import quant_reference as ref
 from folio.models.int8_linear import Int8LinearMethod
 from folio.models.linear import Linear
@@ -281,7 +281,7 @@ def test_a_gated_product_is_silu_and_mul_of_the_plain_one_bit_for_bit(m, i, k, c
     weight, scales, _, x = _int16_case(m, 2 * i, k, torch.bfloat16)
     x[1 % m] = float("nan")  # a NaN gate row, rounded as the op rounds it (and a zero row: _int16_case)
     plain = onednn_int8.prepack(weight, scales)
-    interleaved = onednn_int8.prepack(quant_kernels.interleave_gated(weight), quant_kernels.interleave_gated(scales))
+    interleaved = onednn_int8.prepack(gated_layout.interleave_gated(weight), gated_layout.interleave_gated(scales))
     table = fused_ops.bf16_silu_table()
     if codes == "int16":
         product = lambda w, t=None: quant_kernels.w8_int16_packed_linear(x, w.blocks, w.column_sums, w.scales, None,

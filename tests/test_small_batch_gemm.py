@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.models import onednn_layout, small_batch_gemm
+from folio.models import fused_ops, gated_layout, onednn_layout, small_batch_gemm
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.linear import Linear
 
@@ -271,3 +271,56 @@ def test_linear_argmax_leaves_other_batches_to_the_caller():
     weight = packed(torch.randn(40, 64).to(torch.bfloat16))
     assert small_batch_gemm.linear_argmax(torch.randn(8, 64).to(torch.bfloat16), weight, None) is None
     assert small_batch_gemm.linear_argmax(torch.randn(20, 64), torch.randn(40, 64), None) is None
+
+
+@amx_kernel
+@pytest.mark.parametrize("m", [9, 16, 17, 40, 62, 64, 100])
+@pytest.mark.parametrize("i,k", [(64, 64), (192, 96), (4864, 896)])
+def test_amx_silu_epilogue_is_silu_and_mul_of_the_written_product(m, i, k):
+    """A gated weight (gated_layout) on the tiles: SiLU-and-mul's bits of the product amx_linear writes for the
+    plain weight, at every group count (one, two, panels of three or four, and the gemm past 64 rows), with
+    gates that overflow exp, infinite and NaN ones, a zero row (-0.0 sums) and the epilogue's lookups covering
+    the other signs and magnitudes."""
+    table = fused_ops.bf16_silu_table()
+    if table is None:
+        pytest.skip("bf16 silu_and_mul uses no table here")
+    w = (torch.randn(2 * i, k) * 0.1).to(torch.bfloat16)
+    x = (torch.randn(m, k) * 4).to(torch.bfloat16)
+    x[1] = 0
+    x[2, 3] = float("nan")
+    x[3, 0], w[:i // 2, 0] = 1e30, 1e8  # huge gates and ups: exp overflows, products are infinite
+    x[4] = -x[4] * 30
+    want = fused_ops.silu_and_mul(small_batch_gemm.amx_linear(x, packed(w), None))
+    gated = packed(gated_layout.interleave_gated(w))
+    got = small_batch_gemm.KERNEL.load().linear_bf16_amx(x, gated.blocks, gated.out_features, None, table)
+    assert got.shape == (m, i) and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if m <= small_batch_gemm.AMX_ROWS:
+        assert torch.equal(small_batch_gemm.linear_silu_and_mul(x, gated, table).view(torch.int16),
+                           want.view(torch.int16))
+
+
+@bf16_kernel
+def test_linear_silu_and_mul_leaves_other_batches_to_the_caller():
+    """The vector kernel's batches and oneDNN's (past AMX_ROWS; every batch without AMX) get None: the caller
+    takes the op over the product."""
+    table = fused_ops.bf16_silu_table()
+    weight = packed(gated_layout.interleave_gated(torch.randn(128, 64).to(torch.bfloat16)))
+    for rows in (1, small_batch_gemm.MAX_ROWS[torch.bfloat16], small_batch_gemm.AMX_ROWS + 1, 200):
+        if small_batch_gemm.MAX_ROWS[torch.bfloat16] < rows <= small_batch_gemm.AMX_ROWS:
+            continue
+        assert small_batch_gemm.linear_silu_and_mul(torch.randn(rows, 64).to(torch.bfloat16), weight, table) is None
+
+
+@amx_kernel
+def test_amx_silu_epilogue_refuses_what_it_cannot_pair():
+    table = fused_ops.bf16_silu_table()
+    ext = small_batch_gemm.KERNEL.load()
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    odd = packed(torch.randn(96, 64).to(torch.bfloat16))  # three blocks of 32: no whole pairs
+    with pytest.raises(RuntimeError, match="whole pairs"):
+        ext.linear_bf16_amx(x, odd.blocks, odd.out_features, None, table)
+    even = packed(torch.randn(128, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="no bias"):
+        ext.linear_bf16_amx(x, even.blocks, even.out_features, torch.zeros(128).to(torch.bfloat16), table)
+    with pytest.raises(RuntimeError, match="silu table"):
+        ext.linear_bf16_amx(x, even.blocks, even.out_features, None, torch.zeros(5, dtype=torch.int32))

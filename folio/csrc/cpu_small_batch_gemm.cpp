@@ -19,7 +19,9 @@
 // read in place, go through folio's AMX tile loop (amx_tiles.h: chunks along K, the next one prefetched into L2
 // during the tile work), then the vector kernel's epilogue (bias in float32, one rounding to bf16);
 // `linear_bf16_amx_argmax` keeps, instead of storing them, each row's first largest of those rounded values: the
-// argmax of a greedy step's logits without writing them.
+// argmax of a greedy step's logits without writing them; given the silu table (a gated MLP's gate/up whose weight
+// lies as runs of 32 gates, each followed by the same outputs' ups), `linear_bf16_amx` writes SiLU-and-mul's
+// result instead of the product, looked up as the bf16 op looks it up (bf16_silu_and_mul.h), bit for bit.
 //
 // float32 (AVX2+FMA or AVX-512F, any K, M <= MAX_M_F32): MKL's sgemm packs the whole weight matrix on every
 // call with M >= 2 rows, so a 2-row product cost 2.3x a 1-row one and a 7-row one 2.9x (the 49152 x 576
@@ -51,6 +53,7 @@
 #if FOLIO_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define FOLIO_AMX 1
 #include "amx_tiles.h"
+#include "bf16_silu_and_mul.h"
 #else
 #define FOLIO_AMX 0
 #endif
@@ -268,10 +271,11 @@ bool has_amx_kernel() {
 }
 
 #if FOLIO_AMX
-// Runs the tile loop over x's rows and every block of w: each thread's share [b0, b1) calls
-// `share(b0, b1, run)`, and `run(epilogue)` multiplies the share with that epilogue (amx_tiles.h: multiply).
+// Runs the tile loop over x's rows and every block of w: each thread's share [b0, b1) (whole runs of `unit`
+// blocks) calls `share(b0, b1, run)`, and `run(epilogue)` multiplies the share with that epilogue (amx_tiles.h:
+// multiply).
 template <class Share>
-void amx_shares(const at::Tensor& x, const at::Tensor& w, const Share& share) {
+void amx_shares(const at::Tensor& x, const at::Tensor& w, const Share& share, int64_t unit = 1) {
   const int64_t M = x.size(0), K = x.size(1), NB = w.size(2);
   folio::amx::Rows rows;
   std::vector<uint8_t> padded;
@@ -279,8 +283,9 @@ void amx_shares(const at::Tensor& x, const at::Tensor& w, const Share& share) {
                          K * 2, padded);
   const auto* wp = w.data_ptr<c10::BFloat16>();
   const folio::amx::Weight weight{reinterpret_cast<const uint8_t*>(wp), w.stride(0) * 2, K / 32};
-  const folio::BlockStream streams[] = {{wp, w.stride(0) * 2}};
-  folio::parallel_blocks(wp, w.size(0), streams, [&](int64_t b0, int64_t b1) {
+  const folio::BlockStream streams[] = {{wp, unit * w.stride(0) * 2}};
+  folio::parallel_blocks(wp, w.size(0) / unit, streams, [&](int64_t u0, int64_t u1) {
+    const int64_t b0 = u0 * unit, b1 = u1 * unit;
     share(b0, b1, [&](const auto& epilogue) {
       using folio::amx::Bf16;
       switch (NB / 16) {
@@ -330,8 +335,49 @@ const c10::BFloat16* check_amx(const at::Tensor& x, const at::Tensor& w, int64_t
   return bp;
 }
 
-at::Tensor linear_bf16_amx(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
+// A gated weight's product as SiLU-and-mul's: blocks of 32 columns in pairs, 32 gates then the same outputs' ups
+// (folio.models.gated_layout), so each thread takes whole pairs; the gate block's rounded values wait in the
+// thread's buffer for the up block, which the tile loop finishes next for the same rows, and y [M, N / 2] gets
+// rnd(table[gate] * up) from the values linear_bf16_amx would write, as bf16 silu_and_mul computes it.
+at::Tensor linear_bf16_amx_silu(const at::Tensor& x, const at::Tensor& w, int64_t N, const at::Tensor& table) {
+  const int64_t M = x.size(0), NB = w.size(2);
+  TORCH_CHECK(NB == 32 && N % 64 == 0 && N == w.size(0) * NB, "a gated weight is whole pairs of 32-column blocks");
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous() && table.numel() == (65536 + 16) / 2,
+              "the silu table must be the int32 [32776] of fused_ops.bf16_silu_table");
+  at::Tensor y = at::empty({M, N / 2}, x.options());
+#if FOLIO_AMX
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int* silu = table.data_ptr<int>();
+  amx_shares(x, w, [&](int64_t, int64_t, const auto& run) {
+    std::vector<uint16_t> gates(M * 32);  // the last gate block's values, bf16 bits, rows of 32
+    run([&](int64_t b, int64_t m0, int64_t m1, const auto& sums) {
+      for (int v = 0; v < 2; ++v) {
+        const Lanes lanes(nullptr, b * NB, NB, v);
+        for (int64_t m = m0; m < std::min(m1, M); ++m) {
+          const __m512 sum = _mm512_loadu_ps(static_cast<const float*>(sums(0, m, v)));
+          uint16_t* gate = &gates[m * 32 + v * 16];
+          if (b % 2 == 0) {
+            lanes.store(reinterpret_cast<c10::BFloat16*>(gate), sum);
+          } else {
+            const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * (N / 2) + (b / 2) * 32 + v * 16),
+                                folio::silu_times_up(silu, bits, lanes.rounded(sum)));
+          }
+        }
+      }
+    });
+  }, 2);
+#endif
+  return y;
+}
+
+at::Tensor linear_bf16_amx(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias,
+                           c10::optional<at::Tensor> silu_table) {
   const c10::BFloat16* bp = check_amx(x, w, N, bias);
+  if (silu_table.has_value()) {
+    TORCH_CHECK(bp == nullptr, "a gated product takes no bias");
+    return linear_bf16_amx_silu(x, w, N, *silu_table);
+  }
   const int64_t M = x.size(0), NB = w.size(2);
   at::Tensor y = at::empty({M, N}, x.options());
 #if FOLIO_AMX
@@ -418,8 +464,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   folio::bind_decode_threads(m);
   m.def("linear_bf16", &linear_bf16, "x W^T (+ b) for bf16 x, W in oneDNN's packed blocks [N / NB, K / 2, NB, 2]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("linear_bf16_amx", &linear_bf16_amx, "x W^T (+ b) for bf16 x, the same blocks, on AMX tiles (K a multiple of 32)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_bf16_amx", &linear_bf16_amx,
+        "x W^T (+ b) for bf16 x, the same blocks, on AMX tiles (K a multiple of 32); with silu_table, a gated "
+        "weight's SiLU-and-mul, [M, N / 2]",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("N"), pybind11::arg("bias"),
+        pybind11::arg("silu_table") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_bf16_amx_argmax", &linear_bf16_amx_argmax,
         "argmax over columns of the product linear_bf16_amx writes (int64 [M]: first maximum, first NaN), unwritten",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -6,14 +6,22 @@ matmuls. Batches of at most small_batch_gemm.MAX_ROWS rows go to a kernel that r
 in place, faster than oneDNN's GEMM at those sizes; one copy of the weight serves every batch size. float32
 layers keep their plain weight on F.linear (MKL), and send batches of at most eight rows to the kernel, which
 reads the weight once where MKL packs it on every call.
+
+A SwiGLU gate/up in bf16, where the AMX tiles take its small batches, is packed in the gated layout
+(folio.models.gated_layout): batches on the tiles get SiLU-and-mul's result from the kernel's epilogue, which
+writes half the product and skips the op's pass over it; the other batches (the vector loop's, oneDNN's) take the
+op over their product in that layout. The layer's product is then SiLU-and-mul's, whichever way it is asked for.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
-from folio.models import small_batch_gemm
+from folio.models import fused_ops, gated_layout, small_batch_gemm
+from folio.models.layers import silu_and_mul
 from folio.models.linear import Linear, LinearMethod
 
 # oneDNN's blocked weight layout is chosen for a batch size; decode batches of tens of requests dominate.
@@ -27,8 +35,10 @@ def can_prepack(dtype: torch.dtype) -> bool:
 
 
 class DenseLinearMethod(LinearMethod):
-    """Per layer: `packed` (the bf16 weight in oneDNN's layout, or None) and `small_batch_weight` (what the
-    small-batch kernel reads: a view of `packed`, or the plain float32 weight; None where it cannot serve)."""
+    """Per layer: `packed` (the bf16 weight in oneDNN's layout, or None), `small_batch_weight` (what the
+    small-batch kernel reads: a view of `packed`, or the plain float32 weight; None where it cannot serve) and
+    `silu_table` (a gated gate/up's: fused_ops.bf16_silu_table, which the epilogue looks its gates up in; else
+    None)."""
 
     plain_weights = True
 
@@ -38,6 +48,7 @@ class DenseLinearMethod(LinearMethod):
         layer.bias = layer.row_parameter() if layer.with_bias else None
         layer.packed = None
         layer.small_batch_weight = None
+        layer.silu_table = None
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         """bf16: switch to the packed weight and free the plain one unless the embedding needs it. float32: small
@@ -47,12 +58,31 @@ class DenseLinearMethod(LinearMethod):
             return
         if not (can_prepack(layer.weight.dtype) and layer.weight.is_cpu):
             return
-        layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACK_FOR_BATCH)
-        layer.small_batch_weight = small_batch_gemm.packed_blocks(layer.packed, layer.weight.detach())
+        weight = layer.weight.detach()
+        table = gated_silu_table(layer)
+        if table is not None:
+            layer.packed, layer.small_batch_weight = pack(gated_layout.interleave_gated(weight))
+            blocks = layer.small_batch_weight
+            if blocks is not None and blocks.blocks.shape[2] == gated_layout.GATED_RUN:
+                layer.silu_table = table
+        if layer.silu_table is None:
+            layer.packed, layer.small_batch_weight = pack(weight)
         if not layer.tied:
             layer.weight = None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.silu_table is not None:  # a gated weight's product is SiLU-and-mul's
+            return self.apply_silu_and_mul(layer, x)
+        return self.product(layer, x)
+
+    def apply_silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.silu_table is None:
+            return silu_and_mul(self.product(layer, x))
+        out = small_batch_gemm.linear_silu_and_mul(x, layer.small_batch_weight, layer.silu_table)
+        return out if out is not None else gated_layout.silu_and_mul_gated(self.product(layer, x))
+
+    def product(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) on the kernel for the batch's size; a gated weight's columns in its layout."""
         if layer.small_batch_weight is not None and small_batch_gemm.serves(x):
             return small_batch_gemm.linear(x, layer.small_batch_weight, layer.bias)
         if layer.packed is not None:
@@ -65,3 +95,19 @@ class DenseLinearMethod(LinearMethod):
         weight = layer.small_batch_weight
         tokens = None if weight is None else small_batch_gemm.linear_argmax(x, weight, layer.bias)
         return tokens if tokens is not None else super().apply_argmax(layer, x)
+
+
+def pack(weight: torch.Tensor) -> tuple[torch.Tensor, Optional[small_batch_gemm.PackedWeight]]:
+    """A bf16 weight in oneDNN's layout, and the small-batch kernel's view of it (None where it cannot read it)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_BATCH)
+    return packed, small_batch_gemm.packed_blocks(packed, weight)
+
+
+def gated_silu_table(layer: Linear) -> Optional[torch.Tensor]:
+    """fused_ops' silu table for a bf16 SwiGLU gate/up whose small batches the AMX tiles take here, so that it goes
+    in the gated layout; None for every other layer. No bias, and a multiple of 64 outputs: the op takes every
+    value of such rows through its table, as the epilogue does."""
+    if not (layer.silu_and_mul and layer.bias is None and layer.output_size % (4 * gated_layout.GATED_RUN) == 0
+            and small_batch_gemm.AMX_ROWS and small_batch_gemm.amx_available() and layer.input_size % 32 == 0):
+        return None
+    return fused_ops.bf16_silu_table()

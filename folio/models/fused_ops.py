@@ -16,6 +16,7 @@ FOLIO_DISABLE_CPU_KERNELS=1) runs the reference torch code, which gives the same
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -118,6 +119,12 @@ def bf16_silu_table() -> Optional[torch.Tensor]:
     return None if ext is None else ext.bf16_silu_table(inline_exp())
 
 
+@functools.cache
+def has_bf16_silu_table() -> bool:
+    """Whether bf16 silu_and_mul looks its values up in a table here (bf16_silu_table)."""
+    return bf16_silu_table() is not None
+
+
 def extension_error() -> Optional[str]:
     return KERNEL.error
 
@@ -164,6 +171,21 @@ def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- fused ops
+
+def silu_and_mul_runs(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """silu_and_mul of a bf16 product [..., 2I] whose columns go in runs of 32 gates, each followed by the same
+    outputs' ups (folio.models.gated_layout), [..., I] in the outputs' order, by the kernel: the op's results over
+    the plain product, bit for bit. None where the kernel does not serve it (no table here, I not a multiple of
+    64: the caller puts the product in plain order and takes the op)."""
+    ext = _ext_for(gate_up, dtypes=(torch.bfloat16,))
+    if ext is None or gate_up.shape[-1] % 128 or not has_bf16_silu_table():
+        return None
+    exp = _inline_exp if _inline_exp is not None else inline_exp()
+    if gate_up.dim() == 2:
+        return ext.silu_and_mul_runs(gate_up, exp)
+    shape = gate_up.shape
+    return ext.silu_and_mul_runs(gate_up.reshape(-1, shape[-1]), exp).view(*shape[:-1], shape[-1] // 2)
+
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(RMSNorm(x + residual), x + residual), as new tensors shaped like x."""

@@ -53,8 +53,9 @@ class LinearMethod(ABC):
 
     def apply_silu_and_mul(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a layer made with silu_and_mul=True, [..., output_size / 2]: folio.models.layers.
-        silu_and_mul of apply's product. A method may fuse the op into its matmul (the int8 one on AMX-INT8:
-        folio.models.onednn_int8's gated weights), which then writes half the product and skips the op's pass."""
+        silu_and_mul of apply's product. A method may fuse the op into its matmul (the int8 one on AMX-INT8, the
+        dense bf16 one on AMX tiles: weights in folio.models.gated_layout), which then writes half the product and
+        skips the op's pass."""
         return silu_and_mul(self.apply(layer, x))
 
     def apply_argmax(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:

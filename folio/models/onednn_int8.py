@@ -53,7 +53,7 @@ from typing import Callable, Optional
 
 import torch
 
-from folio.models import fused_ops, onednn_layout, quant_kernels
+from folio.models import fused_ops, gated_layout, onednn_layout, quant_kernels
 from folio.platforms.cpu_features import has_amx_int8, has_avx512_vnni
 
 # the weight is packed for a batch of this many rows (prefill chunks and decode batches of tens of requests)
@@ -120,16 +120,16 @@ def _row_sums(weight: torch.Tensor) -> torch.Tensor:
 def prepack(weight: torch.Tensor, scales: torch.Tensor, gated: bool = False) -> PackedInt8Weight:
     """weight int8 [N, K], scales float32 [N]. gated: the weight is a gated MLP's gate/up (gates first) whose
     product is only ever taken through silu_and_mul (Linear's silu_and_mul): where every batch of a bf16 x runs on
-    folio's epilogue, its rows are laid out for that epilogue to compute SiLU-and-mul (quant_kernels.
+    folio's epilogue, its rows are laid out for that epilogue to compute SiLU-and-mul (gated_layout.
     interleave_gated), so the layer writes half the result and skips the op's pass over it (`silu_table` is then
     set); elsewhere (batches past tile_rows go to oneDNN, whose product has no such epilogue) the weight is packed
     as it is. The 0.5B Qwen2's MLP (gate/up, SiLU-and-mul, down), the two alternating in one process on 2 cores of
     an Emerald Rapids Xeon: 1.02-1.06x at 62 rows, 1.04-1.09x at 1852 (three runs); the epilogue's table lookups
     (two gathers of 16 a row and block) cost about what halving its stores saves, so the gain is the op's pass.
     SiLU computed in the epilogue from SLEEF's exp, before the op had its table, measured 0.95-1.05x."""
-    table = fused_ops.bf16_silu_table() if gated and weight.shape[0] % (4 * quant_kernels.GATED_RUN) == 0 else None
+    table = fused_ops.bf16_silu_table() if gated and weight.shape[0] % (4 * gated_layout.GATED_RUN) == 0 else None
     if table is not None and has_amx_int8() and quant_kernels.has_w8a8_amx() and weight.shape[1] % 64 == 0:
-        packed = prepack(quant_kernels.interleave_gated(weight), quant_kernels.interleave_gated(scales))
+        packed = prepack(gated_layout.interleave_gated(weight), gated_layout.interleave_gated(scales))
         if packed.tile_rows == TILE_ROWS_AMX:  # every batch on the blocks
             return dataclasses.replace(packed, silu_table=table)
     packed = torch.ops.onednn.qlinear_prepack(weight, [_PACK_FOR_ROWS, weight.shape[1]])

@@ -117,8 +117,9 @@ def w8a8_packed_linear(x: torch.Tensor, blocks: torch.Tensor, column_sums: torch
     """w8a8_linear with the weight in oneDNN's packed int8 blocks [N / 64, K' / 4, 64, 4], its column sums int32 [N]
     and scales [N] (folio.models.onednn_int8): the same result bit for bit. Kernel only (has_packed_w8a8); tiles:
     each block by PyTorch's brgemm (AMX-INT8 tiles where the CPU has them; has_w8a8_tiles) instead of the
-    kernel's vector loop. silu_table (fused_ops.bf16_silu_table, bf16 x): the weight is gated (its rows
-    interleave_gated) and the result is fused_ops.silu_and_mul of the plain weight's, bit for bit, [M, N / 2]."""
+    kernel's vector loop. silu_table (fused_ops.bf16_silu_table, bf16 x): the weight is gated (its rows in
+    folio.models.gated_layout's order) and the result is fused_ops.silu_and_mul of the plain weight's, bit for
+    bit, [M, N / 2]."""
     return KERNEL.load().w8a8_packed_linear(x, blocks, column_sums, scales, bias, rotated, tiles, silu_table)
 
 
@@ -129,18 +130,6 @@ def w8_int16_packed_linear(x: torch.Tensor, blocks: torch.Tensor, column_sums: t
     as w8a8_packed_linear takes them: the reference's result bit for bit. Kernel only (has_packed_w8a8); tiles and
     silu_table as there."""
     return KERNEL.load().w8_int16_packed_linear(x, blocks, column_sums, scales, bias, tiles, silu_table)
-
-
-# a gated weight's rows go in runs of this many gates, then their ups (the packed blocks' 64 columns: 32 + 32)
-GATED_RUN = 32
-
-
-def interleave_gated(rows: torch.Tensor) -> torch.Tensor:
-    """A gate/up layer's rows (or per-row values) [2 I, ...], gates first, as a gated weight lays them out for
-    w8a8_packed_linear's silu_table: runs of GATED_RUN gates each followed by the same outputs' ups."""
-    i = rows.shape[0] // 2
-    order = torch.arange(2 * i).view(2, i // GATED_RUN, GATED_RUN).transpose(0, 1).reshape(-1)
-    return rows[order]
 
 
 def quantize_rows_int16_bytes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

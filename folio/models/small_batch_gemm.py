@@ -125,6 +125,17 @@ def amx_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tenso
     return KERNEL.load().linear_bf16_amx(x, weight.blocks, weight.out_features, bias)
 
 
+def linear_silu_and_mul(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor],
+                        silu_table: torch.Tensor) -> Optional[torch.Tensor]:
+    """For a batch that `linear` sends to the AMX tiles, of a gated weight (folio.models.gated_layout, no bias):
+    silu_and_mul's result of the product, [M, N / 2] in the outputs' order, the product never written (the
+    epilogue looks each gate up in silu_table, fused_ops.bf16_silu_table, as the op does). None for every other
+    batch (the caller takes the op of `linear`'s product)."""
+    if not (serves(x) and _on_tiles(x, weight)):
+        return None
+    return KERNEL.load().linear_bf16_amx(x.contiguous(), weight.blocks, weight.out_features, None, silu_table)
+
+
 def linear_argmax(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor],
                   bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """For a batch that `linear` sends to the AMX tiles: argmax(linear(x, weight, bias), dim=-1) as int64 [M]
