@@ -6,6 +6,16 @@
 // (folio.csrc_build hashes this folder's headers into every kernel's build key.)
 #pragma once
 
+#include <cstdint>
+
+namespace folio {
+
+// The op's table: the rounded silu of every bf16 value, one uint16 each, padded by 16 entries; handed out as int32
+constexpr int64_t SILU_TABLE_ENTRIES = 65536 + 16;
+constexpr int64_t SILU_TABLE_INTS = SILU_TABLE_ENTRIES / 2;
+
+}  // namespace folio
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -35,6 +45,17 @@ inline __m256i silu_times_up(const int* table, __m512i gate_bits, __m512 up) {
   const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_bits, table, 2), 16));
   return round_bf16_aten(_mm512_mul_ps(silu, up));
 }
+
+#if defined(__AVX512BF16__)
+// silu_times_up of 16 outputs from a product's float32 sums of their gates and ups, each rounded to bf16 as the
+// product's epilogue stores it (vcvtneps2bf16): an epilogue that fuses the op gives the op's results over the
+// product it would have written
+inline __m256i silu_times_up_of_sums(const int* table, __m512 gate, __m512 up) {
+  const __m512i gate_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(gate));
+  const __m512i up_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(up));
+  return silu_times_up(table, gate_bits, _mm512_castsi512_ps(_mm512_slli_epi32(up_bits, 16)));
+}
+#endif
 
 }  // namespace folio
 #endif

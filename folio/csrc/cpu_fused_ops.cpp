@@ -152,14 +152,14 @@ inline __m512 silu_rounded(__m512 x, bool inline_exp) {
 // the entries are the vector loop's own bits; one table per exp. The gather reads four bytes at each entry: one
 // entry of padding.
 struct SiluTable {
-  alignas(64) uint16_t bits[65536 + 16];
+  alignas(64) uint16_t bits[folio::SILU_TABLE_ENTRIES];
   explicit SiluTable(bool inline_exp) {
     alignas(64) uint32_t lanes[16];
     for (uint32_t x = 0; x < 65536; x += 16) {
       for (uint32_t l = 0; l < 16; ++l) lanes[l] = (x + l) << 16;
       vstore(bits + x, vround(silu_rounded(_mm512_castsi512_ps(_mm512_load_si512(lanes)), inline_exp)));
     }
-    std::fill(bits + 65536, bits + 65536 + 16, uint16_t{0});
+    std::fill(bits + 65536, bits + folio::SILU_TABLE_ENTRIES, uint16_t{0});
   }
 };
 
@@ -566,7 +566,7 @@ bool has_avx512() { return FOLIO_AVX512 != 0; }
 at::Tensor bf16_silu_table(bool inline_exp) {
 #if FOLIO_AVX512
   if (inline_exp || Sleef_expf16_u10 != nullptr)
-    return at::from_blob(const_cast<int*>(silu_table(inline_exp)), {(65536 + 16) / 2},
+    return at::from_blob(const_cast<int*>(silu_table(inline_exp)), {folio::SILU_TABLE_INTS},
                          at::TensorOptions().dtype(at::kInt));
 #endif
   return at::Tensor();

@@ -592,12 +592,8 @@ inline void packed_w8a8_epilogue(const PackedW8A8& a, int64_t m0, int64_t rows, 
       if (a.bias) out[v] = _mm512_add_ps(out[v], bias[v]);
     }
     if (a.silu) {
-      const auto gate = [](__m512 f) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)); };
-      const auto up = [](__m512 f) {
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)), 16));
-      };
-      const __m256i low = folio::silu_times_up(a.silu, gate(out[0]), up(out[2]));
-      const __m256i high = folio::silu_times_up(a.silu, gate(out[1]), up(out[3]));
+      const __m256i low = folio::silu_times_up_of_sums(a.silu, out[0], out[2]);
+      const __m256i high = folio::silu_times_up_of_sums(a.silu, out[1], out[3]);
       _mm512_storeu_si512(a.yb + (m0 + i) * (a.N / 2) + n0 / 2,
                           _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
     } else if (whole_lines) {
@@ -1246,7 +1242,7 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor blocks, at::Tensor column_sums
   const int64_t N = scales.numel(), K = x.size(-1);
   const bool gated = silu_table.has_value() && silu_table->defined();
   TORCH_CHECK(!gated || (x.scalar_type() == at::kBFloat16 && N % 128 == 0 && silu_table->scalar_type() == at::kInt &&
-                         silu_table->numel() == (65536 + 16) / 2),
+                         silu_table->numel() == folio::SILU_TABLE_INTS),
               "a gated product takes bf16 x, N a multiple of 128 and the int32 [32776] silu table");
   TORCH_CHECK(blocks.dim() == 4 && blocks.scalar_type() == at::kChar && blocks.is_contiguous() &&
                   blocks.size(2) == 64 && blocks.size(3) == 4,

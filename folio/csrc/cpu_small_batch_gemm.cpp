@@ -342,27 +342,25 @@ const c10::BFloat16* check_amx(const at::Tensor& x, const at::Tensor& w, int64_t
 at::Tensor linear_bf16_amx_silu(const at::Tensor& x, const at::Tensor& w, int64_t N, const at::Tensor& table) {
   const int64_t M = x.size(0), NB = w.size(2);
   TORCH_CHECK(NB == 32 && N % 64 == 0 && N == w.size(0) * NB, "a gated weight is whole pairs of 32-column blocks");
-  TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous() && table.numel() == (65536 + 16) / 2,
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.is_contiguous() && table.numel() == folio::SILU_TABLE_INTS,
               "the silu table must be the int32 [32776] of fused_ops.bf16_silu_table");
   at::Tensor y = at::empty({M, N / 2}, x.options());
 #if FOLIO_AMX
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int* silu = table.data_ptr<int>();
   amx_shares(x, w, [&](int64_t, int64_t, const auto& run) {
-    std::vector<uint16_t> gates(M * 32);  // the last gate block's values, bf16 bits, rows of 32
+    std::vector<float> gates(M * 32);  // the last gate block's sums (plus the zero bias, as stored), rows of 32
     run([&](int64_t b, int64_t m0, int64_t m1, const auto& sums) {
       for (int v = 0; v < 2; ++v) {
         const Lanes lanes(nullptr, b * NB, NB, v);
         for (int64_t m = m0; m < std::min(m1, M); ++m) {
-          const __m512 sum = _mm512_loadu_ps(static_cast<const float*>(sums(0, m, v)));
-          uint16_t* gate = &gates[m * 32 + v * 16];
-          if (b % 2 == 0) {
-            lanes.store(reinterpret_cast<c10::BFloat16*>(gate), sum);
-          } else {
-            const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate)));
+          const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(static_cast<const float*>(sums(0, m, v))), lanes.bias);
+          float* gate = &gates[m * 32 + v * 16];
+          if (b % 2 == 0)
+            _mm512_storeu_ps(gate, sum);
+          else
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * (N / 2) + (b / 2) * 32 + v * 16),
-                                folio::silu_times_up(silu, bits, lanes.rounded(sum)));
-          }
+                                folio::silu_times_up_of_sums(silu, _mm512_loadu_ps(gate), sum));
         }
       }
     });

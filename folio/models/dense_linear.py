@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from folio.models import fused_ops, gated_layout, small_batch_gemm
+from folio.models import gated_layout, small_batch_gemm
 from folio.models.layers import silu_and_mul
 from folio.models.linear import Linear, LinearMethod
 
@@ -104,10 +104,9 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, Optional[small_batch_gemm.
 
 
 def gated_silu_table(layer: Linear) -> Optional[torch.Tensor]:
-    """fused_ops' silu table for a bf16 SwiGLU gate/up whose small batches the AMX tiles take here, so that it goes
-    in the gated layout; None for every other layer. No bias, and a multiple of 64 outputs: the op takes every
-    value of such rows through its table, as the epilogue does."""
-    if not (layer.silu_and_mul and layer.bias is None and layer.output_size % (4 * gated_layout.GATED_RUN) == 0
-            and small_batch_gemm.AMX_ROWS and small_batch_gemm.amx_available() and layer.input_size % 32 == 0):
+    """The silu table for a bf16 SwiGLU gate/up (no bias) whose small batches the AMX tiles take here, so that it
+    goes in the gated layout (gated_layout.silu_table); None for every other layer."""
+    if not (layer.silu_and_mul and layer.bias is None and small_batch_gemm.AMX_ROWS
+            and small_batch_gemm.amx_available() and layer.input_size % 32 == 0):
         return None
-    return fused_ops.bf16_silu_table()
+    return gated_layout.silu_table(layer.output_size)

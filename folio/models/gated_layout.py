@@ -7,6 +7,8 @@ without the op's pass over a product twice its size.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from folio.models import fused_ops
@@ -23,6 +25,12 @@ def interleave_gated(rows: torch.Tensor) -> torch.Tensor:
     i = rows.shape[0] // 2
     order = torch.arange(2 * i).view(2, i // GATED_RUN, GATED_RUN).transpose(0, 1).reshape(-1)
     return rows[order]
+
+
+def silu_table(output_size: int) -> Optional[torch.Tensor]:
+    """fused_ops.bf16_silu_table for a gate/up of output_size rows that can take the gated layout, else None: a
+    multiple of 64 outputs, whose rows the op takes through its table alone, as a fused epilogue does."""
+    return fused_ops.bf16_silu_table() if output_size % (4 * GATED_RUN) == 0 else None
 
 
 def plain_order(product: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ from typing import Callable, Optional
 
 import torch
 
-from folio.models import fused_ops, gated_layout, onednn_layout, quant_kernels
+from folio.models import gated_layout, onednn_layout, quant_kernels
 from folio.platforms.cpu_features import has_amx_int8, has_avx512_vnni
 
 # the weight is packed for a batch of this many rows (prefill chunks and decode batches of tens of requests)
@@ -127,7 +127,7 @@ def prepack(weight: torch.Tensor, scales: torch.Tensor, gated: bool = False) -> 
     an Emerald Rapids Xeon: 1.02-1.06x at 62 rows, 1.04-1.09x at 1852 (three runs); the epilogue's table lookups
     (two gathers of 16 a row and block) cost about what halving its stores saves, so the gain is the op's pass.
     SiLU computed in the epilogue from SLEEF's exp, before the op had its table, measured 0.95-1.05x."""
-    table = fused_ops.bf16_silu_table() if gated and weight.shape[0] % (4 * gated_layout.GATED_RUN) == 0 else None
+    table = gated_layout.silu_table(weight.shape[0]) if gated else None
     if table is not None and has_amx_int8() and quant_kernels.has_w8a8_amx() and weight.shape[1] % 64 == 0:
         packed = prepack(gated_layout.interleave_gated(weight), gated_layout.interleave_gated(scales))
         if packed.tile_rows == TILE_ROWS_AMX:  # every batch on the blocks

@@ -103,6 +103,11 @@ def _on_tiles(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor]) -> boo
     return isinstance(weight, PackedWeight) and x.shape[0] > MAX_ROWS[torch.bfloat16]
 
 
+def _tiles_take(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor]) -> bool:
+    """Whether `linear` would run this batch on the AMX tiles (the batches the tile loop's epilogues serve)."""
+    return serves(x) and _on_tiles(x, weight)
+
+
 def vector_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] (bf16, unit stride) @ weight^T (+ bias) on the kernel's vdpbf16ps loop, any M."""
     return KERNEL.load().linear_bf16(x, weight.blocks, weight.out_features, bias)
@@ -131,7 +136,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: Union[PackedWeight, torch.Tenso
     silu_and_mul's result of the product, [M, N / 2] in the outputs' order, the product never written (the
     epilogue looks each gate up in silu_table, fused_ops.bf16_silu_table, as the op does). None for every other
     batch (the caller takes the op of `linear`'s product)."""
-    if not (serves(x) and _on_tiles(x, weight)):
+    if not _tiles_take(x, weight):
         return None
     return KERNEL.load().linear_bf16_amx(x.contiguous(), weight.blocks, weight.out_features, None, silu_table)
 
@@ -141,6 +146,6 @@ def linear_argmax(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor],
     """For a batch that `linear` sends to the AMX tiles: argmax(linear(x, weight, bias), dim=-1) as int64 [M]
     (first maximum, first NaN), the product never written (a greedy step's lm_head, whose logits would be
     megabytes written and read back by the argmax). None for every other batch (the caller takes its own)."""
-    if not (serves(x) and _on_tiles(x, weight)):
+    if not _tiles_take(x, weight):
         return None
     return KERNEL.load().linear_bf16_amx_argmax(x.contiguous(), weight.blocks, weight.out_features, bias)
