@@ -1,5 +1,6 @@
 // The AVX-512 versions of the softmax's functions, shared by the kernels that attend (cpu_paged_attention.cpp,
-// cpu_flash_prefill.cpp): 2^x of the scores shifted by their running max, and tanh for soft-capped scores.
+// cpu_flash_prefill.cpp): 2^x of the scores shifted by their running max, tanh for soft-capped scores, and the
+// 16 x 16 transpose of words that lays out bf16 pairs for the tiles.
 // (folio.csrc_build hashes this folder's headers into every kernel's build key.)
 #pragma once
 
@@ -43,6 +44,30 @@ inline __m512 tanh_ps(__m512 a) {
   q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(4.89352518554385e-03f));
   const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(0.0004f), _CMP_LT_OQ);
   return _mm512_mask_blend_ps(tiny, _mm512_div_ps(p, q), a);
+}
+
+// rows[k] = the k-th 32-bit word of each of the 16 rows given (a 16 x 16 transpose of words)
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
 }
 
 }  // namespace

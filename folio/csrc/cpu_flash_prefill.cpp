@@ -112,30 +112,6 @@ constexpr bool KEY_SCALES = PAIRS<T> && Cache<C>::QUANTIZED;
 #if FOLIO_BF16_PRODUCTS
 constexpr int VECTOR_PACK_MAX_D = 256;  // head dims the vector packing takes (multiples of 32 up to this)
 
-// rows[k] = the k-th 32-bit word of each of the 16 rows given (a 16 x 16 transpose of words)
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-  }
-}
-
 // pack_tile's bf16 operands for a head_dim of a multiple of 32 up to VECTOR_PACK_MAX_D: 16 keys at a time, K's
 // words transposed in registers, V's rows interleaved by pairs of keys (the same layout as the scalar loop's).
 template <typename C>
