@@ -14,9 +14,9 @@
 // rows are prefetched while this one is computed, since a block can be anywhere in the cache. Items run
 // on OpenMP threads (dynamic schedule, longest first; while enough are left, a thread claims its next item
 // before it runs the current one, so that the decode path below can prefetch the next one's first keys).
-// Decodes of grouped-query heads with bf16 q (from a bf16 or 8-bit cache) take a path of their own, in tiles
-// of 64 keys: on AMX-BF16 the scores as tile products of K's rows in place (paged_decode_amx.h), elsewhere
-// vdpbf16ps after a transpose of K (attend_decode_bf16).
+// Decodes of grouped-query heads with bf16 q (from a bf16 or 8-bit cache) take a path of their own: on AMX-BF16
+// the scores and P.V as tile products of K's and V's rows in place, up to 256 keys a softmax step
+// (paged_decode_amx.h), elsewhere vdpbf16ps after a transpose of K, 64 keys a step (attend_decode_bf16).
 // When the batch has too few items to keep every thread busy (a single long decode), the keys of an item
 // are split into partitions whose partial (m, l, acc) are merged afterwards (flash-decoding).
 //

@@ -133,9 +133,9 @@ void attend_decode_amx(const Params& P, const Item& it, float* partial, const It
   float* mem = thread_scratch().get((size_t)R * (D + TILE + 1) + (size_t)NL * LANES * 2 +
                                     (size_t)NL * MAX_CHUNK * LANES + (size_t)NH * LB * GR * 256 +
                                     (size_t)NH * 2 * 16 * D2 + (size_t)NH * NC * 256 + (size_t)LANES * D2 + q8 +
-                                    3 * 16);
+                                    2 * 16);
   float* acc = aligned(mem);
-  float* lv = aligned(acc + (size_t)R * D);
+  float* lv = acc + (size_t)R * D;  // (R D and R TILE floats keep the alignment)
   float* m = lv + (size_t)R * TILE;
   float* gmax = aligned(m + R);
   float* gsum = gmax + (size_t)NL * LANES;
@@ -200,8 +200,9 @@ void attend_decode_amx(const Params& P, const Item& it, float* partial, const It
       const int nt = std::min(KEYS, c0 + nch - t0), nsub = (nt + 15) / 16, j0 = t0 - c0;
       int64_t tok[KEYS];
       key_rows(P, bt, t0, nt, row_stride, tok);
-      for (int u = 0; u < nsub; ++u)
-        vrows[j0 / 16 + u] = reinterpret_cast<const uint8_t*>(vc + tok[16 * u] + (int64_t)it.h0 * RW);
+      if constexpr (!Q8)
+        for (int u = 0; u < nsub; ++u)
+          vrows[j0 / 16 + u] = reinterpret_cast<const uint8_t*>(vc + tok[16 * u] + (int64_t)it.h0 * RW);
       LinePrefetcher<KEYS> pf;
       if (t0 + KEYS < it.k1) aim<C>(pf, P, it, t0 + KEYS, NH * NC);
       else if (ahead) aim<C>(pf, P, *ahead, ahead->k0, NH * NC);
