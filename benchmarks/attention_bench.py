@@ -13,6 +13,7 @@ the KV touched (>= --cold-mib) does not stay in the CPU caches, as in a real mod
     .venv/bin/python benchmarks/attention_bench.py --long-queries --versus-sdpa  # ... vs PyTorch's flash attention
     .venv/bin/python benchmarks/attention_bench.py --long-queries --query-lens 16,32,64  # where the path starts to win
     .venv/bin/python benchmarks/attention_bench.py --versus-kernel HEAD~1  # the kernel against an older build of it
+    .venv/bin/python benchmarks/attention_bench.py --long-queries --versus-kernel HEAD~1  # both kernels, prefill cases
     .venv/bin/python benchmarks/attention_bench.py --kv-cache-dtype int8   # an 8-bit cache (int8 or fp8)
     .venv/bin/python benchmarks/attention_bench.py --engine      # whole engine, default model, both backends
 """
@@ -34,6 +35,7 @@ import torch
 
 from folio.attention.backend import BatchLayout
 from folio.attention.cpu_paged import CPUPagedAttentionBackend
+from folio.attention.flash_prefill import FlashPrefill
 from folio.attention.kv_quant import KV_QUANTIZATIONS
 from folio.attention.sdpa_prefill import SdpaPrefill
 from folio.attention.torch_sdpa import TorchSDPABackend
@@ -146,9 +148,9 @@ def bench_case(name, specs, shape, dtype, args, rng, backends):
           f"({len(caches)} layers, {calls} calls x {len(keep)}/{args.rounds} rounds){flag}", flush=True)
 
 
-def kernel_at(revision: str) -> CPUPagedAttentionBackend:
-    """The paged backend (long-query paths as now) on the kernel as it was at a git revision, built under a name
-    of its own."""
+def built_at(revision: str, source_name: str, ext_name: str, what: str):
+    """folio/csrc/<source_name> and the headers it includes as they were at a git revision, built under a name of
+    its own."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], check=True, capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent).stdout
@@ -157,16 +159,27 @@ def kernel_at(revision: str) -> CPUPagedAttentionBackend:
     headers = [name for name in git("ls-tree", "--full-tree", "--name-only", f"{revision}:folio/csrc").split() if name.endswith(".h")]
     for name in headers:  # the headers it includes, as they were then
         (folder / name).write_text(git("show", f"{revision}:folio/csrc/{name}"))
-    source = git("show", f"{revision}:folio/csrc/cpu_paged_attention.cpp")
-    path = folder / "cpu_paged_attention.cpp"
+    source = git("show", f"{revision}:folio/csrc/{source_name}")
+    path = folder / source_name
     path.write_text(source)
     digest = hashlib.sha1("".join([source] + [(folder / n).read_text() for n in headers]).encode()).hexdigest()[:12]
-    ext = CppKernel(f"folio_cpu_paged_attention_{digest}", path, what=f"paged attention kernel at {revision}",
-                    fallback="no comparison").load()
+    ext = CppKernel(f"{ext_name}_{digest}", path, what=f"{what} at {revision}", fallback="no comparison").load()
     if ext is None:
-        raise SystemExit(f"the kernel at {revision} did not build")
+        raise SystemExit(f"the {what} at {revision} did not build")
+    return ext
+
+
+def kernel_at(revision: str, long_queries: bool = False) -> CPUPagedAttentionBackend:
+    """The paged backend on the kernel as it was at a git revision; with long_queries its long-query paths on the
+    prefill kernel of that revision too (else as now)."""
     backend = CPUPagedAttentionBackend()
-    backend.ext = ext
+    backend.ext = built_at(revision, "cpu_paged_attention.cpp", "folio_cpu_paged_attention", "paged attention kernel")
+    if long_queries:
+        flash = built_at(revision, "cpu_flash_prefill.cpp", "folio_cpu_flash_prefill", "prefill attention kernel")
+        for dtype in (torch.bfloat16, *(quant.storage_dtype for quant in KV_QUANTIZATIONS.values())):
+            path = backend.long_query_path(dtype)
+            if isinstance(path, FlashPrefill):
+                path.ext = flash
     return backend
 
 
@@ -220,7 +233,8 @@ def main() -> None:
     parser.add_argument("--cold-mib", type=int, default=256, help="KV bytes cycled through (per backend)")
     parser.add_argument("--hot", action="store_true", help="one layer: the KV stays in the CPU caches")
     parser.add_argument("--versus-kernel", metavar="REV",
-                        help="compare with the paged kernel of git revision REV (built once) instead of SDPA")
+                        help="compare with the paged kernel of git revision REV (built once) instead of SDPA; with "
+                             "--long-queries, with both attention kernels of REV")
     parser.add_argument("--prefill", action="store_true", help="also time prefill and chunked-prefill steps")
     parser.add_argument("--versus-sdpa", action="store_true",
                         help="--long-queries: against PyTorch's flash attention (sdpa_prefill) taking the same long "
@@ -253,10 +267,11 @@ def main() -> None:
             raise SystemExit(f"this CPU keeps long queries on {cache_dtype} caches on the kernel")
         sdpa = SdpaPrefill(own.min_query_len, own.min_query_key_pairs)
         baseline = CPUPagedAttentionBackend(long_queries={cache_dtype: lambda: sdpa})
+    elif args.versus_kernel:
+        baseline = kernel_at(args.versus_kernel, long_queries=args.long_queries)
     else:
-        baseline = CPUPagedAttentionBackend(long_queries={}) if args.long_queries \
-            else kernel_at(args.versus_kernel) if args.versus_kernel else TorchSDPABackend()
-    base = ("sdpa" if args.versus_sdpa else "kernel") if args.long_queries else "old" if args.versus_kernel \
+        baseline = CPUPagedAttentionBackend(long_queries={}) if args.long_queries else TorchSDPABackend()
+    base = "old" if args.versus_kernel else ("sdpa" if args.versus_sdpa else "kernel") if args.long_queries \
         else "sdpa"
     paged = CPUPagedAttentionBackend()
     if args.query_lens:  # this CPU's path for the cache's dtype, taking every query

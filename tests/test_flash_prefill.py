@@ -107,6 +107,22 @@ def test_windows_and_soft_capping(flash_kernel, params, bf16_products):
     check_close(out, reference(q, written, layout, params), torch.nan_to_num(written[1]), bf16_products)
 
 
+@PRODUCTS
+def test_scores_that_grow_past_floats_range(flash_kernel, bf16_products):
+    """Every key's score one more than the key before's (base e): over a tile of keys a row's scores grow by far
+    more than float32's 2^128, so its running max must move with them (bf16 products keep it until a tile's max
+    passes it by 2^8), or the probabilities overflow."""
+    needs_products(bf16_products)
+    specs = [(700, 700), (300, 300)]
+    q, k, v, cache, layout = make_step(specs, 16, 2, 7, 64, torch.bfloat16, seed=13)
+    position = torch.cat([torch.arange(query_len) for query_len, _ in specs]).float()
+    q = torch.full(q.shape, 0.5, dtype=torch.bfloat16)  # q . k / sqrt(64) = position where k = position / 4
+    k = (position / 4)[:, None, None].expand(k.shape).to(torch.bfloat16).contiguous()
+    _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
+    out = attend_all(q, written, layout, AttentionParams(), bf16_products)
+    check_close(out, reference(q, written, layout, AttentionParams()), written[1], bf16_products)
+
+
 @pytest.mark.parametrize("rule", [flash_prefill.FLOAT32_PRODUCTS, flash_prefill.BF16_PRODUCTS], ids=["fp32", "bf16"])
 def test_backend_takes_long_bf16_queries_there(flash_kernel, rule):
     # through the backend: long requests to the path, decodes and short chunks to the kernel

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -62,8 +63,9 @@
 
 namespace {
 
-constexpr int KEY_TILE = 128;  // keys per tile: the N of S = Q K^T and the K of P V
+constexpr int KEY_TILE = 256;  // keys per tile: the N of S = Q K^T and the K of P V
 constexpr int KEY_STEP = 32;   // a tile's products stop at the keys its rows see, rounded up to this (causal)
+static_assert(KEY_TILE % KEY_STEP == 0 && KEY_STEP % 32 == 0, "bf16 probabilities are stored 32 keys at a time");
 constexpr int TARGET_ROWS = 128;  // query rows (tokens x heads of a group) per tile: the M of both products
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -87,8 +89,8 @@ struct Params {
 
 // The operands of the two products: float32 (T = float: K^T [D, KEY_TILE] and V [KEY_TILE, D] row-major) or bf16
 // (T = bf16: oneDNN's micro-kernel takes bf16 B in pairs along the reduced dimension, K^T as [D / 2, KEY_TILE, 2]
-// and V as [KEY_TILE / 2, D, 2]). A tile always holds KEY_TILE keys, the ones past the context zero, so that
-// every product has the same N (S = Q K^T) and K (P V).
+// and V as [KEY_TILE / 2, D, 2]). A tile holds KEY_TILE keys; in a context's last one, those past the context are
+// zero up to the next KEY_STEP, as far as the products read (below).
 template <typename T>
 constexpr bool PAIRS = std::is_same<T, bf16>::value;
 
@@ -178,16 +180,24 @@ void pack_pairs_avx512(const Params& P, int b, int h, int t0, int kt, bf16* kdst
 
 // Tile of kt keys from t0 into kdst (K^T) and vdst (V) in T's layout (above), widened to float32 (an 8-bit row's
 // codes times its scale) or as they are (bf16 operands: an 8-bit row's codes, its scales into kscale and vscale
-// [KEY_TILE]); keys kt .. KEY_TILE - 1 are zero.
+// [KEY_TILE]); keys from kt to the next multiple of KEY_STEP are zero.
 template <typename C, typename T>
 void pack_tile(const Params& P, int b, int h, int t0, int kt, T* kdst, T* vdst, float* kscale, float* vscale) {
   const int D = P.D;
-  if (kt < KEY_TILE) {  // a context's last tile (products of zeros: no NaN from stale memory reaches the output)
-    std::fill(kdst, kdst + (int64_t)KEY_TILE * D, T(0));
-    std::fill(vdst, vdst + (int64_t)KEY_TILE * D, T(0));
+  if (kt < KEY_TILE) {  // a context's last tile: zeros for the keys the products read past it (no NaN from stale
+                        // memory reaches the output), before the packing writes pairs that straddle the end
+    const int kr = std::min(KEY_TILE, (kt + KEY_STEP - 1) / KEY_STEP * KEY_STEP);
+    if constexpr (PAIRS<T>) {  // K^T [D / 2][KEY_TILE] words, V [KEY_TILE / 2][D][2]
+      uint32_t* kd = reinterpret_cast<uint32_t*>(kdst);
+      for (int w = 0; w < D / 2; ++w) std::fill(kd + (int64_t)w * KEY_TILE + kt, kd + (int64_t)w * KEY_TILE + kr, 0u);
+      std::fill(vdst + (int64_t)(kt >> 1) * D * 2, vdst + (int64_t)(kr >> 1) * D * 2, T(0));
+    } else {  // K^T [D][KEY_TILE], V [KEY_TILE][D]
+      for (int d = 0; d < D; ++d) std::fill(kdst + (int64_t)d * KEY_TILE + kt, kdst + (int64_t)d * KEY_TILE + kr, T(0));
+      std::fill(vdst + (int64_t)kt * D, vdst + (int64_t)kr * D, T(0));
+    }
     if (KEY_SCALES<C, T>) {
-      std::fill(kscale + kt, kscale + KEY_TILE, 0.f);
-      std::fill(vscale + kt, vscale + KEY_TILE, 0.f);
+      std::fill(kscale + kt, kscale + kr, 0.f);
+      std::fill(vscale + kt, vscale + kr, 0.f);
     }
   }
 #if FOLIO_BF16_PRODUCTS
@@ -229,12 +239,22 @@ struct Item {
   int64_t cost;
 };
 
+// An array left as allocated: every element a tile uses is written before it is read, and std::vector would zero
+// the scores' and probabilities' tiles (192 KB a thread and call in bf16), a tenth of a short prompt's time.
+template <typename E>
+struct Scratch {
+  std::unique_ptr<E[]> elements;
+  explicit Scratch(size_t n) : elements(new E[n]) {}
+  E* data() { return elements.get(); }
+  E& operator[](size_t i) { return elements[i]; }
+};
+
 // Per-thread buffers of one query tile of at most M rows: query rows [M, D] and probabilities [M, KEY_TILE] as
 // operands (T), scores [M, KEY_TILE], the output accumulator [M, D], running max and sum (float32).
 template <typename T>
 struct TileBuffers {
-  std::vector<T> q, p;
-  std::vector<float> s, acc, m, l;
+  Scratch<T> q, p;
+  Scratch<float> s, acc, m, l;
   TileBuffers(int M, int D)
       : q((size_t)M * D), p(PAIRS<T> ? (size_t)M * KEY_TILE : 0), s((size_t)M * KEY_TILE), acc((size_t)M * D), m(M),
         l(M) {}
@@ -247,10 +267,11 @@ struct RowSoftmax {
 };
 
 // One row of a key tile: its scores s [KEY_TILE] (Q K^T) to probabilities 2^(scaled s - new max) for the keys
-// [first, lim) the row sees, 0 for the others, in place (float32 products), given the row's max so far. (Float32
-// operands hold an 8-bit row's values with its scale: there are no key scales here, the last two are null.)
-RowSoftmax probabilities(const Params& P, float* s, float* p, int first, int lim, float old_max, const float*,
-                         const float*) {
+// [first, lim) the row sees, 0 for the others up to kn (the keys P V reads), in place (float32 products), given
+// the row's max so far. (Float32 operands hold an 8-bit row's values with its scale: there are no key scales
+// here, the last two are null.)
+RowSoftmax probabilities(const Params& P, float* s, float* p, int first, int lim, int kn, float old_max,
+                         const float*, const float*) {
   if (P.softcap2 > 0.f) {
     for (int j = first; j < lim; ++j) s[j] = P.softcap2 * std::tanh(s[j] * P.scale_log2 * P.inv_softcap2);
   } else {
@@ -266,18 +287,83 @@ RowSoftmax probabilities(const Params& P, float* s, float* p, int first, int lim
 #pragma omp simd reduction(+ : sum)
   for (int j = first; j < lim; ++j) sum += p[j];
   std::fill(p, p + first, 0.f);
-  std::fill(p + lim, p + KEY_TILE, 0.f);
+  std::fill(p + lim, p + kn, 0.f);
   return {mn, sum};
 }
 
 #if FOLIO_BF16_PRODUCTS
+// bf16 products keep a row's running max where it is until a tile's max passes it by more than MAX_SLACK (base 2;
+// FlashAttention-3's lazy rescaling): the probabilities are then at most 2^8, which float32 and bf16 hold at their
+// full relative precision, and a row's sum and accumulator are rescaled only when its max grows that much, a few
+// times a row instead of at most tiles. (The float32 products' path keeps the exact max: unmeasured there.)
+constexpr float MAX_SLACK = 8.f;
+
+inline float running_max(float tile_max, float old_max) {
+  return tile_max <= old_max + MAX_SLACK ? old_max : tile_max;
+}
+
+// Keys [32 j, 32 j + 32) of a tile, their probabilities in ea (the first 16) and eb: rounded to bf16 into p (times
+// their V scales first where vscale, an 8-bit cache's, is given), and the rounded values added to sum (vdpbf16ps
+// by ones: each lane adds a pair). One rounding and one store for two vectors.
+inline void store_pair(bf16* p, int j, __m512 ea, __m512 eb, const float* vscale, __m512& sum) {
+  const __m512bh rounded = _mm512_cvtne2ps_pbh(eb, ea);  // ea's in the low half
+  const __m512bh operand = vscale ? _mm512_cvtne2ps_pbh(_mm512_mul_ps(eb, _mm512_loadu_ps(vscale + 32 * j + 16)),
+                                                        _mm512_mul_ps(ea, _mm512_loadu_ps(vscale + 32 * j)))
+                                  : rounded;
+  _mm512_storeu_si512(p + 32 * j, (__m512i)operand);
+  sum = _mm512_dpbf16_ps(sum, rounded, (__m512bh)_mm512_set1_epi16(0x3f80));
+}
+
+// A row that sees keys [0, lim) of the tile, without soft cap (most rows: a window's start or a soft cap take the
+// general path below): lim / 16 whole vectors and the first lim % 16 lanes of the next, no masks on the whole
+// ones, four chains of maxima (vmaxps' latency). The arithmetic is the general path's (the scale times the max of
+// the scores, which is the max of the scaled ones; the exponent in one fused multiply-subtract), so that an 8-bit
+// cache with scales of powers of two still attends bit for bit as a bf16 cache of its values. WHOLE: lim >=
+// KEY_TILE (a long prompt's rows before the diagonal), with no tail to test; SCALED_KEYS: an 8-bit cache's (kscale).
+template <bool WHOLE, bool SCALED_KEYS>
+RowSoftmax plain_probabilities(const Params& P, const float* s, bf16* p, int lim, int kn, float old_max,
+                               const float* kscale, const float* vscale) {
+  constexpr int NV = KEY_TILE / 16;
+  const int full = WHOLE ? NV : lim / 16, rest = WHOLE ? 0 : lim % 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << rest) - 1);
+  const auto score = [&](int i) {  // vector i's scores, times their keys' K scales
+    const __m512 v = _mm512_loadu_ps(s + 16 * i);
+    return SCALED_KEYS ? _mm512_mul_ps(v, _mm512_loadu_ps(kscale + 16 * i)) : v;
+  };
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx[4] = {none, none, none, none};
+  for (int i = 0; i < full; ++i) mx[i % 4] = _mm512_max_ps(mx[i % 4], score(i));
+  if (rest) mx[full % 4] = _mm512_mask_max_ps(mx[full % 4], tail, mx[full % 4], score(full));
+  const float raw_max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3])));
+  const float mn = running_max(raw_max * P.scale_log2, old_max);
+  const __m512 scale = _mm512_set1_ps(P.scale_log2), m = _mm512_set1_ps(mn);
+  const auto probabilities_of = [&](int i) {  // vector i's: 2^(scale s - max), 0 past lim
+    if (i > full || (i == full && !rest)) return _mm512_setzero_ps();
+    const __m512 e = exp2_ps(_mm512_fmsub_ps(score(i), scale, m));
+    return i < full ? e : _mm512_maskz_mov_ps(tail, e);
+  };
+  __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  const int pairs = (full + (rest ? 1 : 0) + 1) / 2;
+  for (int j = 0; j < pairs; ++j) store_pair(p, j, probabilities_of(2 * j), probabilities_of(2 * j + 1), vscale, sums[j % 2]);
+  for (int j = pairs; j < kn / 32; ++j) _mm512_storeu_si512(p + 32 * j, _mm512_setzero_si512());
+  return {mn, _mm512_reduce_add_ps(_mm512_add_ps(sums[0], sums[1]))};
+}
+
 // The same into bf16 probabilities (bf16 products), in registers: the sum is of the rounded probabilities, so that
 // the output is an exact weighted mean of V's rows. With an 8-bit cache (kscale and vscale: the tile's keys'
 // scales; else null) each score is first multiplied by its key's K scale, and each probability by its V scale
-// before it is rounded (the sum stays of the rounded probabilities alone).
-RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, int lim, float old_max,
+// before it is rounded (the sum stays of the rounded probabilities alone). Rows from the tile's first key without
+// a soft cap take plain_probabilities; here, a window's first keys masked and soft-capped scores.
+RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, int lim, int kn, float old_max,
                          const float* kscale, const float* vscale) {
   constexpr int NV = KEY_TILE / 16;
+  if (first == 0 && P.softcap2 <= 0.f) {
+    if (kscale)
+      return lim >= KEY_TILE ? plain_probabilities<true, true>(P, s, p, lim, kn, old_max, kscale, vscale)
+                             : plain_probabilities<false, true>(P, s, p, lim, kn, old_max, kscale, vscale);
+    return lim >= KEY_TILE ? plain_probabilities<true, false>(P, s, p, lim, kn, old_max, nullptr, vscale)
+                           : plain_probabilities<false, false>(P, s, p, lim, kn, old_max, nullptr, vscale);
+  }
   const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 x[NV];
   __mmask16 seen[NV];
@@ -290,26 +376,28 @@ RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, in
     seen[i] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));  // lanes [lo, hi)
     __m512 v = _mm512_loadu_ps(s + 16 * i);
     if (kscale) v = _mm512_mul_ps(v, _mm512_loadu_ps(kscale + 16 * i));
-    const __m512 scaled = P.softcap2 > 0.f
-        ? _mm512_mul_ps(_mm512_set1_ps(P.softcap2), tanh_ps(_mm512_mul_ps(v, _mm512_set1_ps(P.scale_log2 * P.inv_softcap2))))
-        : _mm512_mul_ps(v, _mm512_set1_ps(P.scale_log2));
-    x[i] = _mm512_mask_mov_ps(none, seen[i], scaled);
+    if (P.softcap2 > 0.f)
+      v = _mm512_mul_ps(_mm512_set1_ps(P.softcap2), tanh_ps(_mm512_mul_ps(v, _mm512_set1_ps(P.scale_log2 * P.inv_softcap2))));
+    x[i] = _mm512_mask_mov_ps(none, seen[i], v);
     mx = _mm512_max_ps(mx, x[i]);
   }
-  const float mn = std::max(old_max, _mm512_reduce_max_ps(mx));
-  __m512 sum = _mm512_setzero_ps();
-  for (int i = 0; i < NV; ++i) {
-    if (i < v0 || i >= v1) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), _mm256_setzero_si256());
+  // x: base-2 scores where soft-capped, else scores the scale turns into base 2 (as plain_probabilities does)
+  const float factor = P.softcap2 > 0.f ? 1.f : P.scale_log2;
+  const float mn = running_max(_mm512_reduce_max_ps(mx) * factor, old_max);
+  const __m512 scale = _mm512_set1_ps(factor), m = _mm512_set1_ps(mn);
+  const auto probabilities_of = [&](int i) {
+    if (i < v0 || i >= v1) return _mm512_setzero_ps();
+    return _mm512_maskz_mov_ps(seen[i], exp2_ps(_mm512_fmsub_ps(x[i], scale, m)));
+  };
+  __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // as plain_probabilities sums
+  for (int j = 0; j < kn / 32; ++j) {
+    if (2 * j + 1 < v0 || 2 * j >= v1) {
+      _mm512_storeu_si512(p + 32 * j, _mm512_setzero_si512());
       continue;
     }
-    const __m512 e = _mm512_maskz_mov_ps(seen[i], exp2_ps(_mm512_sub_ps(x[i], _mm512_set1_ps(mn))));
-    const __m256bh rounded = _mm512_cvtneps_pbh(e);
-    const __m256bh operand = vscale ? _mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_loadu_ps(vscale + 16 * i))) : rounded;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), (__m256i)operand);
-    sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
+    store_pair(p, j, probabilities_of(2 * j), probabilities_of(2 * j + 1), vscale, sums[j % 2]);
   }
-  return {mn, _mm512_reduce_add_ps(sum)};
+  return {mn, _mm512_reduce_add_ps(_mm512_add_ps(sums[0], sums[1]))};
 }
 #endif
 
@@ -327,8 +415,8 @@ void attend_item(const Params& P, const Span& span, const T* kpack, const T* vpa
     if (std::is_same<Q, T>::value) std::memcpy(&buf.q[(size_t)r * D], src, D * sizeof(T));
     else for (int d = 0; d < D; ++d) buf.q[(size_t)r * D + d] = static_cast<T>(static_cast<float>(src[d]));
   }
-  std::fill(buf.m.begin(), buf.m.begin() + M, -std::numeric_limits<float>::infinity());
-  std::fill(buf.l.begin(), buf.l.begin() + M, 0.f);
+  std::fill(buf.m.data(), buf.m.data() + M, -std::numeric_limits<float>::infinity());
+  std::fill(buf.l.data(), buf.l.data() + M, 0.f);
 
   // key tiles from the window of the first query token to the last token (causal)
   const int kfirst = P.window ? std::max(span.kbeg, off + it.q0 - P.window + 1) : 0;
@@ -357,19 +445,22 @@ void attend_item(const Params& P, const Span& span, const T* kpack, const T* vpa
       T* p = tile_p + (size_t)r * KEY_TILE;
       float* a = buf.acc.data() + (size_t)r * D;
       if (lim <= first) {  // no key of this tile for the row (before the diagonal or past its window)
-        std::fill(p, p + KEY_TILE, T(0));
+        std::fill(p, p + kn, T(0));
         if (first_tile) std::fill(a, a + D, 0.f);
         continue;
       }
-      const auto [mn, sum] = probabilities(P, s, p, first, lim, buf.m[r], ks, vs);
+      const auto [mn, sum] = probabilities(P, s, p, first, lim, kn, buf.m[r], ks, vs);
       if (first_tile) {
         std::fill(a, a + D, 0.f);
         buf.l[r] = sum;
       } else {
-        const float corr = exp2_approx(buf.m[r] - mn);  // 0 while the row has seen no key (m = -inf)
-        buf.l[r] = buf.l[r] * corr + sum;
-        if (corr != 1.f)
+        if (mn == buf.m[r]) {  // (bf16 products' max moves lazily: most tiles)
+          buf.l[r] += sum;
+        } else {
+          const float corr = exp2_approx(buf.m[r] - mn);  // 0 while the row has seen no key (m = -inf)
+          buf.l[r] = buf.l[r] * corr + sum;
           for (int d = 0; d < D; ++d) a[d] *= corr;
+        }
       }
       buf.m[r] = mn;
     }
