@@ -35,6 +35,9 @@ soft-capped scores. The products come in two kinds:
   `--query-lens 16,32,64` then found where the path starts to win on AMX: prompts of 32 tokens tie (bf16
   1.03-1.32x, 8-bit 1.00-1.05x), of 64 win (bf16 1.82-2.00x, 8-bit 1.41-1.58x); chunks of 16 after 1000 keys win
   (bf16 1.70-2.66x, 8-bit 1.55-2.49x), prompts of 16 do not (0.89-1.10x): hence rules on (query, key) pairs too.
+  With stop 55's softmax (`--query-lens 8,16,32`, Qwen2-0.5B, Qwen3-0.6B, SmolLM2, Llama-3-8B's shape) prompts of 16
+  tokens win as well (bf16 1.34-1.71x, int8 and fp8 1.15-1.66x) and chunks of 8 after 1000 keys (1.12-2.49x),
+  prompts of 8 do not (0.81-1.27x): the AMX rules now take prompts from 16 tokens and chunks from 8.
 
 The kernel is built when a cache first needs it (about 60 s on two cores, once per machine: CPUBlas.h brings in
 oneDNN's headers).
@@ -56,9 +59,9 @@ KERNEL = CppKernel("folio_cpu_flash_prefill", CSRC / "cpu_flash_prefill.cpp", wh
 # against the kernel's AVX2 loop; bf16 ones against its AVX-512 loop on Zen 4 and on AMX, for bf16 and 8-bit caches
 FLOAT32_PRODUCTS = (4, 256)
 BF16_PRODUCTS = (128, 0)
-BF16_PRODUCTS_AMX = (16, 1 << 10)  # prompts from 32 tokens, chunks from 16 after 48 keys
+BF16_PRODUCTS_AMX = (8, 1 << 8)  # prompts from 16 tokens, chunks from 8 after 24 keys
 EIGHT_BIT_PRODUCTS = BF16_PRODUCTS
-EIGHT_BIT_PRODUCTS_AMX = (16, 1 << 12)  # prompts from 64 tokens, chunks from 16 after 240 keys
+EIGHT_BIT_PRODUCTS_AMX = BF16_PRODUCTS_AMX
 
 
 class FlashPrefill(LongQueryPath):
