@@ -152,8 +152,10 @@ def built_at(revision: str, source_name: str, ext_name: str, what: str):
     """folio/csrc/<source_name> and the headers it includes as they were at a git revision, built under a name of
     its own."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], check=True, capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent).stdout
+        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).resolve().parent)
+        if done.returncode:
+            raise SystemExit(f"git {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
 
     folder = Path(tempfile.mkdtemp())
     headers = [name for name in git("ls-tree", "--full-tree", "--name-only", f"{revision}:folio/csrc").split() if name.endswith(".h")]
@@ -266,20 +268,22 @@ def main() -> None:
         if own is None:
             raise SystemExit(f"this CPU keeps long queries on {cache_dtype} caches on the kernel")
         sdpa = SdpaPrefill(own.min_query_len, own.min_query_key_pairs)
-        baseline = CPUPagedAttentionBackend(long_queries={cache_dtype: lambda: sdpa})
+        baseline, base = CPUPagedAttentionBackend(long_queries={cache_dtype: lambda: sdpa}), "sdpa"
     elif args.versus_kernel:
-        baseline = kernel_at(args.versus_kernel, long_queries=args.long_queries)
+        baseline, base = kernel_at(args.versus_kernel, long_queries=args.long_queries), "old"
+    elif args.long_queries:
+        baseline, base = CPUPagedAttentionBackend(long_queries={}), "kernel"
     else:
-        baseline = CPUPagedAttentionBackend(long_queries={}) if args.long_queries else TorchSDPABackend()
-    base = "old" if args.versus_kernel else ("sdpa" if args.versus_sdpa else "kernel") if args.long_queries \
-        else "sdpa"
+        baseline, base = TorchSDPABackend(), "sdpa"
     paged = CPUPagedAttentionBackend()
-    if args.query_lens:  # this CPU's path for the cache's dtype, taking every query
+    if args.query_lens:  # this CPU's path for the cache's dtype taking every query, the baseline's too if it has one
         cache_dtype = dtype if args.kv_cache_dtype == "auto" else KV_QUANTIZATIONS[args.kv_cache_dtype].storage_dtype
-        path = paged.long_query_path(cache_dtype)
-        if path is None:
+        if paged.long_query_path(cache_dtype) is None:
             raise SystemExit(f"this CPU keeps long queries on {cache_dtype} caches on the kernel")
-        path.min_query_len, path.min_query_key_pairs = 1, 0
+        for backend in (baseline, paged):
+            path = backend.long_query_path(cache_dtype) if isinstance(backend, CPUPagedAttentionBackend) else None
+            if path is not None:
+                path.min_query_len, path.min_query_key_pairs = 1, 0
     backends = {"baseline": baseline, "cpu_paged": paged}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"{'' if args.kv_cache_dtype == 'auto' else f'{args.kv_cache_dtype} cache, '}block_size {args.block_size}, "

@@ -109,9 +109,9 @@ def test_windows_and_soft_capping(flash_kernel, params, bf16_products):
 
 @PRODUCTS
 def test_scores_that_grow_past_floats_range(flash_kernel, bf16_products):
-    """Every key's score one more than the key before's (base e): over a tile of keys a row's scores grow by far
-    more than float32's 2^128, so its running max must move with them (bf16 products keep it until a tile's max
-    passes it by 2^8), or the probabilities overflow."""
+    """Each key's score is its position (base e; bf16 rounds k to steps of 2 keys from 256 on, of 4 from 512): over
+    a tile of keys a row's scores grow by far more than float32's 2^128, so its running max must move with them
+    (bf16 products keep it until a tile's max passes it by 2^8), or the probabilities overflow."""
     needs_products(bf16_products)
     specs = [(700, 700), (300, 300)]
     q, k, v, cache, layout = make_step(specs, 16, 2, 7, 64, torch.bfloat16, seed=13)
@@ -121,6 +121,20 @@ def test_scores_that_grow_past_floats_range(flash_kernel, bf16_products):
     _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
     out = attend_all(q, written, layout, AttentionParams(), bf16_products)
     check_close(out, reference(q, written, layout, AttentionParams()), written[1], bf16_products)
+
+
+def test_a_negative_scale_stays_on_the_kernel(flash_kernel):
+    """The path's softmax scales the scores' max, the max of the scaled scores only for a positive scale: it
+    declines other scales (no model here has one), and the paged kernel attends those long queries."""
+    path = flash_prefill.FlashPrefill(1, 1, bf16_products=False)
+    params = AttentionParams(scale=-0.125)
+    q, k, v, cache, layout = make_step([(300, 300), (40, 90)], 16, 2, 7, 64, torch.bfloat16, seed=3)
+    assert path.supports(AttentionParams(), q) and not path.supports(params, q)
+    backend = cpu_paged.CPUPagedAttentionBackend(long_queries={torch.bfloat16: lambda: path})
+    written = (cache[0].clone(), cache[1].clone())
+    with torch.inference_mode():
+        out = backend.forward(q, k, v, written, backend.build_metadata(layout), params)
+    check_close(out, reference(q, written, layout, params), written[1], bf16_products=True)
 
 
 @pytest.mark.parametrize("rule", [flash_prefill.FLOAT32_PRODUCTS, flash_prefill.BF16_PRODUCTS], ids=["fp32", "bf16"])
@@ -161,8 +175,9 @@ def test_8bit_caches_attend_as_their_dequantised_values(flash_kernel, name, dtyp
 
 
 @pytest.mark.parametrize("name", list(KV_QUANTIZATIONS))
-@pytest.mark.parametrize("params", [AttentionParams(), AttentionParams(sliding_window=40, logit_softcap=5.0)],
-                         ids=["full", "window-softcap"])
+@pytest.mark.parametrize("params", [AttentionParams(), AttentionParams(sliding_window=40),
+                                    AttentionParams(sliding_window=40, logit_softcap=5.0)],
+                         ids=["full", "window", "window-softcap"])
 def test_bf16_products_of_an_8bit_cache_equal_a_bf16_cache_of_its_values(flash_kernel, name, params):
     """Rows whose scales are powers of two hold the same values as a bf16 cache: their codes go in as bf16
     exactly, and a scale that is a power of two moves no rounding of a score or of a probability, so both caches

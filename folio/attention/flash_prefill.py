@@ -77,7 +77,10 @@ class FlashPrefill(LongQueryPath):
         self.bf16_products = bf16_products
 
     def supports(self, params: AttentionParams, q: torch.Tensor) -> bool:
-        # bf16 operands: bf16 q, in pairs along head_dim (a float32 model's q with an 8-bit cache stays on the kernel)
+        # bf16 operands: bf16 q, in pairs along head_dim (a float32 model's q with an 8-bit cache stays on the kernel);
+        # a positive scale (the kernel's softmax scales the scores' max: no model here has another)
+        if params.scale_for(q.shape[-1]) <= 0:
+            return False
         return not self.bf16_products or (q.dtype == torch.bfloat16 and q.shape[-1] % 2 == 0)
 
     def attend(self, out, q, k_cache, v_cache, reqs, block_tables, scale, params) -> None:

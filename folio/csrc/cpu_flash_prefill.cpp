@@ -457,7 +457,8 @@ void attend_item(const Params& P, const Span& span, const T* kpack, const T* vpa
         if (mn == buf.m[r]) {  // (bf16 products' max moves lazily: most tiles)
           buf.l[r] += sum;
         } else {
-          const float corr = exp2_approx(buf.m[r] - mn);  // 0 while the row has seen no key (m = -inf)
+          const float corr = exp2_approx(buf.m[r] - mn);  // 2^-126 while the row has seen no key (m = -inf),
+                                                            // where l and acc are still 0
           buf.l[r] = buf.l[r] * corr + sum;
           for (int d = 0; d < D; ++d) a[d] *= corr;
         }
@@ -560,6 +561,8 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
               "reqs must be int32 [B, 3]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == reqs.size(0), "block_tables must be int32 [B, M]");
+  // (the bf16 softmax takes the max of the scores before the scale: the max of the scaled ones only for a scale > 0)
+  TORCH_CHECK(scale > 0, "the softmax scale must be positive (flash_prefill.FlashPrefill.supports)");
   Params P;
   P.q = q.data_ptr();
   P.q_st = q.stride(0);
