@@ -123,6 +123,25 @@ def test_scores_that_grow_past_floats_range(flash_kernel, bf16_products):
     check_close(out, reference(q, written, layout, AttentionParams()), written[1], bf16_products)
 
 
+@PRODUCTS
+def test_each_weight_of_the_softmax(flash_kernel, bf16_products):
+    """V's rows one-hot (key t's at dimension t), so each output is one key's softmax weight, checked one by one:
+    within 2^-7 of the exact weight, relative (the bf16 probability's rounding, its share of the rounded sum's and
+    the output's are 2^-9 each). The bound on the whole output elsewhere would miss an exponential off by 1 %."""
+    needs_products(bf16_products)
+    specs = [(64, 64)] * 4
+    q, k, v, cache, layout = make_step(specs, 16, 1, 1, 64, torch.bfloat16, seed=21)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.full(q.shape, 0.25, dtype=torch.bfloat16)
+    k = (torch.randn(k.shape, generator=gen) * 2).to(torch.bfloat16)  # scores spread over several units
+    v = torch.eye(64).repeat(len(specs), 1).reshape(v.shape).to(torch.bfloat16)
+    _, written = run(cpu_paged.CPUPagedAttentionBackend(long_queries={}), q, k, v, cache, layout)
+    out = attend_all(q, written, layout, AttentionParams(), bf16_products).double()
+    exact = reference(q, written, layout, AttentionParams())
+    weights = exact > 1e-3
+    assert (((out - exact).abs() / exact)[weights] <= 2 ** -7).all()
+
+
 def test_a_negative_scale_stays_on_the_kernel(flash_kernel):
     """The path's softmax scales the scores' max, the max of the scaled scores only for a positive scale: it
     declines other scales (no model here has one), and the paged kernel attends those long queries."""
