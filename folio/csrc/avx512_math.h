@@ -9,19 +9,24 @@
 
 namespace {
 
-// 2^x for x <= 0 (scores shifted by their running max); -inf gives 0. A degree-5 polynomial
-// (fitted near-minimax on [-1/2, 1/2]) gives 2^f to a relative 1.5e-7, about one float32 rounding.
-inline __m512 exp2_ps(__m512 x) {
+// 2^x for scores shifted by their running max (x at most a few units; -inf gives 0): 2^round(x) times a polynomial
+// in the fraction f, |f| <= 1/2, with coefficients c[0] + c[1] f + ... (Horner's rule, unrolled: N is constant).
+template <int N>
+inline __m512 exp2_polynomial_ps(__m512 x, const float (&c)[N]) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);  // |f| <= 1/2
-  __m512 p = _mm512_set1_ps(0.0013276268728077412f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00967547856271267f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(c[N - 1]);
+  for (int i = N - 2; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
   return _mm512_scalef_ps(p, n);
+}
+
+// A degree-5 polynomial (fitted near-minimax on [-1/2, 1/2]) gives 2^f to a relative 1.5e-7, about one float32
+// rounding.
+inline __m512 exp2_ps(__m512 x) {
+  static constexpr float C[] = {1.0000001192092896f, 0.6931469440460205f, 0.24022120237350464f,
+                                0.05550713464617729f, 0.00967547856271267f, 0.0013276268728077412f};
+  return exp2_polynomial_ps(x, C);
 }
 
 // tanh to a few float32 ulps: Eigen's rational approximation (generic_fast_tanh_float), odd numerator of

@@ -306,14 +306,8 @@ inline float running_max(float tile_max, float old_max) {
 // the relative error on [-1/2, 1/2] (7.7e-5), in place of avx512_math.h's degree-5 exp2_ps (1.5e-7): a prefill
 // layer 1.01-1.08x (`attention_bench.py --long-queries --versus-kernel`, Qwen2-0.5B's and Llama-3-8B's shapes).
 inline __m512 exp2_probability_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);  // |f| <= 1/2
-  __m512 p = _mm512_set1_ps(0.05508868396282196f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24260404706001282f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932762265205383f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999289512634277f));
-  return _mm512_scalef_ps(p, n);
+  static constexpr float C[] = {0.9999289512634277f, 0.6932762265205383f, 0.24260404706001282f, 0.05508868396282196f};
+  return exp2_polynomial_ps(x, C);
 }
 
 // Keys [32 j, 32 j + 32) of a tile, their probabilities in ea (the first 16) and eb: rounded to bf16 into p (times
