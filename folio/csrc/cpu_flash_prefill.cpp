@@ -324,10 +324,11 @@ inline void store_pair(bf16* p, int j, __m512 ea, __m512 eb, const float* vscale
 
 // A row that sees keys [0, lim) of the tile, without soft cap (most rows: a window's start or a soft cap take the
 // general path below): lim / 16 whole vectors and the first lim % 16 lanes of the next, no masks on the whole
-// ones, four chains of maxima (vmaxps' latency). The arithmetic is the general path's (the scale times the max of
-// the scores, which is the max of the scaled ones; the exponent in one fused multiply-subtract), so that an 8-bit
-// cache with scales of powers of two still attends bit for bit as a bf16 cache of its values. WHOLE: lim >=
-// KEY_TILE (a long prompt's rows before the diagonal), with no tail to test; SCALED_KEYS: an 8-bit cache's (kscale).
+// ones, four chains of maxima (vmaxps' latency): the scale times the max of the scores (the max of the scaled
+// ones), the exponent in one fused multiply-subtract, as the general path does. An 8-bit cache takes this path too,
+// each score first times its key's K scale, so one with scales of powers of two attends bit for bit as a bf16
+// cache of its values. WHOLE: lim >= KEY_TILE (a long prompt's rows before the diagonal), with no tail to test;
+// SCALED_KEYS: an 8-bit cache's (kscale).
 template <bool WHOLE, bool SCALED_KEYS>
 RowSoftmax plain_probabilities(const Params& P, const float* s, bf16* p, int lim, int kn, float old_max,
                                const float* kscale, const float* vscale) {
@@ -397,7 +398,7 @@ RowSoftmax probabilities(const Params& P, const float* s, bf16* p, int first, in
     if (i < v0 || i >= v1) return _mm512_setzero_ps();
     return _mm512_maskz_mov_ps(seen[i], exp2_probability_ps(_mm512_fmsub_ps(x[i], scale, m)));
   };
-  __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // as plain_probabilities sums
+  __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int j = 0; j < kn / 32; ++j) {
     if (2 * j + 1 < v0 || 2 * j >= v1) {
       _mm512_storeu_si512(p + 32 * j, _mm512_setzero_si512());
