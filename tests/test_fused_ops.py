@@ -250,6 +250,12 @@ def test_silu_and_mul_of_the_gated_layout_is_the_ops_on_the_plain_product(t):
     assert same_bits(gated_layout.plain_order(gated), plain)
     assert same_bits(F.silu_and_mul_runs(gated), F.silu_and_mul(plain))
     assert same_bits(F.silu_and_mul_runs(gated.view(1, t, 2 * i)), F.silu_and_mul(plain).view(1, t, i))
+    into = torch.full((t + 1, i + 64), float("nan")).to(torch.bfloat16)  # rows of a wider result
+    assert F.silu_and_mul_runs(gated, into[1:, :i]).data_ptr() == into[1].data_ptr()
+    assert same_bits(into[1:, :i], F.silu_and_mul(plain))
+    assert into[0].isnan().all() and into[:, i:].isnan().all()
+    with pytest.raises(RuntimeError, match="out must be"):
+        F.silu_and_mul_runs(gated, into[1:, :i - 64])
     assert F.silu_and_mul_runs(torch.randn(t, 2 * 96).to(torch.bfloat16)) is None  # 96 outputs: not whole 64s
     assert F.silu_and_mul_runs(torch.randn(t, 2 * 64)) is None  # float32
 
@@ -257,8 +263,11 @@ def test_silu_and_mul_of_the_gated_layout_is_the_ops_on_the_plain_product(t):
 def test_gated_layout_without_the_kernel_takes_the_op_over_the_plain_order(monkeypatch):
     plain = torch.randn(5, 2 * 192).to(torch.bfloat16)
     gated = gated_layout.interleave_gated(plain.t()).t().contiguous()
-    monkeypatch.setattr(F, "silu_and_mul_runs", lambda gate_up: None)
+    monkeypatch.setattr(F, "silu_and_mul_runs", lambda gate_up, out=None: None)
     assert same_bits(gated_layout.silu_and_mul_gated(gated), F.ref_silu_and_mul(plain))
+    rows = torch.full((7, 192), float("nan")).to(torch.bfloat16)
+    assert gated_layout.silu_and_mul_gated(gated, out=rows[1:6]).data_ptr() == rows[1].data_ptr()
+    assert same_bits(rows[1:6], F.ref_silu_and_mul(plain)) and rows[0].isnan().all() and rows[6].isnan().all()
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):

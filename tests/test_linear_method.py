@@ -153,7 +153,7 @@ def test_a_gated_gate_up_gives_silu_and_mul_of_the_plain_product(i, k, monkeypat
     expect_gated = i % 64 == 0 and small_batch_gemm.AMX_ROWS > 0 and fused_ops.has_bf16_silu_table()
     assert (gated.silu_table is not None) == expect_gated and plain.silu_table is None
     assert gated.weight is None  # one packed copy, as for any other layer
-    for rows in (1, 8, 9, 40, 62, 64, 65, 300):
+    for rows in (1, 8, 9, 40, 62, 64, 65, 300, 1100):  # 1100: oneDNN's in three pieces (SILU_PIECE_ROWS)
         x = (torch.randn(rows, k) * 2).to(torch.bfloat16)
         want = plain(x)
         assert want.shape == (rows, i) and torch.equal(gated(x).view(torch.int16), want.view(torch.int16))
@@ -161,6 +161,28 @@ def test_a_gated_gate_up_gives_silu_and_mul_of_the_plain_product(i, k, monkeypat
             assert torch.equal(gated.method.apply(gated, x).view(torch.int16), want.view(torch.int16))
     x3 = torch.randn(2, 5, k).to(torch.bfloat16)
     assert torch.equal(gated(x3).view(torch.int16), plain(x3).view(torch.int16))
+
+
+def test_a_gated_gate_ups_large_batches_go_to_onednn_in_pieces(monkeypatch):
+    """Past SILU_PIECE_ROWS rows a gated gate/up's product is oneDNN's piece by piece, pieces of equal size, each
+    piece's SiLU-and-mul written into its rows of the result: the bits of the layer packed plainly."""
+    if not can_prepack(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 linear here")
+    weights = [(torch.randn(128, 64) * 0.1).to(torch.bfloat16) for _ in range(2)]
+    gated, plain = _gate_up(weights, True, monkeypatch), _gate_up(weights, False, monkeypatch)
+    if gated.silu_table is None:
+        pytest.skip("no gated layout here (it goes with the AMX tiles)")
+    pieces = []
+    product = DenseLinearMethod.product
+    monkeypatch.setattr(DenseLinearMethod, "product", lambda self, layer, x: pieces.append(x.shape[0]) or
+                        product(self, layer, x))
+    monkeypatch.setattr(dense_linear, "SILU_PIECE_ROWS", 100)
+    for rows, expect in ((100, [100]), (101, [51, 50]), (300, [100, 100, 100]), (301, [76, 76, 76, 73])):
+        pieces.clear()
+        x = (torch.randn(rows, 64) * 2).to(torch.bfloat16)
+        got = gated(x)
+        assert pieces == expect
+        assert torch.equal(got.view(torch.int16), plain(x).view(torch.int16))
 
 
 @pytest.mark.parametrize("method", [DenseLinearMethod, ReferenceLinearMethod])

@@ -509,21 +509,26 @@ at::Tensor silu_and_mul(at::Tensor gate_up, bool inline_exp) {
 }
 
 // silu_and_mul of a product in the gated layout (folio.models.gated_layout): each row of gate_up [T, 2I] is runs
-// of GATED_RUN gates, each followed by the same outputs' ups; out [T, I] in the outputs' order. Every output through
-// the vector code's table, as silu_and_mul takes a row whose I is a multiple of 64 (the caller's condition), so
-// the results are that op's over the plain product, bit for bit.
+// of GATED_RUN gates, each followed by the same outputs' ups; out [T, I] in the outputs' order (the caller's `into`,
+// rows of unit stride, or a new tensor). Every output through the vector code's table, as silu_and_mul takes a row
+// whose I is a multiple of 64 (the caller's condition), so the results are that op's over the plain product, bit
+// for bit.
 constexpr int64_t GATED_RUN = 32;  // gated_layout.GATED_RUN
 // Values ahead of the current run to prefetch (4 KiB): one stream a thread where the plain op has two, and without
 // them the op on 1852 x 2 x 4864 products from memory took 1.2x the plain op's time on an Emerald Rapids Xeon;
 // with them 0.75x (2 KiB 0.79x, 8 KiB as 4).
 constexpr int64_t GATED_PREFETCH = 2048;
 
-at::Tensor silu_and_mul_runs(at::Tensor gate_up, bool inline_exp) {
+at::Tensor silu_and_mul_runs(at::Tensor gate_up, bool inline_exp, std::optional<at::Tensor> into) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1 &&
                   gate_up.size(1) % 128 == 0,
               "gate_up must be bfloat16 [T, 2I] with unit stride, I a multiple of 64");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
-  at::Tensor out = at::empty({T, I}, gate_up.options());
+  at::Tensor out = into ? *into : at::empty({T, I}, gate_up.options());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == I && out.scalar_type() == at::kBFloat16 &&
+                  out.stride(1) == 1,
+              "out must be bfloat16 [T, I] with unit stride");
+  const int64_t os = out.stride(0);
 #if FOLIO_AVX512
   TORCH_CHECK(inline_exp || Sleef_expf16_u10 != nullptr, "the gated layout's SiLU needs the vector exp");
   const int* table = silu_table(inline_exp);
@@ -532,7 +537,7 @@ at::Tensor silu_and_mul_runs(at::Tensor gate_up, bool inline_exp) {
   folio::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* g = gp + t * gs;
-      uint16_t* o = op + t * I;
+      uint16_t* o = op + t * os;
       for (int64_t j = 0; j < I; j += GATED_RUN, g += 2 * GATED_RUN) {
         _mm_prefetch(reinterpret_cast<const char*>(g + GATED_PREFETCH), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(g + GATED_PREFETCH + 32), _MM_HINT_T0);
@@ -682,7 +687,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k in place",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("silu_and_mul_runs", &silu_and_mul_runs, "silu(gate) * up of a product in the gated layout",
+  m.def("silu_and_mul_runs", &silu_and_mul_runs, "silu(gate) * up of a product in the gated layout (into out)",
+        pybind11::arg("gate_up"), pybind11::arg("inline_exp"), pybind11::arg("out") = std::nullopt,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("row_sums", &row_sums, "row sums in ATen's cascade order with lanes-wide vectors");
   m.def("bf16_silu_table", &bf16_silu_table, "the table of bf16 silu_and_mul's rounded silu (None: none used)");

@@ -172,17 +172,19 @@ def ref_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- fused ops
 
-def silu_and_mul_runs(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+def silu_and_mul_runs(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """silu_and_mul of a bf16 product [..., 2I] whose columns go in runs of 32 gates, each followed by the same
     outputs' ups (folio.models.gated_layout), [..., I] in the outputs' order, by the kernel: the op's results over
-    the plain product, bit for bit. None where the kernel does not serve it (no table here, I not a multiple of
-    64: the caller puts the product in plain order and takes the op)."""
+    the plain product, bit for bit; written into `out` (a 2-D product's: [T, I], rows of unit stride) if given.
+    None where the kernel does not serve it (no table here, I not a multiple of 64: the caller puts the product in
+    plain order and takes the op)."""
     ext = _ext_for(gate_up, dtypes=(torch.bfloat16,))
     if ext is None or gate_up.shape[-1] % 128 or not has_bf16_silu_table():
         return None
     exp = _inline_exp if _inline_exp is not None else inline_exp()
     if gate_up.dim() == 2:
-        return ext.silu_and_mul_runs(gate_up, exp)
+        return ext.silu_and_mul_runs(gate_up, exp, out)
+    assert out is None, "out is for 2-D products"
     shape = gate_up.shape
     return ext.silu_and_mul_runs(gate_up.reshape(-1, shape[-1]), exp).view(*shape[:-1], shape[-1] // 2)
 

@@ -40,8 +40,12 @@ def plain_order(product: torch.Tensor) -> torch.Tensor:
     return runs.transpose(-3, -2).reshape(product.shape)
 
 
-def silu_and_mul_gated(product: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul of a product whose columns are in the gated layout, [..., I] in the outputs' order: read in
-    place by the fused kernel where it serves it, else the op over the product in plain order."""
-    out = fused_ops.silu_and_mul_runs(product)
-    return out if out is not None else silu_and_mul(plain_order(product))
+def silu_and_mul_gated(product: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """silu_and_mul of a product whose columns are in the gated layout, [..., I] in the outputs' order (into `out`,
+    for a 2-D product, if given): read in place by the fused kernel where it serves it, else the op over the
+    product in plain order."""
+    result = fused_ops.silu_and_mul_runs(product, out)
+    if result is not None:
+        return result
+    result = silu_and_mul(plain_order(product))
+    return result if out is None else out.copy_(result)
