@@ -1,5 +1,9 @@
 """folio: an LLM inference and serving engine (paged KV cache, continuous batching, OpenAI-compatible server)."""
 
+from folio import openmp_wait
+
+openmp_wait.set_default_spin()  # before anything below imports torch, which loads OpenMP
+
 from folio.config import EngineConfig
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
