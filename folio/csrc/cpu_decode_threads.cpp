@@ -10,9 +10,9 @@
 // weight that was called after it.
 //
 // Between calls the workers spin (as OpenMP's do), and sleep after IDLE_SPIN without work; the main thread waits
-// for their parts the same way (JOIN_SPIN). The Python side
-// (folio.platforms.decode_threads) turns them on for steps of one token and sets torch's own threads to one
-// meanwhile, so that no OpenMP worker spins on the same cores; other steps run on OpenMP as before.
+// for their parts the same way (JOIN_SPIN). The Python side (folio.platforms.decode_threads) turns them on for
+// steps of one token and sets torch's own threads to one meanwhile, so that no OpenMP worker spins on the same
+// cores; other steps run on OpenMP as before.
 #include <immintrin.h>
 #include <pthread.h>
 

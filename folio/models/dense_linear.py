@@ -90,7 +90,8 @@ class DenseLinearMethod(LinearMethod):
         if x.dim() != 2 or x.shape[0] <= SILU_PIECE_ROWS:
             return gated_layout.silu_and_mul_gated(self.product(layer, x))
         out = x.new_empty(x.shape[0], layer.output_size // 2)
-        rows = -(-x.shape[0] // -(-x.shape[0] // SILU_PIECE_ROWS))  # pieces of equal size, none past the limit
+        pieces = -(-x.shape[0] // SILU_PIECE_ROWS)
+        rows = -(-x.shape[0] // pieces)  # pieces of equal size (the last may be smaller)
         for r in range(0, x.shape[0], rows):
             gated_layout.silu_and_mul_gated(self.product(layer, x[r:r + rows]), out=out[r:r + rows])
         return out
