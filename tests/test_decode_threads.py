@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -75,13 +76,18 @@ def _layers(kind: str):
     return [make(n, k, seed=i) for i, (n, k) in enumerate(SHAPES)]
 
 
+def _rows_and_results(layers):
+    """A row for each layer and its product on OpenMP, the results every other path must give."""
+    xs = [torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES]
+    return xs, [layer(x) for layer, x in zip(layers, xs)]
+
+
 @pytest.mark.parametrize("kind", list(LAYERS))
 def test_a_cycle_of_layers_gives_openmps_results_on_every_pass(kind):
     """Passes over the layers in order, as decode steps make them: from the second pass on, each call's workers
     prefetched their share of it during the call before and took more blocks; the results stay the same."""
     layers = _layers(kind)
-    xs = [torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES]
-    want = [layer(x) for layer, x in zip(layers, xs)]
+    xs, want = _rows_and_results(layers)
     with decode_step():
         assert torch.get_num_threads() == 1  # torch's own operators stay off the cores the workers spin on
         for _ in range(4):
@@ -103,8 +109,7 @@ def test_steps_of_more_tokens_keep_openmp():
 def test_calls_from_other_threads_during_a_step_compute_alike():
     """A call from a second Python thread while the workers run another's runs inline: same results."""
     layers = _layers("bf16") if LAYERS["bf16"][1] else _layers("int4")
-    xs = [torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES]
-    want = [layer(x) for layer, x in zip(layers, xs)]
+    xs, want = _rows_and_results(layers)
     errors: list[str] = []
 
     def run() -> None:
@@ -126,8 +131,7 @@ def test_calls_from_other_threads_during_a_step_compute_alike():
 def _child(kind: str, queue) -> None:
     torch.set_num_threads(1)  # GNU OpenMP's thread team does not survive a fork either: no parallel region here
     layers = _layers(kind)
-    xs = [torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES]
-    want = [layer(x) for layer, x in zip(layers, xs)]
+    xs, want = _rows_and_results(layers)
     torch.set_num_threads(2)  # what the decode threads take over (within, torch's own count is one)
     with decode_step():
         queue.put(all(torch.equal(layer(x), w) for layer, x, w in zip(layers, xs, want)))
@@ -144,6 +148,37 @@ def test_a_forked_child_starts_threads_of_its_own():
     child = context.Process(target=_child, args=(kind, queue))
     child.start()
     child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0, "the child hung or failed"
+    assert queue.get(timeout=5)
+
+
+def _sleepers(kind: str, queue) -> None:
+    torch.set_num_threads(1)  # as in _child: no OpenMP region before the fork's threads are gone
+    layers = _layers(kind)
+    xs, want = _rows_and_results(layers)
+    ext = decode_threads.KERNEL.load()
+    ext.set_threads(2, idle_spin_us=0, join_spin_us=0)
+    same = True
+    for _ in range(30):
+        for layer, x, expected in zip(layers, xs, want):
+            time.sleep(2e-4)  # the worker goes to sleep between calls
+            same &= torch.equal(layer(x), expected)
+    ext.set_threads(0)
+    queue.put(same)
+
+
+def test_workers_and_a_main_thread_that_never_spin_lose_no_wakeup():
+    """With no spinning at all, every worker sleeps between calls and the main thread sleeps on every join its
+    worker has not finished: each call still returns (a lost wakeup would leave the child hanging) with OpenMP's
+    results."""
+    kind = next(k for k, (_, available) in LAYERS.items() if available)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_sleepers, args=(kind, queue))
+    child.start()
+    child.join(timeout=60)
     if child.is_alive():
         child.kill()
     assert child.exitcode == 0, "the child hung or failed"

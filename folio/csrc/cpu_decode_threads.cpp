@@ -9,8 +9,8 @@
 // at a time, as many as that takes. Which layer comes next is learnt: each weight (its address) remembers the
 // weight that was called after it.
 //
-// Between calls the workers spin (as OpenMP's do), and sleep after IDLE_SPIN without work; the main thread waits
-// for their parts the same way (JOIN_SPIN). The Python side (folio.platforms.decode_threads) turns them on for
+// Between calls the workers spin (as OpenMP's do), and sleep after IDLE_SPIN_US without work; the main thread waits
+// for their parts the same way (JOIN_SPIN_US; set_threads takes others, the tests none). The Python side (folio.platforms.decode_threads) turns them on for
 // steps of one token and sets torch's own threads to one meanwhile, so that no OpenMP worker spins on the same
 // cores; other steps run on OpenMP as before.
 #include <immintrin.h>
@@ -36,14 +36,14 @@ constexpr int MAX_THREADS = 256;
 constexpr int MAX_STREAMS = 4;
 // Bytes of its next share a worker prefetches in a gap, at most (a job that comes first stops it): Zen 4's L2.
 constexpr int64_t PREFETCH_BYTES = 1 << 20;
-// How long a worker spins without work before it sleeps until the next call or hint, and the main thread spins
-// for the workers' parts before it sleeps until they are done. Sleeping hands the core to a thread the scheduler
+// How long (by default) a worker spins without work before it sleeps until the next call or hint, and the main
+// thread spins for the workers' parts before it sleeps until they are done. Sleeping hands the core to a thread the scheduler
 // had parked when another process is busy on these cores. On 2 cores of an Emerald Rapids Xeon, the 0.5B Qwen2's
 // batch-1 decode beside one busy-loop process took 689 ms a token with the main thread spinning until the end and
 // workers spinning 2 ms; 103 ms with JOIN_SPIN; 82 ms with IDLE_SPIN 100 us too (OpenMP: 70-81). On a quiet machine
 // 36.1-36.7 ms, as before within the noise (1.05x OpenMP's time, before and after).
-constexpr auto IDLE_SPIN = std::chrono::microseconds(100);
-constexpr auto JOIN_SPIN = std::chrono::microseconds(50);
+constexpr int64_t IDLE_SPIN_US = 100;
+constexpr int64_t JOIN_SPIN_US = 50;
 constexpr size_t MAX_WEIGHTS = 1 << 14;  // weights remembered (stale ones after a model is freed: forgotten)
 
 // What a worker prefetches next, blocks [begin, end) of the streams: written by the main thread after a call,
@@ -69,6 +69,7 @@ struct State {
   std::condition_variable joined;       // the last part of a call is done
   std::atomic<bool> main_waiting{false};  // the main thread sleeps on `joined`
   std::atomic<int> threads{0};   // of the current decode steps (main included), 0: off
+  std::atomic<int64_t> idle_spin_us{IDLE_SPIN_US}, join_spin_us{JOIN_SPIN_US};
   std::atomic<int> sleeping{0};
   std::atomic<bool> busy{false};  // a call in flight (another Python thread's call runs inline meanwhile)
   int workers = 0;                // started
@@ -166,7 +167,8 @@ void work(State* s, int index, uint64_t seen) {
       idle_since = std::chrono::steady_clock::now();
       continue;
     }
-    if (spins % 1024 == 0 && std::chrono::steady_clock::now() - idle_since > IDLE_SPIN) {
+    if (spins % 1024 == 0 && std::chrono::steady_clock::now() - idle_since >=
+                                 std::chrono::microseconds(s->idle_spin_us.load(std::memory_order_relaxed))) {
       std::unique_lock<std::mutex> lock(s->mutex);
       s->sleeping.fetch_add(1);
       s->wake.wait(lock, [&] { return s->generation.load() != seen || hint.generation.load() != hint_seen; });
@@ -185,14 +187,15 @@ void wake_sleepers(State* s) {
   }
 }
 
-// Waits until the workers' parts are done: spins JOIN_SPIN, then sleeps. main_waiting is stored before pending is
+// Waits until the workers' parts are done: spins join_spin_us, then sleeps. main_waiting is stored before pending is
 // read, and a worker decrements pending before it reads main_waiting (all seq_cst), so either the main thread sees
 // the last part done or the last worker sees it waiting and notifies under the mutex, which the main thread holds
 // from its check until it sleeps.
 void join(State* s) {
   const auto start = std::chrono::steady_clock::now();
+  const auto spin = std::chrono::microseconds(s->join_spin_us.load(std::memory_order_relaxed));
   for (uint32_t spins = 0; s->pending.load(std::memory_order_acquire) > 0; ++spins) {
-    if (spins % 64 != 0 || std::chrono::steady_clock::now() - start < JOIN_SPIN) {
+    if (spins % 64 != 0 || std::chrono::steady_clock::now() - start < spin) {
       _mm_pause();
       continue;
     }
@@ -323,9 +326,12 @@ void parallel_blocks(const void* key, int64_t n, const folio::BlockStream* strea
 
 const folio::DecodeThreads entry{&threads, &parallel_for, &parallel_blocks};
 
-// Turns the threads on for `count` threads in all (workers started as needed), or off (count < 2).
-void set_threads(int64_t count) {
+// Turns the threads on for `count` threads in all (workers started as needed), or off (count < 2), with the
+// spins before sleeping given.
+void set_threads(int64_t count, int64_t idle_spin_us, int64_t join_spin_us) {
   State* s = state;
+  s->idle_spin_us.store(std::max<int64_t>(0, idle_spin_us));
+  s->join_spin_us.store(std::max<int64_t>(0, join_spin_us));
   count = std::min<int64_t>(count, MAX_THREADS);
   if (count < 2) {
     s->threads.store(0);
@@ -349,7 +355,10 @@ pybind11::capsule capsule() { return pybind11::capsule(static_cast<const void*>(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pthread_atfork(nullptr, nullptr, &after_fork_in_child);
   m.def("capsule", &capsule, "the entry points the kernels' parallel.h calls");
-  m.def("set_threads", &set_threads, "threads in all for the decode steps to come (main included); < 2: off",
-        pybind11::arg("count"));
+  m.def("set_threads", &set_threads,
+        "threads in all for the decode steps to come (main included; < 2: off), and how many microseconds a worker "
+        "without work and the main thread waiting for the workers spin before they sleep",
+        pybind11::arg("count"), pybind11::arg("idle_spin_us") = IDLE_SPIN_US,
+        pybind11::arg("join_spin_us") = JOIN_SPIN_US);
   m.def("threads", &threads, "threads of the current decode steps, 0 when off");
 }

@@ -8,8 +8,9 @@ which sends their loops to these threads while they are on and to OpenMP otherwi
 
 They are on for steps of at most DECODE_TOKENS tokens, with torch's own thread count set to one meanwhile (an
 OpenMP worker spinning on the cores the decode threads spin on would take turns with them at the scheduler's
-pace, milliseconds); other steps run on OpenMP as before. Without work they spin for 100 us, then sleep. Without the
-kernel (no compiler, FOLIO_DISABLE_CPU_KERNELS=1) or with one thread, every step runs on OpenMP.
+pace, milliseconds); other steps run on OpenMP as before. Without work they spin for 100 us, then sleep (the main
+thread, waiting for their parts, 50 us). Without the kernel (no compiler, FOLIO_DISABLE_CPU_KERNELS=1) or with
+one thread, every step runs on OpenMP.
 """
 
 from __future__ import annotations
