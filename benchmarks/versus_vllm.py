@@ -10,7 +10,11 @@ user waits for after start (kernels built or primitives created on first use lan
 The workers drive both engines through the same calls, vLLM's offline API, which folio keeps:
 `LLM(...).generate([{"prompt_token_ids": ...}], SamplingParams(temperature=0, ignore_eos=True, ...))`.
 
-    python benchmarks/versus_vllm.py --model M --vllm-python venv-vllm/bin/python --rounds 3
+    python benchmarks/versus_vllm.py --model M --vllm-python venv-vllm/bin/python --rounds 3 [--roofline]
+
+With --roofline the machine's bound for the workload (`folio bench roofline`'s: read bandwidth and bf16 GEMM
+rate, measured here before and after the passes, with both engines loaded and idle) is printed with each
+engine's share of it, so that a ratio between the engines can be read against how far either is from the bound.
 
 vLLM runs tuned as its CPU docs advise: tcmalloc and Intel OpenMP preloaded (--vllm-preload), its OpenMP threads
 bound to the cores (--cores), 4 GiB of KV cache. Its venv (the CPU torch pinned, so that nothing pulls a CUDA
@@ -119,6 +123,26 @@ def default_preload(vllm_python: str) -> Optional[str]:
     return ":".join(libs) if all(os.path.exists(lib) for lib in libs) else None
 
 
+def workload_bound(args: argparse.Namespace) -> float:
+    """Output tokens/s of `folio bench roofline`'s bound for this workload on this machine now (folio's default
+    scheduler limits: every prompt in one wave, prefill chunks of max_num_batched_tokens)."""
+    import torch
+
+    from folio.bench import roofline
+    from folio.config import SchedulerOptions
+
+    cfg, dtype = roofline.read_model_config(args.model), getattr(torch, args.dtype)
+    cost = roofline.model_cost(cfg, dtype)
+    limits = roofline.measure_limits(cfg, [dtype], bandwidth_mib=2048, m=512, reps=5)
+    scheduler = SchedulerOptions()
+    bound = roofline.workload_bound(cost, args.num_prompts, args.input_len, args.output_len,
+                                    min(args.num_prompts, scheduler.max_num_seqs), scheduler.max_num_batched_tokens,
+                                    limits.bandwidth_gb_s, limits.peak_gflops[args.dtype])
+    print(f"roofline: {limits.bandwidth_gb_s:.1f} GB/s, {limits.peak_gflops[args.dtype]:.0f} GFLOP/s -> at most "
+          f"{bound.output_tokens_per_s:.1f} output tok/s", flush=True)
+    return bound.output_tokens_per_s
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a Hugging Face folder both engines load")
@@ -131,6 +155,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of folio, vLLM, vLLM, folio (default: 3)")
     parser.add_argument("--cores", default="0-1", help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default: 0-1)")
     parser.add_argument("--vllm-preload", help="vLLM's LD_PRELOAD (default: tcmalloc and its venv's libiomp5)")
+    parser.add_argument("--roofline", action="store_true",
+                        help="also measure the workload's bound before and after the passes; each engine's share")
     parser.add_argument("--worker", choices=("folio", "vllm"), help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -145,6 +171,7 @@ def main() -> int:
                "vllm": Worker("vllm", args.vllm_python, args, vllm_env(args))}
     print(f"load: folio {workers['folio'].load_s:.1f} s, vLLM {workers['vllm'].load_s:.1f} s "
           f"(vLLM LD_PRELOAD={args.vllm_preload}, threads bound to {args.cores})")
+    bounds = [workload_bound(args)] if args.roofline else []
     rates: dict[str, list[float]] = {"folio": [], "vllm": []}
     seed = 0
     for name in ("folio", "vllm"):
@@ -159,12 +186,17 @@ def main() -> int:
             rates[name].append(workers[name].run(batch, args.output_len))
             line.append(f"{name} {rates[name][-1]:.1f}")
         print(f"round {round_ + 1}: " + ", ".join(line) + " output tok/s", flush=True)
+    if args.roofline:
+        bounds.append(workload_bound(args))
     for w in workers.values():
         w.close()
     folio, vllm = statistics.median(rates["folio"]), statistics.median(rates["vllm"])
     ratios = [f / v for f, v in zip(rates["folio"], rates["vllm"])]
     print(f"{args.num_prompts} x {args.input_len} -> {args.output_len}, {args.dtype}: median folio {folio:.1f}, "
           f"vLLM {vllm:.1f} output tok/s: {folio / vllm:.2f}x (pass by pass {min(ratios):.2f}-{max(ratios):.2f}x)")
+    if bounds:  # the higher reading, as `folio bench roofline --run` takes
+        bound = max(bounds)
+        print(f"against the bound of {bound:.1f} output tok/s: folio {folio / bound:.0%}, vLLM {vllm / bound:.0%}")
     return 0
 
 

@@ -39,3 +39,19 @@ def test_the_driver_needs_vllms_interpreter(llama_dir, monkeypatch, versus_vllm)
     with pytest.raises(SystemExit) as exit_info:
         versus_vllm.main()
     assert exit_info.value.code == 2
+
+
+def test_the_roofline_figure_is_folio_bench_roofline_bound_for_the_workload(versus_vllm, llama_dir, monkeypatch,
+                                                                              capsys):
+    """--roofline: the bound of `folio bench roofline` for the same workload and measured limits (here fixed)."""
+    import torch
+
+    from folio.bench import roofline
+
+    limits = argparse.Namespace(bandwidth_gb_s=10.0, peak_gflops={"bfloat16": 100.0})
+    monkeypatch.setattr(roofline, "measure_limits", lambda *args, **kwargs: limits)
+    args = argparse.Namespace(model=llama_dir, dtype="bfloat16", num_prompts=6, input_len=8, output_len=5)
+    cost = roofline.model_cost(roofline.read_model_config(llama_dir), torch.bfloat16)
+    want = roofline.workload_bound(cost, 6, 8, 5, 6, 2048, 10.0, 100.0).output_tokens_per_s
+    assert versus_vllm.workload_bound(args) == pytest.approx(want)
+    assert f"at most {want:.1f} output tok/s" in capsys.readouterr().out
