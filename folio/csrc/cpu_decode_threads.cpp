@@ -9,10 +9,10 @@
 // at a time, as many as that takes. Which layer comes next is learnt: each weight (its address) remembers the
 // weight that was called after it.
 //
-// Between calls the workers spin (as OpenMP's do), and sleep after IDLE_SPIN_US without work; the main thread waits
-// for their parts the same way (JOIN_SPIN_US; set_threads takes others, the tests none). The Python side (folio.platforms.decode_threads) turns them on for
-// steps of one token and sets torch's own threads to one meanwhile, so that no OpenMP worker spins on the same
-// cores; other steps run on OpenMP as before.
+// Between calls the workers spin (as OpenMP's do), and sleep after IDLE_SPIN_US without work; the main thread
+// waits for their parts the same way (JOIN_SPIN_US; set_threads takes others, the tests none). The Python side
+// (folio.platforms.decode_threads) turns them on for steps of one token and sets torch's own threads to one
+// meanwhile, so that no OpenMP worker spins on the same cores; other steps run on OpenMP as before.
 #include <immintrin.h>
 #include <pthread.h>
 
@@ -37,11 +37,11 @@ constexpr int MAX_STREAMS = 4;
 // Bytes of its next share a worker prefetches in a gap, at most (a job that comes first stops it): Zen 4's L2.
 constexpr int64_t PREFETCH_BYTES = 1 << 20;
 // How long (by default) a worker spins without work before it sleeps until the next call or hint, and the main
-// thread spins for the workers' parts before it sleeps until they are done. Sleeping hands the core to a thread the scheduler
-// had parked when another process is busy on these cores. On 2 cores of an Emerald Rapids Xeon, the 0.5B Qwen2's
-// batch-1 decode beside one busy-loop process took 689 ms a token with the main thread spinning until the end and
-// workers spinning 2 ms; 103 ms with JOIN_SPIN; 82 ms with IDLE_SPIN 100 us too (OpenMP: 70-81). On a quiet machine
-// 36.1-36.7 ms, as before within the noise (1.05x OpenMP's time, before and after).
+// thread spins for the workers' parts before it sleeps until they are done. Sleeping hands the core to a thread
+// the scheduler had parked when another process is busy on these cores. On 2 cores of an Emerald Rapids Xeon, the
+// 0.5B Qwen2's batch-1 decode beside one busy-loop process took 689 ms a token with the main thread spinning until
+// the end and workers spinning 2 ms; 103 ms with JOIN_SPIN_US; 82 ms with IDLE_SPIN_US 100 too (OpenMP: 70-81). On
+// a quiet machine 36.1-36.7 ms, as before within the noise (1.05x OpenMP's time, before and after).
 constexpr int64_t IDLE_SPIN_US = 100;
 constexpr int64_t JOIN_SPIN_US = 50;
 constexpr size_t MAX_WEIGHTS = 1 << 14;  // weights remembered (stale ones after a model is freed: forgotten)
