@@ -128,6 +128,20 @@ def test_calls_from_other_threads_during_a_step_compute_alike():
     assert not errors
 
 
+def _in_forked_child(target, kind: str):
+    """What target(kind, queue) puts in its queue, run in a forked child; fails if the child hangs (a lost wakeup,
+    threads waited for that the fork did not copy) or dies."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=target, args=(kind, queue))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0, "the child hung or failed"
+    return queue.get(timeout=5)
+
+
 def _child(kind: str, queue) -> None:
     torch.set_num_threads(1)  # GNU OpenMP's thread team does not survive a fork either: no parallel region here
     layers = _layers(kind)
@@ -143,15 +157,7 @@ def test_a_forked_child_starts_threads_of_its_own():
     layers = _layers(kind)
     with decode_step():
         layers[0](torch.randn(1, SHAPES[0][1]).to(torch.bfloat16))  # the parent's workers exist
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_child, args=(kind, queue))
-    child.start()
-    child.join(timeout=120)
-    if child.is_alive():
-        child.kill()
-    assert child.exitcode == 0, "the child hung or failed"
-    assert queue.get(timeout=5)
+    assert _in_forked_child(_child, kind)
 
 
 def _sleepers(kind: str, queue) -> None:
@@ -173,16 +179,7 @@ def test_workers_and_a_main_thread_that_never_spin_lose_no_wakeup():
     """With no spinning at all, every worker sleeps between calls and the main thread sleeps on every join its
     worker has not finished: each call still returns (a lost wakeup would leave the child hanging) with OpenMP's
     results."""
-    kind = next(k for k, (_, available) in LAYERS.items() if available)
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_sleepers, args=(kind, queue))
-    child.start()
-    child.join(timeout=60)
-    if child.is_alive():
-        child.kill()
-    assert child.exitcode == 0, "the child hung or failed"
-    assert queue.get(timeout=5)
+    assert _in_forked_child(_sleepers, next(k for k, (_, available) in LAYERS.items() if available))
 
 
 @pytest.mark.parametrize("quantization", [None, "int4", "int8"])
