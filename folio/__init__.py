@@ -1,8 +1,10 @@
 """folio: an LLM inference and serving engine (paged KV cache, continuous batching, OpenAI-compatible server)."""
 
-from folio import openmp_wait
+# before anything below imports torch, which loads OpenMP: how long its threads spin, and (as usable_cpus is
+# imported) how many cores the process may use before OpenMP binds this thread
+from folio import openmp_wait, usable_cpus
 
-openmp_wait.set_default_spin()  # before anything below imports torch, which loads OpenMP
+openmp_wait.set_default_spin()
 
 from folio.config import EngineConfig
 from folio.engine.llm_engine import LLMEngine

@@ -15,13 +15,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import ContextManager, Optional, Union
 
 import torch
 from torch import nn
 
-from folio import envs
+from folio import envs, usable_cpus
 from folio.attention.backend import AttentionBackend
 from folio.memory import available_memory_bytes, keep_freed_memory
 from folio.models.linear import LinearMethods
@@ -45,7 +44,7 @@ class CpuPlatform(Platform):
         return torch.bfloat16 if has_fast_bf16() else torch.float32
 
     def prepare_process(self, num_threads: Optional[int]) -> None:
-        torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        torch.set_num_threads(num_threads or usable_cpus.count())
         keep_freed_memory()  # every step's large activations reuse the heap instead of faulting pages in
 
     def step_threads(self, num_tokens: int) -> ContextManager[None]:

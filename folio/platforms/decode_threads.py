@@ -10,11 +10,12 @@ They are on for steps of at most DECODE_TOKENS tokens, with torch's own thread c
 OpenMP worker spinning on the cores the decode threads spin on would take turns with them at the scheduler's
 pace, milliseconds); other steps run on OpenMP as before. Without work they spin for 100 us, then sleep (the main
 thread, waiting for their parts, 50 us). Without the kernel (no compiler, FOLIO_DISABLE_CPU_KERNELS=1) or with
-one thread, every step runs on OpenMP.
+one thread, or where OpenMP bound the main thread to fewer cores than the threads, every step runs on OpenMP.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -41,7 +42,10 @@ def threads_for_step(num_tokens: int) -> Iterator[None]:
     thread count at one; OpenMP as before for larger steps (and where the decode threads cannot run). The
     thread count is set back after every step (0.2 us), so that nothing outside a step sees it changed."""
     threads = torch.get_num_threads()
-    ext = KERNEL.load() if num_tokens <= DECODE_TOKENS and threads > 1 else None
+    # workers start with this thread's cores: where OpenMP bound it to fewer (OMP_PLACES, OMP_PROC_BIND), they
+    # would share them with it (batch-1 decode 2.3x slower), and OpenMP's own workers, bound apart, serve instead
+    spread = threads > 1 and len(os.sched_getaffinity(0)) >= threads
+    ext = KERNEL.load() if num_tokens <= DECODE_TOKENS and spread else None
     if ext is None:
         yield
         return
