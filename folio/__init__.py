@@ -1,8 +1,8 @@
 """folio: an LLM inference and serving engine (paged KV cache, continuous batching, OpenAI-compatible server)."""
 
-# before anything below imports torch, which loads OpenMP: how long its threads spin, and (as usable_cpus is
+# before anything below imports torch, which loads OpenMP: how long its threads spin, and (as thread_count is
 # imported) how many cores the process may use before OpenMP binds this thread
-from folio import openmp_wait, usable_cpus
+from folio import openmp_wait, thread_count
 
 openmp_wait.set_default_spin()
 

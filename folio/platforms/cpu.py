@@ -7,9 +7,9 @@
 - attention: the C++ paged-attention kernel (folio.attention.cpu_paged) where it builds, else torch SDPA.
 - matmuls: the dense CPU linear method (oneDNN prepacked bf16, the small-batch kernel, MKL in float32), or a
   quantisation scheme's (folio.models.quantization: int8 and int4 kernels) with the dense one for the rest.
-- the process: one torch thread per core it may use (counted as folio is imported: folio.usable_cpus), and freed
-  memory kept for reuse (folio.memory); steps of one token run folio's kernels on the decode threads
-  (folio.platforms.decode_threads).
+- the process: one torch thread per core it may use, counted as folio is imported, or OMP_NUM_THREADS
+  (folio.thread_count), and freed memory kept for reuse (folio.memory); steps of one token run folio's kernels
+  on the decode threads (folio.platforms.decode_threads).
 - kernels: built with -march=native for this CPU (the build key includes its feature flags).
 """
 
@@ -21,7 +21,7 @@ from typing import ContextManager, Optional, Union
 import torch
 from torch import nn
 
-from folio import envs, usable_cpus
+from folio import envs, thread_count
 from folio.attention.backend import AttentionBackend
 from folio.memory import available_memory_bytes, keep_freed_memory
 from folio.models.linear import LinearMethods
@@ -45,7 +45,7 @@ class CpuPlatform(Platform):
         return torch.bfloat16 if has_fast_bf16() else torch.float32
 
     def prepare_process(self, num_threads: Optional[int]) -> None:
-        torch.set_num_threads(num_threads or usable_cpus.count())
+        torch.set_num_threads(num_threads or thread_count.default())
         keep_freed_memory()  # every step's large activations reuse the heap instead of faulting pages in
 
     def step_threads(self, num_tokens: int) -> ContextManager[None]:

@@ -1,4 +1,5 @@
-"""How many cores this process may use, as it started: read when folio is imported, before torch loads OpenMP.
+"""folio's default torch thread count: OMP_NUM_THREADS where set, else one thread per core the process could use
+as it started, counted when folio is imported, before torch loads OpenMP.
 
 With OMP_PLACES or OMP_PROC_BIND set (common advice for CPU inference), GNU OpenMP binds the main thread to its
 first place as it loads. From then on os.sched_getaffinity(0) reports that one core, and "one torch thread per
@@ -21,7 +22,14 @@ BINDING_VARIABLES = ("OMP_PLACES", "OMP_PROC_BIND")
 _AT_IMPORT: Optional[int] = None if "torch" in sys.modules else len(os.sched_getaffinity(0))
 
 
-def count() -> int:
+def default() -> int:
+    """The first count of OMP_NUM_THREADS (a list gives nested levels' counts) where it is a positive number, as
+    OpenMP reads it; else cores()."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else cores()
+
+
+def cores() -> int:
     """The cores this process could use when folio was imported, if that came before torch's OpenMP bound the
     main thread. Else those the main thread may use now; where a binding variable is set and OpenMP's own thread
     count (taken from the places before it bound the thread) is more, that count."""

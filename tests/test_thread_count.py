@@ -1,6 +1,6 @@
-"""folio's default thread count where OMP_PLACES or OMP_PROC_BIND made OpenMP bind the main thread to one core as
-torch loaded (folio.usable_cpus): the cores counted as folio was imported, or OpenMP's own count where torch came
-first; and the decode threads step aside for OpenMP's bound workers."""
+"""folio's default thread count (folio.thread_count): OMP_NUM_THREADS where set; where OMP_PLACES or OMP_PROC_BIND
+made OpenMP bind the main thread to one core as torch loaded, the cores counted as folio was imported, or OpenMP's
+own count where torch came first; and the decode threads step aside for OpenMP's bound workers."""
 
 from __future__ import annotations
 
@@ -40,6 +40,12 @@ def test_torch_imported_first_takes_openmps_own_count():
     bound, threads, err = threads_after("import torch, folio", OMP_PLACES="threads")
     assert bound == 1 and threads == CORES and "taking OpenMP's thread count" in err
     assert threads_after("import torch, folio", OMP_PROC_BIND="false")[:2] == (CORES, CORES)
+
+
+def test_omp_num_threads_is_the_count_where_it_is_set():
+    assert threads_after("import folio", OMP_NUM_THREADS="1")[1] == 1
+    assert threads_after("import folio", OMP_NUM_THREADS="1,4")[1] == 1  # the outer level's
+    assert threads_after("import folio", OMP_NUM_THREADS="none")[1] == CORES  # OpenMP ignores it too
 
 
 def test_the_decode_threads_step_aside_where_the_main_thread_is_bound():
