@@ -160,7 +160,8 @@ class ParallelOptions:
     """How many cores the engine's steps use."""
 
     num_threads: Optional[int] = option(None, "torch intra-op threads",
-                                        default_means="OMP_NUM_THREADS, else the cores this process may use")
+                                        default_means="OMP_NUM_THREADS, else the cores this process may use, within "
+                                                      "its cgroup's CPU quota")
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance",)

@@ -1,5 +1,6 @@
 """folio's default torch thread count: OMP_NUM_THREADS where set, else one thread per core the process could use
-as it started, counted when folio is imported, before torch loads OpenMP.
+as it started (counted when folio is imported, before torch loads OpenMP), and no more than a cgroup's CPU quota
+allows.
 
 With OMP_PLACES or OMP_PROC_BIND set (common advice for CPU inference), GNU OpenMP binds the main thread to its
 first place as it loads. From then on os.sched_getaffinity(0) reports that one core, and "one torch thread per
@@ -15,6 +16,8 @@ import os
 import sys
 from typing import Optional
 
+from folio import cpu_quota
+
 logger = logging.getLogger(__name__)
 
 BINDING_VARIABLES = ("OMP_PLACES", "OMP_PROC_BIND")
@@ -24,9 +27,12 @@ _AT_IMPORT: Optional[int] = None if "torch" in sys.modules else len(os.sched_get
 
 def default() -> int:
     """The first count of OMP_NUM_THREADS (a list gives nested levels' counts) where it is a positive number, as
-    OpenMP reads it; else cores()."""
+    OpenMP reads it; else cores(), at most the CPUs a cgroup's quota allows (folio.cpu_quota)."""
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) > 0 else cores()
+    if first.isdigit() and int(first) > 0:
+        return int(first)
+    quota = cpu_quota.limit()
+    return cores() if quota is None else min(cores(), quota)
 
 
 def cores() -> int:

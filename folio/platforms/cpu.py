@@ -7,9 +7,9 @@
 - attention: the C++ paged-attention kernel (folio.attention.cpu_paged) where it builds, else torch SDPA.
 - matmuls: the dense CPU linear method (oneDNN prepacked bf16, the small-batch kernel, MKL in float32), or a
   quantisation scheme's (folio.models.quantization: int8 and int4 kernels) with the dense one for the rest.
-- the process: one torch thread per core it may use, counted as folio is imported, or OMP_NUM_THREADS
-  (folio.thread_count), and freed memory kept for reuse (folio.memory); steps of one token run folio's kernels
-  on the decode threads (folio.platforms.decode_threads).
+- the process: one torch thread per core it may use, counted as folio is imported and within a cgroup's CPU
+  quota, or OMP_NUM_THREADS (folio.thread_count), and freed memory kept for reuse (folio.memory); steps of one
+  token run folio's kernels on the decode threads (folio.platforms.decode_threads).
 - kernels: built with -march=native for this CPU (the build key includes its feature flags).
 """
 
