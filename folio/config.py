@@ -118,7 +118,8 @@ class CacheOptions:
     # An int > 1 is bytes, a float in (0, 1] a fraction of the memory available at start.
     kv_cache_memory: Union[int, float, None] = option(
         None, "KV cache size: bytes (4GiB, 512MiB) or a fraction of available memory (0.3)",
-        default_means="the smaller of 4 GiB and 40% of available memory", type=parse_memory_size)
+        default_means="the smaller of 4 GiB and 40% of available memory (within a container's limit)",
+        type=parse_memory_size)
     enable_prefix_caching: bool = option(True, "reuse the KV cache of earlier prompts' full blocks")
     kv_cache_dtype: str = option(
         "auto", "KV cache storage: auto (the model's dtype), int8 or fp8 (e4m3): 8-bit codes with a float32 scale "

@@ -1,5 +1,6 @@
-"""Memory the machine can give folio: what is available now (MemAvailable), the budget behind the KV cache's
-default size; and how freed memory is kept, and handed back once after loading.
+"""Memory the machine can give folio: what is available now (MemAvailable, and no more than a container's memory
+limit leaves: folio.cgroup_limits), the budget behind the KV cache's default size; and how freed memory is kept,
+and handed back once after loading.
 
 glibc hands every allocation over its mmap threshold (at most 32 MiB, adjusted as blocks are freed) its own
 mapping and unmaps it on free, and trims the heap's free top back to the kernel. A step's large
@@ -29,6 +30,8 @@ import resource
 
 import torch
 
+from folio import cgroup_limits
+
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
@@ -39,10 +42,14 @@ _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUN
 
 
 def available_memory_bytes() -> int:
+    """The machine's MemAvailable, or less where a cgroup's memory limit leaves less (a container's: /proc/meminfo
+    shows the host's memory)."""
+    headroom = cgroup_limits.memory_headroom()
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
+                return available if headroom is None else min(available, headroom)
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 

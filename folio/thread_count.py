@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Optional
 
-from folio import cpu_quota
+from folio import cgroup_limits
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +27,11 @@ _AT_IMPORT: Optional[int] = None if "torch" in sys.modules else len(os.sched_get
 
 def default() -> int:
     """The first count of OMP_NUM_THREADS (a list gives nested levels' counts) where it is a positive number, as
-    OpenMP reads it; else cores(), at most the CPUs a cgroup's quota allows (folio.cpu_quota)."""
+    OpenMP reads it; else cores(), at most the CPUs a cgroup's quota allows (folio.cgroup_limits)."""
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if first.isdigit() and int(first) > 0:
         return int(first)
-    quota = cpu_quota.limit()
+    quota = cgroup_limits.cpu_limit()
     return cores() if quota is None else min(cores(), quota)
 
 
