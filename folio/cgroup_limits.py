@@ -42,8 +42,11 @@ def _smallest(root: Path, membership: Path, controller: str, v2: Reader, v1: Rea
         lines = membership.read_text().splitlines()
     except OSError:
         return None
-    values = [value for line in lines if line.count(":") >= 2
-              for value in _values(root, controller, *line.split(":", 2)[1:], v2, v1)]
+    values = []
+    for line in lines:  # "hierarchy-id:controllers:path"
+        fields = line.split(":", 2)
+        if len(fields) == 3:
+            values.extend(_values(root, controller, fields[1], fields[2], v2, v1))
     return min(values) if values else None
 
 
