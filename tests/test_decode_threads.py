@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from folio.models import int4_blocks, onednn_int8, quant_kernels, small_batch_gemm
+from folio.models import int4_blocks, int8_blocks, onednn_int8, quant_kernels, small_batch_gemm
 from folio.models import quant_reference as ref
 from folio.platforms import decode_threads
 
@@ -44,11 +44,22 @@ def _bf16_layer(n: int, k: int, seed: int):
     return lambda x: small_batch_gemm.linear(x, packed, bias)
 
 
-def _int4_layer(n: int, k: int, seed: int):
+def _int4_layer(n: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    blocks = int4_blocks.pack(*ref.quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32), torch.bfloat16)
+    blocks = int4_blocks.pack(*ref.quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32), dtype)
     bias = torch.randn(n, generator=g)
     return lambda x: int4_blocks.linear(x, blocks, bias)
+
+
+def _int4_f32_layer(n: int, k: int, seed: int):
+    return _int4_layer(n, k, seed, torch.float32)
+
+
+def _int8_f32_layer(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    blocks = int8_blocks.pack(*ref.quantize_int8(torch.randn(n, k, generator=g) * 0.05, 32))
+    bias = torch.randn(n, generator=g)
+    return lambda x: int8_blocks.linear(x, blocks, bias)
 
 
 def _w8a8_layer(n: int, k: int, seed: int):
@@ -60,25 +71,37 @@ def _w8a8_layer(n: int, k: int, seed: int):
                                                       True)
 
 
+# kind: (layer maker, whether its kernel runs here, the activations' dtype); the float32 block kernels are the
+# ones AVX2 CPUs without AVX-512 run
 LAYERS = {
-    "bf16": (_bf16_layer, small_batch_gemm.available(torch.bfloat16)),
-    "int4": (_int4_layer, int4_blocks.available(torch.bfloat16)),
-    "w8a8": (_w8a8_layer, quant_kernels.has_packed_w8a8() and onednn_int8.available()),
+    "bf16": (_bf16_layer, small_batch_gemm.available(torch.bfloat16), torch.bfloat16),
+    "int4": (_int4_layer, int4_blocks.available(torch.bfloat16), torch.bfloat16),
+    "w8a8": (_w8a8_layer, quant_kernels.has_packed_w8a8() and onednn_int8.available(), torch.bfloat16),
+    "int4-f32": (_int4_f32_layer, int4_blocks.available(torch.float32), torch.float32),
+    "int8-f32": (_int8_f32_layer, int8_blocks.available(torch.float32), torch.float32),
 }
+
+
+def _any_kind() -> str:
+    """The first kind whose kernel runs here, for the tests of the threads themselves."""
+    kind = next((kind for kind, (_, available, _) in LAYERS.items() if available), None)
+    if kind is None:
+        pytest.skip("no kernel that runs on the decode threads runs on this CPU")
+    return kind
 # a decoder layer's shapes (Qwen2-0.5B's), an odd one, and one too small to split
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (333, 96), (64, 64)]
 
 
 def _layers(kind: str):
-    make, available = LAYERS[kind]
+    make, available, _ = LAYERS[kind]
     if not available:
         pytest.skip(f"the {kind} kernel does not run on this CPU")
     return [make(n, k, seed=i) for i, (n, k) in enumerate(SHAPES)]
 
 
-def _rows_and_results(layers):
+def _rows_and_results(kind: str, layers):
     """A row for each layer and its product on OpenMP, the results every other path must give."""
-    xs = [torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES]
+    xs = [torch.randn(1, k).to(LAYERS[kind][2]) for _, k in SHAPES]
     return xs, [layer(x) for layer, x in zip(layers, xs)]
 
 
@@ -87,7 +110,7 @@ def test_a_cycle_of_layers_gives_openmps_results_on_every_pass(kind):
     """Passes over the layers in order, as decode steps make them: from the second pass on, each call's workers
     prefetched their share of it during the call before and took more blocks; the results stay the same."""
     layers = _layers(kind)
-    xs, want = _rows_and_results(layers)
+    xs, want = _rows_and_results(kind, layers)
     with decode_step():
         assert torch.get_num_threads() == 1  # torch's own operators stay off the cores the workers spin on
         for _ in range(4):
@@ -108,8 +131,9 @@ def test_steps_of_more_tokens_keep_openmp():
 
 def test_calls_from_other_threads_during_a_step_compute_alike():
     """A call from a second Python thread while the workers run another's runs inline: same results."""
-    layers = _layers("bf16") if LAYERS["bf16"][1] else _layers("int4")
-    xs, want = _rows_and_results(layers)
+    kind = _any_kind()
+    layers = _layers(kind)
+    xs, want = _rows_and_results(kind, layers)
     errors: list[str] = []
 
     def run() -> None:
@@ -145,7 +169,7 @@ def _in_forked_child(target, kind: str):
 def _child(kind: str, queue) -> None:
     torch.set_num_threads(1)  # GNU OpenMP's thread team does not survive a fork either: no parallel region here
     layers = _layers(kind)
-    xs, want = _rows_and_results(layers)
+    xs, want = _rows_and_results(kind, layers)
     torch.set_num_threads(2)  # what the decode threads take over (within, torch's own count is one)
     with decode_step():
         queue.put(all(torch.equal(layer(x), w) for layer, x, w in zip(layers, xs, want)))
@@ -153,17 +177,17 @@ def _child(kind: str, queue) -> None:
 
 def test_a_forked_child_starts_threads_of_its_own():
     """A child forked from a process whose workers run has none of them: it must not wait for them."""
-    kind = next(k for k, (_, available) in LAYERS.items() if available)
+    kind = _any_kind()
     layers = _layers(kind)
     with decode_step():
-        layers[0](torch.randn(1, SHAPES[0][1]).to(torch.bfloat16))  # the parent's workers exist
+        layers[0](torch.randn(1, SHAPES[0][1]).to(LAYERS[kind][2]))  # the parent's workers exist
     assert _in_forked_child(_child, kind)
 
 
 def _sleepers(kind: str, queue) -> None:
     torch.set_num_threads(1)  # as in _child: no OpenMP region before the fork's threads are gone
     layers = _layers(kind)
-    xs, want = _rows_and_results(layers)
+    xs, want = _rows_and_results(kind, layers)
     ext = decode_threads.KERNEL.load()
     ext.set_threads(2, idle_spin_us=0, join_spin_us=0)
     same = True
@@ -179,7 +203,7 @@ def test_workers_and_a_main_thread_that_never_spin_lose_no_wakeup():
     """With no spinning at all, every worker sleeps between calls and the main thread sleeps on every join its
     worker has not finished: each call still returns (a lost wakeup would leave the child hanging) with OpenMP's
     results."""
-    assert _in_forked_child(_sleepers, next(k for k, (_, available) in LAYERS.items() if available))
+    assert _in_forked_child(_sleepers, _any_kind())
 
 
 @pytest.mark.parametrize("quantization", [None, "int4", "int8"])
