@@ -53,10 +53,10 @@
 #if FOLIO_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define FOLIO_AMX 1
 #include "amx_tiles.h"
-#include "bf16_silu_and_mul.h"
 #else
 #define FOLIO_AMX 0
 #endif
+#include "bf16_silu_and_mul.h"  // the silu table's size, which every build checks
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define FOLIO_F32_FMA 1
 #else
