@@ -80,14 +80,6 @@ LAYERS = {
     "int4-f32": (_int4_f32_layer, int4_blocks.available(torch.float32), torch.float32),
     "int8-f32": (_int8_f32_layer, int8_blocks.available(torch.float32), torch.float32),
 }
-
-
-def _any_kind() -> str:
-    """The first kind whose kernel runs here, for the tests of the threads themselves."""
-    kind = next((kind for kind, (_, available, _) in LAYERS.items() if available), None)
-    if kind is None:
-        pytest.skip("no kernel that runs on the decode threads runs on this CPU")
-    return kind
 # a decoder layer's shapes (Qwen2-0.5B's), an odd one, and one too small to split
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (333, 96), (64, 64)]
 
@@ -97,6 +89,14 @@ def _layers(kind: str):
     if not available:
         pytest.skip(f"the {kind} kernel does not run on this CPU")
     return [make(n, k, seed=i) for i, (n, k) in enumerate(SHAPES)]
+
+
+def _any_kind() -> str:
+    """The first kind whose kernel runs here, for the tests of the threads themselves."""
+    kind = next((kind for kind, (_, available, _) in LAYERS.items() if available), None)
+    if kind is None:
+        pytest.skip("no kernel that runs on the decode threads runs on this CPU")
+    return kind
 
 
 def _rows_and_results(kind: str, layers):
