@@ -1,10 +1,12 @@
 """folio: an LLM inference and serving engine (paged KV cache, continuous batching, OpenAI-compatible server)."""
 
 # before anything below imports torch, which loads OpenMP: how long its threads spin, and (as thread_count is
-# imported) how many cores the process may use before OpenMP binds this thread
-from folio import openmp_wait, thread_count
+# imported) how many cores the process may use before OpenMP binds this thread; and before any oneDNN primitive
+# is made, how many its caches keep
+from folio import onednn_caches, openmp_wait, thread_count
 
 openmp_wait.set_default_spin()
+onednn_caches.bound_default_capacity()
 
 from folio.config import EngineConfig
 from folio.engine.llm_engine import LLMEngine
