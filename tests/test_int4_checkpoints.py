@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from conftest import build_tiny_model, runs_float32_int16_codes
 from folio import LLM, SamplingParams
 from folio.models import quant_kernels
+from folio.models.dense_linear import DenseLinearMethod
 from folio.models.int4_checkpoints import Int4CheckpointConfig, Int4CheckpointMethod
 from folio.models.quant_reference import dequantize
 from int4_weights import int4_rows
@@ -160,7 +161,7 @@ def test_checkpoint_loads_exactly(tiny_model_factory, wide_llama, tmp_path, fmt,
                 assert torch.equal(dequantize(fused.weight, fused.weight_scale, fused.weight_offset), expected)
             else:
                 assert fused.weight is None and torch.equal(dequantize(*int4_rows(blocks)), expected)
-    assert net.lm_head.weight.dtype == torch.float32  # kept as a plain weight by the checkpoint: dense
+    assert isinstance(net.lm_head.method, DenseLinearMethod)  # kept as a plain weight by the checkpoint: dense
     reference = LLM(float_folder, dtype="float32", kv_cache_memory=1 << 22)
     torch.testing.assert_close(_logprobs(llm), _logprobs(reference), **_tolerance(llm))
 
@@ -173,7 +174,7 @@ def test_layers_the_checkpoint_keeps_in_float_run_dense(tiny_model_factory, tmp_
     llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22)
     net = llm.llm_engine.runner.model
     assert not isinstance(net.layers[1].mlp.down_proj.method, Int4CheckpointMethod)
-    assert net.layers[1].mlp.down_proj.weight.dtype == torch.float32
+    assert isinstance(net.layers[1].mlp.down_proj.method, DenseLinearMethod)  # kept float by the checkpoint: dense
     assert isinstance(net.layers[0].mlp.down_proj.method, Int4CheckpointMethod)
     reference = LLM(float_folder, dtype="float32", kv_cache_memory=1 << 22)
     torch.testing.assert_close(_logprobs(llm), _logprobs(reference), **_tolerance(llm))

@@ -175,26 +175,36 @@ def test_linear_sends_small_batches_to_the_kernel_then_the_amx_tiles(monkeypatch
     assert calls == (vector[:2] + amx + vector[2:] if amx_rows else vector)  # beyond: oneDNN
 
 
-@bf16_kernel
-def test_model_keeps_one_copy_of_each_weight(llama_dir):
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=bf16_kernel),
+                                   pytest.param(torch.float32, marks=f32_kernel)])
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_keeps_one_copy_of_each_weight(tiny_model_factory, dtype, tie):
     from folio.loader.model_loader import load_model
 
-    net = load_model(llama_dir, torch.bfloat16, None).model
-    for name, m in net.named_modules():
+    net = load_model(tiny_model_factory("llama", tie), dtype, None).model
+    for m in net.modules():
         if isinstance(m, Linear):
             assert m.packed is not None and isinstance(m.small_batch_weight, small_batch_gemm.PackedWeight)
-            assert (m.weight is not None) == (name == "lm_head" and net.config.tie_word_embeddings)  # the embedding
+            assert (m.weight is not None) == (tie and m is net.lm_head)  # the embedding's
+
+
+def _f32_blocks(w: torch.Tensor) -> small_batch_gemm.PackedWeight:
+    """oneDNN's packed copy of a float32 weight as the kernel reads it (skips where oneDNN lays it out otherwise)."""
+    blocks = small_batch_gemm.packed_blocks(torch.ops.mkldnn._reorder_linear_weight(w, 64), w)
+    if blocks is None:
+        pytest.skip("oneDNN packs float32 weights here in a layout the kernel does not read")
+    return blocks
 
 
 @f32_kernel
 @pytest.mark.parametrize("m", range(1, 9))
-@pytest.mark.parametrize("n,k", [(1, 1), (3, 7), (5, 96), (37, 100), (1000, 576), (9, 4864)])
+@pytest.mark.parametrize("n,k", [(1, 64), (3, 7), (5, 96), (37, 100), (1000, 576), (9, 4864), (130, 300)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_matches_the_exact_product(m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
-    got = small_batch_gemm.linear(x, w, b)
+    got = small_batch_gemm.linear(x, _f32_blocks(w), b)
     exact = x.double() @ w.double().T + (b.double() if with_bias else 0)
     assert got.shape == (m, n) and got.dtype == torch.float32
     # float32 FMAs in another order than MKL's: the error of a float32 dot product of k terms, no more
@@ -205,30 +215,48 @@ def test_float32_matches_the_exact_product(m, n, k, with_bias):
 @f32_kernel
 def test_float32_strided_rows_and_errors():
     x = torch.randn(3, 200)[:, :100]  # row stride 200
-    w = torch.randn(8, 100)
+    w = _f32_blocks(torch.randn(8, 100))
     assert torch.equal(small_batch_gemm.linear(x, w, None), small_batch_gemm.linear(x.contiguous(), w, None))
     with pytest.raises(RuntimeError, match="M <= 8"):
         small_batch_gemm.linear(torch.randn(9, 100), w, None)
     with pytest.raises(RuntimeError, match="contiguous"):
-        small_batch_gemm.linear(x, torch.randn(100, 8).T, None)
+        small_batch_gemm.KERNEL.load().linear_f32(x[:, :50], w.blocks[:, ::2], 8, None)
+    with pytest.raises(RuntimeError, match="within the blocks' K"):
+        small_batch_gemm.linear(torch.randn(2, 2000), w, None)
 
 
 @f32_kernel
-def test_float32_layers_send_up_to_eight_rows_to_the_kernel(monkeypatch):
+def test_float32_layers_keep_the_packed_weight_and_send_up_to_eight_rows_to_the_kernel(monkeypatch):
     layer = Linear(100, 48, bias=True, params_dtype=torch.float32)
     method = DenseLinearMethod()
     layer.bind(method)
-    layer.weight.data.copy_(torch.randn(48, 100))
+    weight = torch.randn(48, 100)
+    layer.weight.data.copy_(weight)
     layer.bias.data.copy_(torch.randn(48))
     method.process_weights_after_loading(layer)
-    assert layer.small_batch_weight is layer.weight and layer.packed is None  # no copy: the plain weight
+    if layer.small_batch_weight is None:
+        pytest.skip("oneDNN packs float32 weights here in a layout the kernel does not read")
+    assert layer.weight is None and layer.packed is not None  # one copy: oneDNN's, which the kernel reads
     calls = []
     real = small_batch_gemm.linear
     monkeypatch.setattr(small_batch_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     for m in (1, 8, 9, 64):
         x = torch.randn(m, 100)
-        assert torch.allclose(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-4)
-    assert calls == [1, 8]  # 9 and 64 rows stay on MKL
+        assert torch.allclose(layer(x), x @ weight.T + layer.bias, rtol=1e-5, atol=1e-4)
+    assert calls == [1, 8]  # 9 and 64 rows go to oneDNN's GEMM
+
+
+def test_float32_layers_stay_plain_where_the_kernel_cannot_read_the_packed_weight(monkeypatch):
+    monkeypatch.setattr(small_batch_gemm, "packed_blocks", lambda packed, weight: None)
+    layer = Linear(100, 48, bias=False, params_dtype=torch.float32)
+    method = DenseLinearMethod()
+    layer.bind(method)
+    weight = torch.randn(48, 100)
+    layer.weight.data.copy_(weight)
+    method.process_weights_after_loading(layer)
+    assert layer.packed is None and layer.small_batch_weight is None and torch.equal(layer.weight, weight)
+    x = torch.randn(3, 100)
+    assert torch.allclose(layer(x), x @ weight.T, rtol=1e-5, atol=1e-4)
 
 
 @amx_kernel

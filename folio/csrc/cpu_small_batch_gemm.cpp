@@ -25,8 +25,9 @@
 //
 // float32 (AVX2+FMA or AVX-512F, any K, M <= MAX_M_F32): MKL's sgemm packs the whole weight matrix on every
 // call with M >= 2 rows, so a 2-row product cost 2.3x a 1-row one and a 7-row one 2.9x (the 49152 x 576
-// lm_head of SmolLM2 on an AVX2 EPYC: 14 ms, 33 ms, 41 ms); here plain row-major W is read once, with FMAs in
-// float32 (sums in another order than MKL's: results differ in the last bits).
+// lm_head of SmolLM2 on an AVX2 EPYC: 14 ms, 33 ms, 41 ms), and oneDNN's GEMM took a batch-1 decode step twice
+// this kernel's time; here the weight oneDNN packed as blocks [N / NB][K'][NB] is read once, with FMAs in
+// float32 (sums in another order than MKL's and oneDNN's: results differ in the last bits).
 #include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -161,72 +162,83 @@ using fvec = __m512;
 constexpr int64_t LANES = 16;
 inline fvec fzero() { return _mm512_setzero_ps(); }
 inline fvec fload(const float* p) { return _mm512_loadu_ps(p); }
+inline void fstore(float* p, fvec a) { _mm512_storeu_ps(p, a); }
+inline fvec fbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float fsum(fvec a) { return _mm512_reduce_add_ps(a); }
 #else
 using fvec = __m256;
 constexpr int64_t LANES = 8;
 inline fvec fzero() { return _mm256_setzero_ps(); }
 inline fvec fload(const float* p) { return _mm256_loadu_ps(p); }
+inline void fstore(float* p, fvec a) { _mm256_storeu_ps(p, a); }
+inline fvec fbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float fsum(fvec a) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
 #endif
 
-// R rows of W at a time, one FMA chain each per row of x: R streams of memory in flight, and M * R independent
-// chains to hide the FMA's latency, within AVX2's 16 vector registers (M * R accumulators, R weight vectors).
-template <int M>
-constexpr int rows_at_once() { return M <= 2 ? 4 : (M <= 4 ? 2 : 1); }
+// Rows of K a block's pieces take: a piece of a 64-column block (64 KiB) stays in L2 while the passes over its
+// column vectors read it again, where a whole block (K = 4864: 1.2 MiB) would come from memory on every pass.
+constexpr int64_t F32_PIECE_K = 256;
 
-template <int M, int R>
-void rows_f32(const float* x, int64_t x_stride, const float* w, const float* bias, float* y, int64_t y_stride,
-              int64_t K, int64_t n) {
-  fvec acc[M][R];
+// Vectors of columns one pass takes for M rows: a power of two, at most a 64-column block's, with M * V sums
+// within half the vector registers (16 with AVX2, 32 with AVX-512), the rest for the weight vectors and x.
+template <int M>
+constexpr int f32_vectors() {
+  int v = 64 / LANES;
+  while (v > 1 && M * v > (LANES == 16 ? 16 : 8)) v /= 2;
+  return v;
+}
+
+// Columns [c, c + V * LANES) of a block [K'][width] for M rows over [k0, k1): the sums in sums[M][width] (a
+// buffer in L1) go on from the previous piece's.
+template <int M, int V>
+void piece_f32(const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1, int64_t c,
+               float* sums) {
+  fvec acc[M][V];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = fzero();
-  int64_t k = 0;
-  for (; k + LANES <= K; k += LANES) {
-    for (int r = 0; r < R; ++r) {
-      const fvec wr = fload(w + (n + r) * K + k);
-      for (int m = 0; m < M; ++m) acc[m][r] = ffma(wr, fload(x + m * x_stride + k), acc[m][r]);
+    for (int v = 0; v < V; ++v) acc[m][v] = fload(sums + m * width + c + v * LANES);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* row = w + k * width + c;
+    fvec wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = fload(row + v * LANES);
+    for (int m = 0; m < M; ++m) {
+      const fvec xk = fbroadcast(x + m * xs + k);
+      for (int v = 0; v < V; ++v) acc[m][v] = ffma(xk, wv[v], acc[m][v]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
-      const float* row = w + (n + r) * K;
-      float sum = fsum(acc[m][r]);
-      for (int64_t j = k; j < K; ++j) sum += row[j] * x[m * x_stride + j];
-      y[m * y_stride + n + r] = sum + (bias ? bias[n + r] : 0.f);
-    }
+    for (int v = 0; v < V; ++v) fstore(sums + m * width + c + v * LANES, acc[m][v]);
+}
+
+// One block of `width` output columns (a multiple of LANES, at most 64) for M rows: y's columns [n0, n0 + width)
+// within N get the sums plus the bias.
+template <int M>
+void block_f32(const float* x, int64_t xs, const float* w, int64_t width, int64_t K, const float* bias, float* y,
+               int64_t N, int64_t n0) {
+  constexpr int V = f32_vectors<M>();
+  float sums[M * 64] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += F32_PIECE_K) {
+    const int64_t k1 = std::min(K, k0 + F32_PIECE_K);
+    int64_t c = 0;
+    for (; c + V * LANES <= width; c += V * LANES) piece_f32<M, V>(x, xs, w, width, k0, k1, c, sums);
+    for (; c < width; c += LANES) piece_f32<M, 1>(x, xs, w, width, k0, k1, c, sums);
+  }
+  const int64_t columns = std::min(width, N - n0);
+  for (int m = 0; m < M; ++m)
+    for (int64_t j = 0; j < columns; ++j) y[m * N + n0 + j] = sums[m * width + j] + (bias ? bias[n0 + j] : 0.f);
 }
 
 template <int M>
-void row_range_f32(const float* x, int64_t x_stride, const float* w, const float* bias, float* y,
-                   int64_t y_stride, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int R = rows_at_once<M>();
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) rows_f32<M, R>(x, x_stride, w, bias, y, y_stride, K, n);
-  for (; n < n1; ++n) rows_f32<M, 1>(x, x_stride, w, bias, y, y_stride, K, n);
-}
-
-template <int M>
-void dispatch_f32(int64_t m, const float* x, int64_t xs, const float* w, const float* b, float* y, int64_t N,
-                  int64_t K, int64_t n0, int64_t n1) {
+void dispatch_f32(int64_t m, const float* x, int64_t xs, const float* w, int64_t width, int64_t K_blocks,
+                  int64_t K, const float* bias, float* y, int64_t N, int64_t b0, int64_t b1) {
   if constexpr (M > 1) {
-    if (m < M) return dispatch_f32<M - 1>(m, x, xs, w, b, y, N, K, n0, n1);
+    if (m < M) return dispatch_f32<M - 1>(m, x, xs, w, width, K_blocks, K, bias, y, N, b0, b1);
   }
-  row_range_f32<M>(x, xs, w, b, y, N, K, n0, n1);
+  for (int64_t b = b0; b < b1; ++b) block_f32<M>(x, xs, w + b * K_blocks * width, width, K, bias, y, N, b * width);
 }
 #endif
 
 bool has_kernel() { return FOLIO_DPBF16; }
 bool has_f32_kernel() { return FOLIO_F32_FMA; }
-
-// contiguous row ranges, at least 16 KiB of W each: one sequential stream per thread
-int64_t row_grain(int64_t row_bytes) { return std::max<int64_t>(1, 16384 / row_bytes); }
 
 // The checks both bf16 paths make: the blocks' shape, x's and N's agreement with it, the bias.
 const c10::BFloat16* check_bf16(const at::Tensor& x, const at::Tensor& w, int64_t N,
@@ -430,12 +442,16 @@ at::Tensor linear_bf16_amx_argmax(at::Tensor x, at::Tensor w, int64_t N, c10::op
   return out;
 }
 
-at::Tensor linear_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+at::Tensor linear_f32(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(FOLIO_F32_FMA, "built without AVX2+FMA or AVX-512F");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be float32 [M, K], unit stride");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous(), "w must be contiguous float32 [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && M >= 1 && M <= MAX_M_F32, "shapes: x [M <= 8, K], w [N, K]");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(3) == 1 &&
+                  w.size(2) % LANES == 0 && w.size(2) <= 64,
+              "w must be contiguous float32 blocks [N / NB, K', NB, 1] with NB a multiple of ", LANES, " up to 64");
+  const int64_t M = x.size(0), K = x.size(1), width = w.size(2);
+  TORCH_CHECK(M >= 1 && M <= MAX_M_F32 && K <= w.size(1) && N >= 1 && N <= w.size(0) * width &&
+                  N > (w.size(0) - 1) * width,
+              "shapes: x [M <= 8, K], K within the blocks' K; N within the last block");
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be float32 [N]");
@@ -446,15 +462,14 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  folio::parallel_for(0, N, row_grain(4 * K), [&](int64_t n0, int64_t n1) {
-    dispatch_f32<MAX_M_F32>(M, xp, xs, wp, bp, yp, N, K, n0, n1);
+  const int64_t xs = x.stride(0), K_blocks = w.size(1);
+  const folio::BlockStream streams[] = {{wp, w.stride(0) * 4}};
+  folio::parallel_blocks(wp, w.size(0), streams, [&](int64_t b0, int64_t b1) {
+    dispatch_f32<MAX_M_F32>(M, xp, xs, wp, width, K_blocks, K, bp, yp, N, b0, b1);
   });
 #endif
   return y;
 }
-
-
 
 }  // namespace
 
@@ -470,7 +485,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_amx_argmax", &linear_bf16_amx_argmax,
         "argmax over columns of the product linear_bf16_amx writes (int64 [M]: first maximum, first NaN), unwritten",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("linear_f32", &linear_f32, "x W^T (+ b) for float32 x of at most MAX_M_F32 rows, W row-major",
+  m.def("linear_f32", &linear_f32, "x W^T (+ b) for float32 x of at most MAX_M_F32 rows, W in oneDNN's packed blocks [N / NB, K', NB, 1]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_kernel", &has_kernel, "whether the AVX512-BF16 kernel was compiled in");
   m.def("has_amx_kernel", &has_amx_kernel, "whether the AMX-BF16 path was compiled in and may use the tiles");

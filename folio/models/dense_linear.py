@@ -1,11 +1,12 @@
 """The dense CPU linear method: unquantised weights, each batch on the fastest CPU kernel for its size.
 
-In bf16 the weight is reordered once, after loading, into oneDNN's blocked layout, and the plain one is freed
-(unless it is the embedding's): plain F.linear reorders it on every call, which costs 10-40% of a decode step's
-matmuls. Batches of at most small_batch_gemm.MAX_ROWS rows go to a kernel that reads that same packed weight
-in place, faster than oneDNN's GEMM at those sizes; one copy of the weight serves every batch size. float32
-layers keep their plain weight on F.linear (MKL), and send batches of at most eight rows to the kernel, which
-reads the weight once where MKL packs it on every call.
+In bf16 and float32 the weight is reordered once, after loading, into oneDNN's blocked layout, and the plain one
+is freed (unless it is the embedding's): plain F.linear reorders a bf16 weight on every call, which costs 10-40%
+of a decode step's matmuls, and MKL packs a float32 one on every call of two rows or more. Batches of at most small_batch_gemm.MAX_ROWS rows go to a kernel that reads
+that same packed weight in place, faster than oneDNN's GEMM at those sizes; one copy of the weight serves every
+batch size. In float32 (the default dtype on CPUs without fast bf16), oneDNN's GEMM on the packed weight against
+MKL's on the plain one, 0.5B Qwen2's layers on 2 cores of a Zen 3 EPYC: 1.1-1.6x as fast at a W1 decode step's 62
+rows, 0.6-1.2x at a prefill step's 1852; W1 1.09-1.23x, passes alternating (README, "Performance").
 
 A SwiGLU gate/up in bf16, where the AMX tiles take its small batches, is packed in the gated layout
 (folio.models.gated_layout): batches on the tiles get SiLU-and-mul's result from the kernel's epilogue, which
@@ -35,16 +36,18 @@ SILU_PIECE_ROWS = 512
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
-    """oneDNN's bf16 linear, on a CPU that has it (the reorder refuses CPUs without AVX-512 or AVX-NE-CONVERT)."""
-    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """oneDNN's linear on a packed weight: float32 wherever oneDNN is built in, bf16 on a CPU that has it (the
+    reorder refuses CPUs without AVX-512 or AVX-NE-CONVERT)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class DenseLinearMethod(LinearMethod):
-    """Per layer: `packed` (the bf16 weight in oneDNN's layout, or None), `small_batch_weight` (what the
-    small-batch kernel reads: a view of `packed`, or the plain float32 weight; None where it cannot serve) and
-    `silu_table` (a gated gate/up's: fused_ops.bf16_silu_table, which the epilogue looks its gates up in; else
-    None)."""
+    """Per layer: `packed` (the weight in oneDNN's layout, or None), `small_batch_weight` (what the small-batch
+    kernel reads: a view of `packed`; None where it cannot serve) and `silu_table` (a gated gate/up's:
+    fused_ops.bf16_silu_table, which the epilogue looks its gates up in; else None). A float32 weight is packed
+    only where the kernel reads oneDNN's layout, and stays plain on MKL elsewhere."""
 
     plain_weights = True
 
@@ -57,11 +60,8 @@ class DenseLinearMethod(LinearMethod):
         layer.silu_table = None
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        """bf16: switch to the packed weight and free the plain one unless the embedding needs it. float32: small
-        batches go to the kernel, which reads the plain weight."""
-        if layer.weight.dtype == torch.float32:
-            layer.small_batch_weight = layer.weight if small_batch_gemm.supports(layer.weight) else None
-            return
+        """Switch to the packed weight and free the plain one unless the embedding needs it (float32: where the
+        small-batch kernel reads the packed one)."""
         if not (can_prepack(layer.weight.dtype) and layer.weight.is_cpu):
             return
         weight = layer.weight.detach()
@@ -73,6 +73,9 @@ class DenseLinearMethod(LinearMethod):
                 layer.silu_table = table
         if layer.silu_table is None:
             layer.packed, layer.small_batch_weight = pack(weight)
+        if layer.small_batch_weight is None and weight.dtype == torch.float32:
+            layer.packed = None  # one row on oneDNN took twice MKL's time on the plain weight: keep that one
+            return
         if not layer.tied:
             layer.weight = None
 
@@ -113,7 +116,8 @@ class DenseLinearMethod(LinearMethod):
 
 
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, Optional[small_batch_gemm.PackedWeight]]:
-    """A bf16 weight in oneDNN's layout, and the small-batch kernel's view of it (None where it cannot read it)."""
+    """A bf16 or float32 weight in oneDNN's layout, and the small-batch kernel's view of it (None where it cannot
+    read it)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_BATCH)
     return packed, small_batch_gemm.packed_blocks(packed, weight)
 
@@ -121,7 +125,7 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, Optional[small_batch_gemm.
 def gated_silu_table(layer: Linear) -> Optional[torch.Tensor]:
     """The silu table for a bf16 SwiGLU gate/up (no bias) whose small batches the AMX tiles take here, so that it
     goes in the gated layout (gated_layout.silu_table); None for every other layer."""
-    if not (layer.silu_and_mul and layer.bias is None and small_batch_gemm.AMX_ROWS
-            and small_batch_gemm.amx_available() and layer.input_size % 32 == 0):
+    if not (layer.silu_and_mul and layer.bias is None and layer.weight.dtype == torch.bfloat16
+            and small_batch_gemm.AMX_ROWS and small_batch_gemm.amx_available() and layer.input_size % 32 == 0):
         return None
     return gated_layout.silu_table(layer.output_size)

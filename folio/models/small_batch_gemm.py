@@ -18,17 +18,19 @@ an Emerald Rapids Xeon (`python benchmarks/small_batch_gemm_bench.py --rows 8 9 
 the 0.5B Qwen2's layers) it took 1.17x less time than oneDNN at 9 rows, 1.20-1.24x at 16, 1.30-1.74x at 32,
 1.13x at 48 and 1.09-1.24x at 64; at 96 rows 1.08x and at 128 0.93x (`AMX_ROWS` is 64).
 
-float32 (AVX2+FMA or AVX-512F, one to eight rows): MKL packs the whole weight on every call of two rows or more,
-so verifying a few speculated tokens cost two to three times a one-token step (SmolLM2's lm_head on an AVX2 EPYC:
-14 ms for one row, 33 ms for two, 41 ms for seven); the kernel reads the plain row-major weight, which a float32
-layer keeps anyway.
+float32 (AVX2+FMA or AVX-512F, one to eight rows): oneDNN packs a float32 weight as blocks of 64 output columns,
+each [K][64] (`packed_blocks` recognises it as group 1), and the dense method keeps that copy alone, for oneDNN's
+GEMM from nine rows up (1.1-1.6x MKL's on the plain weight at a W1 decode step's 62 rows on a Zen 3 EPYC). The
+kernel reads those blocks for one to eight rows: MKL packs the whole weight on every call of two rows or more (a
+2-row product of SmolLM2's lm_head cost 2.3x a 1-row one there), and oneDNN's GEMM on the packed blocks took a
+batch-1 decode step of the 0.5B Qwen2 about twice the kernel's time.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -43,12 +45,15 @@ MAX_ROWS_AMX = 8
 MAX_ROWS = {torch.bfloat16: MAX_ROWS_AMX if has_amx() else 64, torch.float32: 8}
 # bf16 batches past MAX_ROWS and up to this many rows run `amx_linear` where it serves (0: none, without AMX)
 AMX_ROWS = 64 if has_amx() else 0
+# values side by side along K in a packed block: the pairs vdpbf16ps multiplies; float32 ones one by one
+GROUPS = {torch.bfloat16: 2, torch.float32: 1}
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A bf16 weight [N, K] in oneDNN's packed layout, read in place: blocks [ceil(N / width), K' / 2, width, 2]
-    with K' >= K; columns past N in the last block are padding. `blocks` views oneDNN's buffer and keeps it alive."""
+    """A bf16 or float32 weight [N, K] in oneDNN's packed layout, read in place: blocks [ceil(N / width),
+    K' / group, width, group] with K' >= K, group 2 for bf16 and 1 for float32; columns past N in the last block
+    are padding. `blocks` views oneDNN's buffer and keeps it alive."""
 
     blocks: torch.Tensor
     out_features: int
@@ -61,18 +66,12 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     return ext.has_f32_kernel() if dtype == torch.float32 else dtype == torch.bfloat16 and ext.has_kernel()
 
 
-def supports(weight: torch.Tensor) -> bool:
-    """Whether the kernel serves this plain float32 weight here."""
-    return (weight.is_cpu and weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous()
-            and available(torch.float32))
-
-
 def packed_blocks(packed: torch.Tensor, weight: torch.Tensor) -> Optional[PackedWeight]:
-    """oneDNN's packed copy of a bf16 weight [N, K] as the kernel reads it, or None where the kernel is missing
-    or oneDNN chose a layout it does not read (folio.models.onednn_layout)."""
-    if not (available(torch.bfloat16) and weight.dtype == torch.bfloat16):
+    """oneDNN's packed copy of a bf16 or float32 weight [N, K] as the kernel reads it, or None where the kernel is
+    missing or oneDNN chose a layout it does not read (folio.models.onednn_layout)."""
+    if weight.dtype not in GROUPS or not available(weight.dtype):
         return None
-    blocks = onednn_layout.vnni_blocks(packed, weight, 2)
+    blocks = onednn_layout.vnni_blocks(packed, weight, GROUPS[weight.dtype])
     return None if blocks is None else PackedWeight(blocks, weight.shape[0])
 
 
@@ -86,26 +85,26 @@ def serves(x: torch.Tensor) -> bool:
     return x.shape[0] <= MAX_ROWS[torch.bfloat16] or (x.shape[0] <= AMX_ROWS and amx_serves(x))
 
 
-def linear(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, K] @ weight^T (+ bias), in x's dtype, for a batch that `serves` takes: bf16 x with a PackedWeight
-    (the vector loop up to MAX_ROWS rows, then the AMX tiles), float32 x with a plain float32 weight [N, K]."""
+def linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] @ weight^T (+ bias), in x's dtype (the weight's), for a batch that `serves` takes: bf16 on the
+    vector loop up to MAX_ROWS rows, then on the AMX tiles; float32 on its FMA loop."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if _on_tiles(x, weight):
+    if _on_tiles(x):
         return amx_linear(x, weight, bias)
-    if isinstance(weight, PackedWeight):
-        return vector_linear(x, weight, bias)
-    return KERNEL.load().linear_f32(x, weight, bias)
+    if x.dtype == torch.float32:
+        return KERNEL.load().linear_f32(x, weight.blocks, weight.out_features, bias)
+    return vector_linear(x, weight, bias)
 
 
-def _on_tiles(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor]) -> bool:
+def _on_tiles(x: torch.Tensor) -> bool:
     """Whether `linear` sends a batch that `serves` takes to the AMX tiles: bf16 past the vector loop's rows."""
-    return isinstance(weight, PackedWeight) and x.shape[0] > MAX_ROWS[torch.bfloat16]
+    return x.dtype == torch.bfloat16 and x.shape[0] > MAX_ROWS[torch.bfloat16]
 
 
-def _tiles_take(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor]) -> bool:
+def _tiles_take(x: torch.Tensor) -> bool:
     """Whether `linear` would run this batch on the AMX tiles (the batches the tile loop's epilogues serve)."""
-    return serves(x) and _on_tiles(x, weight)
+    return serves(x) and _on_tiles(x)
 
 
 def vector_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -130,22 +129,22 @@ def amx_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tenso
     return KERNEL.load().linear_bf16_amx(x, weight.blocks, weight.out_features, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor],
+def linear_silu_and_mul(x: torch.Tensor, weight: PackedWeight,
                         silu_table: torch.Tensor) -> Optional[torch.Tensor]:
     """For a batch that `linear` sends to the AMX tiles, of a gated weight (folio.models.gated_layout, no bias):
     silu_and_mul's result of the product, [M, N / 2] in the outputs' order, the product never written (the
     epilogue looks each gate up in silu_table, fused_ops.bf16_silu_table, as the op does). None for every other
     batch (the caller takes the op of `linear`'s product)."""
-    if not _tiles_take(x, weight):
+    if not _tiles_take(x):
         return None
     return KERNEL.load().linear_bf16_amx(x.contiguous(), weight.blocks, weight.out_features, None, silu_table)
 
 
-def linear_argmax(x: torch.Tensor, weight: Union[PackedWeight, torch.Tensor],
+def linear_argmax(x: torch.Tensor, weight: PackedWeight,
                   bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """For a batch that `linear` sends to the AMX tiles: argmax(linear(x, weight, bias), dim=-1) as int64 [M]
     (first maximum, first NaN), the product never written (a greedy step's lm_head, whose logits would be
     megabytes written and read back by the argmax). None for every other batch (the caller takes its own)."""
-    if not _tiles_take(x, weight):
+    if not _tiles_take(x):
         return None
     return KERNEL.load().linear_bf16_amx_argmax(x.contiguous(), weight.blocks, weight.out_features, bias)
