@@ -3,6 +3,8 @@ use it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -179,13 +181,22 @@ def test_linear_sends_small_batches_to_the_kernel_then_the_amx_tiles(monkeypatch
                                    pytest.param(torch.float32, marks=f32_kernel)])
 @pytest.mark.parametrize("tie", [False, True])
 def test_model_keeps_one_copy_of_each_weight(tiny_model_factory, dtype, tie):
+    """Every linear layer keeps oneDNN's packed copy alone, and a tied embedding looks its tokens up in the
+    lm_head's, its own table freed: the same rows, bit for bit."""
+    from safetensors.torch import load_file
+
     from folio.loader.model_loader import load_model
 
-    net = load_model(tiny_model_factory("llama", tie), dtype, None).model
+    folder = tiny_model_factory("llama", tie)
+    net = load_model(folder, dtype, None).model
     for m in net.modules():
         if isinstance(m, Linear):
             assert m.packed is not None and isinstance(m.small_batch_weight, small_batch_gemm.PackedWeight)
-            assert (m.weight is not None) == (tie and m is net.lm_head)  # the embedding's
+            assert m.weight is None
+    assert (net.embed_tokens.weight is None) == tie
+    table = load_file(os.path.join(folder, "model.safetensors"))["model.embed_tokens.weight"].to(dtype)
+    ids = torch.tensor([[0, 5, table.shape[0] - 1], [17, 17, 3]])
+    assert torch.equal(net.embed_tokens(ids), table[ids])
 
 
 def _f32_blocks(w: torch.Tensor) -> small_batch_gemm.PackedWeight:
@@ -244,6 +255,20 @@ def test_float32_layers_keep_the_packed_weight_and_send_up_to_eight_rows_to_the_
         x = torch.randn(m, 100)
         assert torch.allclose(layer(x), x @ weight.T + layer.bias, rtol=1e-5, atol=1e-4)
     assert calls == [1, 8]  # 9 and 64 rows go to oneDNN's GEMM
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=bf16_kernel),
+                                   pytest.param(torch.float32, marks=f32_kernel)])
+@pytest.mark.parametrize("n,k", [(1000, 576), (37, 100), (130, 30), (5, 64)])
+def test_weight_rows_are_the_packed_weights_rows(dtype, n, k):
+    """Any row of a packed weight, K padded or not, the last block's columns partly padding."""
+    w = torch.randn(n, k).to(dtype)
+    weight = small_batch_gemm.packed_blocks(torch.ops.mkldnn._reorder_linear_weight(w, 64), w)
+    if weight is None:
+        pytest.skip("oneDNN packs these weights here in a layout the kernel does not read")
+    ids = torch.tensor([[n - 1, 0, n // 2], [1 % n, n - 1, 3 % n]])
+    rows = small_batch_gemm.weight_rows(weight, ids)
+    assert rows.is_contiguous() and torch.equal(rows, w[ids])
 
 
 def test_float32_layers_stay_plain_where_the_kernel_cannot_read_the_packed_weight(monkeypatch):

@@ -1,8 +1,9 @@
 """The dense CPU linear method: unquantised weights, each batch on the fastest CPU kernel for its size.
 
 In bf16 and float32 the weight is reordered once, after loading, into oneDNN's blocked layout, and the plain one
-is freed (unless it is the embedding's): plain F.linear reorders a bf16 weight on every call, which costs 10-40%
-of a decode step's matmuls, and MKL packs a float32 one on every call of two rows or more. Batches of at most small_batch_gemm.MAX_ROWS rows go to a kernel that reads
+is freed (a tied lm_head's embedding then looks its tokens up in the packed copy: `weight_rows`): plain F.linear
+reorders a bf16 weight on every call, which costs 10-40% of a decode step's matmuls, and MKL packs a float32 one
+on every call of two rows or more. Batches of at most small_batch_gemm.MAX_ROWS rows go to a kernel that reads
 that same packed weight in place, faster than oneDNN's GEMM at those sizes; one copy of the weight serves every
 batch size. In float32 (the default dtype on CPUs without fast bf16), oneDNN's GEMM on the packed weight against
 MKL's on the plain one, 0.5B Qwen2's layers on 2 cores of a Zen 3 EPYC: 1.1-1.6x as fast at a W1 decode step's 62
@@ -17,7 +18,8 @@ layer's product is then SiLU-and-mul's, whichever way it is asked for.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -78,6 +80,13 @@ class DenseLinearMethod(LinearMethod):
             return
         if not layer.tied:
             layer.weight = None
+
+    def weight_rows(self, layer: Linear) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """The packed copy's rows (small_batch_gemm.weight_rows), where the kernel reads it and its rows are the
+        weight's in order (not the gated layout's)."""
+        if layer.small_batch_weight is None or layer.silu_table is not None:
+            return None
+        return functools.partial(small_batch_gemm.weight_rows, layer.small_batch_weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.silu_table is not None:  # a gated weight's product is SiLU-and-mul's

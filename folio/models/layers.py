@@ -8,7 +8,7 @@ bit-identical to the torch reference code they fall back to.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -23,11 +23,22 @@ if TYPE_CHECKING:
 
 
 class Embedding(HotPathModule):
+    """Token ids to vectors: rows of `weight`, or, once a tied lm_head's processed copy serves them
+    (folio.models.linear.share_tied_tables), of that copy, the table freed."""
+
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
         self.weight = uninitialized(num_embeddings, dim)
+        self.rows: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def look_up_in(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Take rows from `rows` (ids -> [*ids.shape, dim]) from now on, and free the table."""
+        self.rows = rows
+        self.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            return self.rows(ids)
         return nn.functional.embedding(ids, self.weight)
 
 

@@ -57,6 +57,7 @@ class PackedWeight:
 
     blocks: torch.Tensor
     out_features: int
+    in_features: int
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -72,7 +73,18 @@ def packed_blocks(packed: torch.Tensor, weight: torch.Tensor) -> Optional[Packed
     if weight.dtype not in GROUPS or not available(weight.dtype):
         return None
     blocks = onednn_layout.vnni_blocks(packed, weight, GROUPS[weight.dtype])
-    return None if blocks is None else PackedWeight(blocks, weight.shape[0])
+    return None if blocks is None else PackedWeight(blocks, weight.shape[0], weight.shape[1])
+
+
+def weight_rows(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight [*ids.shape, K], exactly as it was packed: a tied embedding's lookups in its
+    lm_head's packed copy. Row n is column n % width of block n // width, its K values in K' / group runs of
+    `group`."""
+    blocks = weight.blocks
+    flat = ids.reshape(-1)
+    rows = blocks[flat // blocks.shape[2], :, flat % blocks.shape[2]]  # [T, K' / group, group]
+    rows = rows.reshape(flat.shape[0], -1)[:, :weight.in_features].contiguous()
+    return rows.view(*ids.shape, weight.in_features)
 
 
 def serves(x: torch.Tensor) -> bool:
