@@ -40,6 +40,8 @@ import sys
 import time
 from typing import Optional
 
+import psutil
+
 RESULT = "VERSUS_VLLM_RESULT "  # a worker's answer line; everything else it prints is its engine's log
 
 
@@ -76,6 +78,7 @@ class Worker:
         started = time.perf_counter()
         self._answer()
         self.load_s = time.perf_counter() - started
+        self.busy_while_idle: list[float] = []
 
     def _answer(self) -> dict:
         for line in self.process.stdout:
@@ -84,15 +87,30 @@ class Worker:
             sys.stderr.write(f"[{self.name}] {line}")
         raise RuntimeError(f"the {self.name} worker exited with {self.process.wait()}")
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> float:
-        """One pass; its output tokens per second."""
+    def run(self, prompts: list[list[int]], max_tokens: int, idle: "Worker") -> float:
+        """One pass; its output tokens per second. Adds the cores the idle engine's processes kept busy meanwhile
+        to idle.busy_while_idle (an engine that polls while idle takes cores from the one measured)."""
+        idle_cpu, started = idle.cpu_seconds(), time.perf_counter()
         self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
         self.process.stdin.flush()
         answer = self._answer()
+        idle.busy_while_idle.append((idle.cpu_seconds() - idle_cpu) / (time.perf_counter() - started))
         if answer["output_tokens"] != len(prompts) * max_tokens:
             raise RuntimeError(f"{self.name} generated {answer['output_tokens']} tokens, not "
                                f"{len(prompts) * max_tokens}")
         return answer["output_tokens"] / answer["elapsed_s"]
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the worker and every process it started (vLLM's engine core and model runner)."""
+        total = 0.0
+        root = psutil.Process(self.process.pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -174,16 +192,17 @@ def main() -> int:
     bounds = [workload_bound(args)] if args.roofline else []
     rates: dict[str, list[float]] = {"folio": [], "vllm": []}
     seed = 0
+    other = {"folio": workers["vllm"], "vllm": workers["folio"]}
     for name in ("folio", "vllm"):
         seed += 1
-        print(f"first pass, {name}: {workers[name].run(prompts(seed, args, vocab), args.output_len):.1f} "
-              "output tok/s", flush=True)
+        print(f"first pass, {name}: {workers[name].run(prompts(seed, args, vocab), args.output_len, other[name]):.1f}"
+              " output tok/s", flush=True)
     for round_ in range(args.rounds):
         seed += 1
         batch = prompts(seed, args, vocab)  # both engines, both of their passes this round: no prefix cache either
         line = []
         for name in ("folio", "vllm", "vllm", "folio"):
-            rates[name].append(workers[name].run(batch, args.output_len))
+            rates[name].append(workers[name].run(batch, args.output_len, other[name]))
             line.append(f"{name} {rates[name][-1]:.1f}")
         print(f"round {round_ + 1}: " + ", ".join(line) + " output tok/s", flush=True)
     if args.roofline:
@@ -194,6 +213,8 @@ def main() -> int:
     ratios = [f / v for f, v in zip(rates["folio"], rates["vllm"])]
     print(f"{args.num_prompts} x {args.input_len} -> {args.output_len}, {args.dtype}: median folio {folio:.1f}, "
           f"vLLM {vllm:.1f} output tok/s: {folio / vllm:.2f}x (pass by pass {min(ratios):.2f}-{max(ratios):.2f}x)")
+    print("cores the idle engine kept busy during the other's passes, at most: "
+          + ", ".join(f"{name} {max(w.busy_while_idle):.2f}" for name, w in workers.items()))
     if bounds:  # the higher reading, as `folio bench roofline --run` takes
         bound = max(bounds)
         print(f"against the bound of {bound:.1f} output tok/s: folio {folio / bound:.0%}, vLLM {vllm / bound:.0%}")

@@ -23,15 +23,18 @@ def versus_vllm():
 def test_a_folio_worker_runs_passes_of_exactly_the_asked_tokens(versus_vllm, llama_dir):
     args = argparse.Namespace(model=llama_dir, dtype="float32", input_len=8, output_len=5)
     worker = versus_vllm.Worker("folio", sys.executable, args, {})
+    idle = versus_vllm.Worker("folio", sys.executable, args, {})  # stands for the other engine, loaded and idle
     try:
         vocab = versus_vllm.vocab_size(llama_dir)
         for seed in (1, 2):  # the engine stays loaded between passes
             batch = versus_vllm.prompts(seed, argparse.Namespace(input_len=8, num_prompts=3), vocab)
             assert len(batch) == 3 and all(len(p) == 8 and max(p) < vocab for p in batch)
-            assert worker.run(batch, 5) > 0
+            assert worker.run(batch, 5, idle) > 0
+        assert len(idle.busy_while_idle) == 2 and min(idle.busy_while_idle) >= 0 and not worker.busy_while_idle
     finally:
         worker.close()
-    assert worker.process.returncode == 0
+        idle.close()
+    assert worker.process.returncode == 0 and idle.process.returncode == 0
 
 
 def test_the_driver_needs_vllms_interpreter(llama_dir, monkeypatch, versus_vllm):
