@@ -1,9 +1,9 @@
-"""The small-batch kernel (folio.models.small_batch_gemm) against the library GEMM, side by side: oneDNN's
-packed GEMM in bf16, MKL (F.linear) in float32.
+"""The small-batch kernel (folio.models.small_batch_gemm) against the library GEMM, side by side: oneDNN's GEMM
+on the same packed weights, in bf16 or float32.
 
 1. Every linear layer of a model (random weights, more bytes than the caches hold, so each pass reads them
    from memory as a decode step does; a large L3 may hold SmolLM2's) multiplied by M rows up to MAX_ROWS:
-   ms per pass, GB/s, ratio. In bf16 all read the same packed weights, and where the CPU has AMX the kernel's
+   ms per pass, GB/s, ratio. All read the same packed weights, and in bf16 where the CPU has AMX the kernel's
    tile loop (`amx_linear`: the path of batches past MAX_ROWS there, up to AMX_ROWS) runs too.
 2. End to end: single-sequence decode of the default model with the kernel on and off, alternating, the
    median of each (ms per output token).
@@ -35,19 +35,12 @@ def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[dic
     shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers
     weights = [torch.randn(n, k).to(dtype) for n, k in shapes]
     xs = {k: torch.randn(m, k).to(dtype) for _, k in shapes}
-    if dtype == torch.bfloat16:
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-        served = [small_batch_gemm.packed_blocks(p, w) for p, w in zip(packed, weights)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    served = [small_batch_gemm.packed_blocks(p, w) for p, w in zip(packed, weights)]
 
-        def library():
-            for w, p in zip(weights, packed):
-                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-    else:
-        served = weights
-
-        def library():
-            for w in weights:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+    def library():
+        for w, p in zip(weights, packed):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
     def kernel():
         for w, s in zip(weights, served):
@@ -109,7 +102,7 @@ def main() -> None:
     if not small_batch_gemm.available(dtype):
         needs = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX2+FMA or AVX-512F"
         raise SystemExit(f"small-batch kernel unavailable here: {small_batch_gemm.KERNEL.error or 'needs ' + needs}")
-    library = "oneDNN" if dtype == torch.bfloat16 else "MKL"
+    library = "oneDNN"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
     load = OtherLoad()
     for model in MODELS:

@@ -208,7 +208,7 @@ def _f32_blocks(w: torch.Tensor) -> small_batch_gemm.PackedWeight:
 
 
 @f32_kernel
-@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 13, 16])
 @pytest.mark.parametrize("n,k", [(1, 64), (3, 7), (5, 96), (37, 100), (1000, 576), (9, 4864), (130, 300)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_matches_the_exact_product(m, n, k, with_bias):
@@ -228,8 +228,8 @@ def test_float32_strided_rows_and_errors():
     x = torch.randn(3, 200)[:, :100]  # row stride 200
     w = _f32_blocks(torch.randn(8, 100))
     assert torch.equal(small_batch_gemm.linear(x, w, None), small_batch_gemm.linear(x.contiguous(), w, None))
-    with pytest.raises(RuntimeError, match="M <= 8"):
-        small_batch_gemm.linear(torch.randn(9, 100), w, None)
+    with pytest.raises(RuntimeError, match="M <= MAX_M_F32"):
+        small_batch_gemm.linear(torch.randn(17, 100), w, None)
     with pytest.raises(RuntimeError, match="contiguous"):
         small_batch_gemm.KERNEL.load().linear_f32(x[:, :50], w.blocks[:, ::2], 8, None)
     with pytest.raises(RuntimeError, match="within the blocks' K"):
@@ -237,7 +237,7 @@ def test_float32_strided_rows_and_errors():
 
 
 @f32_kernel
-def test_float32_layers_keep_the_packed_weight_and_send_up_to_eight_rows_to_the_kernel(monkeypatch):
+def test_float32_layers_keep_the_packed_weight_and_send_up_to_sixteen_rows_to_the_kernel(monkeypatch):
     layer = Linear(100, 48, bias=True, params_dtype=torch.float32)
     method = DenseLinearMethod()
     layer.bind(method)
@@ -251,10 +251,10 @@ def test_float32_layers_keep_the_packed_weight_and_send_up_to_eight_rows_to_the_
     calls = []
     real = small_batch_gemm.linear
     monkeypatch.setattr(small_batch_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for m in (1, 8, 9, 64):
+    for m in (1, 16, 17, 64):
         x = torch.randn(m, 100)
         assert torch.allclose(layer(x), x @ weight.T + layer.bias, rtol=1e-5, atol=1e-4)
-    assert calls == [1, 8]  # 9 and 64 rows go to oneDNN's GEMM
+    assert calls == [1, 16]  # 17 and 64 rows go to oneDNN's GEMM
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=bf16_kernel),

@@ -66,7 +66,7 @@
 
 namespace {
 
-constexpr int MAX_M_F32 = 8;
+constexpr int MAX_M_F32 = 16;
 // bf16 weight elements ahead of the current pair of K to prefetch (8 KiB): 2 KiB added 7-10 % to the read rate
 // on Zen 4; 8 KiB 6-7 % more at one row (a layer from memory, 30 alternating rounds), 4.5-6 % on a bf16 decode
 // step of the 0.5B Qwen2; the same at 32 and 64 rows, where the kernel is compute-bound
@@ -175,65 +175,45 @@ inline fvec fbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
 
-// Rows of K a block's pieces take: a piece of a 64-column block (64 KiB) stays in L2 while the passes over its
-// column vectors read it again, where a whole block (K = 4864: 1.2 MiB) would come from memory on every pass.
-constexpr int64_t F32_PIECE_K = 256;
+// Rows of K a block's pieces take: a piece of a 64-column block (16 KiB) stays in L1 while the rows of x go past
+// it one by one, each pass reading whole rows of the piece (wider passes over fewer columns read the block in
+// narrow strides, and ran at 0.6-0.75x oneDNN's GEMM from 4 rows on).
+constexpr int64_t F32_PIECE_K = 64;
+constexpr int F32_VECTORS = 64 / LANES;  // a 64-column row of the piece: the sums of one row of x in registers
 
-// Vectors of columns one pass takes for M rows: a power of two, at most a 64-column block's, with M * V sums
-// within half the vector registers (16 with AVX2, 32 with AVX-512), the rest for the weight vectors and x.
-template <int M>
-constexpr int f32_vectors() {
-  int v = 64 / LANES;
-  while (v > 1 && M * v > (LANES == 16 ? 16 : 8)) v /= 2;
-  return v;
-}
-
-// Columns [c, c + V * LANES) of a block [K'][width] for M rows over [k0, k1): the sums in sums[M][width] (a
-// buffer in L1) go on from the previous piece's.
-template <int M, int V>
-void piece_f32(const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1, int64_t c,
-               float* sums) {
-  fvec acc[M][V];
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < V; ++v) acc[m][v] = fload(sums + m * width + c + v * LANES);
+// Columns [0, width) of a block [K'][width] (width a multiple of LANES, at most 64) for one row of x over
+// [k0, k1): its sums in sums[width] go on from the previous piece's.
+template <int V>
+void piece_f32(const float* x, const float* w, int64_t width, int64_t k0, int64_t k1, float* sums) {
+  fvec acc[V];
+  for (int v = 0; v < V; ++v) acc[v] = fload(sums + v * LANES);
   for (int64_t k = k0; k < k1; ++k) {
-    const float* row = w + k * width + c;
-    fvec wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = fload(row + v * LANES);
-    for (int m = 0; m < M; ++m) {
-      const fvec xk = fbroadcast(x + m * xs + k);
-      for (int v = 0; v < V; ++v) acc[m][v] = ffma(xk, wv[v], acc[m][v]);
-    }
+    const float* row = w + k * width;
+    const fvec xk = fbroadcast(x + k);
+    for (int v = 0; v < V; ++v) acc[v] = ffma(xk, fload(row + v * LANES), acc[v]);
   }
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < V; ++v) fstore(sums + m * width + c + v * LANES, acc[m][v]);
+  for (int v = 0; v < V; ++v) fstore(sums + v * LANES, acc[v]);
 }
 
-// One block of `width` output columns (a multiple of LANES, at most 64) for M rows: y's columns [n0, n0 + width)
-// within N get the sums plus the bias.
-template <int M>
-void block_f32(const float* x, int64_t xs, const float* w, int64_t width, int64_t K, const float* bias, float* y,
-               int64_t N, int64_t n0) {
-  constexpr int V = f32_vectors<M>();
-  float sums[M * 64] = {};
+// One block of `width` output columns for M rows: y's columns [n0, n0 + width) within N get the sums plus the
+// bias.
+void block_f32(int64_t M, const float* x, int64_t xs, const float* w, int64_t width, int64_t K, const float* bias,
+               float* y, int64_t N, int64_t n0) {
+  float sums[MAX_M_F32 * 64];
+  std::fill(sums, sums + M * width, 0.f);
   for (int64_t k0 = 0; k0 < K; k0 += F32_PIECE_K) {
     const int64_t k1 = std::min(K, k0 + F32_PIECE_K);
-    int64_t c = 0;
-    for (; c + V * LANES <= width; c += V * LANES) piece_f32<M, V>(x, xs, w, width, k0, k1, c, sums);
-    for (; c < width; c += LANES) piece_f32<M, 1>(x, xs, w, width, k0, k1, c, sums);
+    for (int64_t m = 0; m < M; ++m) {
+      if (width == 64) {
+        piece_f32<F32_VECTORS>(x + m * xs, w, width, k0, k1, sums + m * width);
+      } else {
+        for (int64_t c = 0; c < width; c += LANES) piece_f32<1>(x + m * xs, w + c, width, k0, k1, sums + m * width + c);
+      }
+    }
   }
   const int64_t columns = std::min(width, N - n0);
-  for (int m = 0; m < M; ++m)
+  for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < columns; ++j) y[m * N + n0 + j] = sums[m * width + j] + (bias ? bias[n0 + j] : 0.f);
-}
-
-template <int M>
-void dispatch_f32(int64_t m, const float* x, int64_t xs, const float* w, int64_t width, int64_t K_blocks,
-                  int64_t K, const float* bias, float* y, int64_t N, int64_t b0, int64_t b1) {
-  if constexpr (M > 1) {
-    if (m < M) return dispatch_f32<M - 1>(m, x, xs, w, width, K_blocks, K, bias, y, N, b0, b1);
-  }
-  for (int64_t b = b0; b < b1; ++b) block_f32<M>(x, xs, w + b * K_blocks * width, width, K, bias, y, N, b * width);
 }
 #endif
 
@@ -451,7 +431,7 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::T
   const int64_t M = x.size(0), K = x.size(1), width = w.size(2);
   TORCH_CHECK(M >= 1 && M <= MAX_M_F32 && K <= w.size(1) && N >= 1 && N <= w.size(0) * width &&
                   N > (w.size(0) - 1) * width,
-              "shapes: x [M <= 8, K], K within the blocks' K; N within the last block");
+              "shapes: x [M <= MAX_M_F32, K], K within the blocks' K; N within the last block");
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be float32 [N]");
@@ -465,7 +445,7 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::T
   const int64_t xs = x.stride(0), K_blocks = w.size(1);
   const folio::BlockStream streams[] = {{wp, w.stride(0) * 4}};
   folio::parallel_blocks(wp, w.size(0), streams, [&](int64_t b0, int64_t b1) {
-    dispatch_f32<MAX_M_F32>(M, xp, xs, wp, width, K_blocks, K, bp, yp, N, b0, b1);
+    for (int64_t b = b0; b < b1; ++b) block_f32(M, xp, xs, wp + b * K_blocks * width, width, K, bp, yp, N, b * width);
   });
 #endif
   return y;
