@@ -24,8 +24,8 @@ oneDNN's GEMM past MAX_ROWS (1.1-1.6x MKL's on the plain weight at a W1 decode s
 packs the whole weight on every call of two rows or more). The kernel reads those blocks a piece of 64 K rows at
 a time, which stays in L1 while the rows of x pass it one by one, each row's 64 sums in registers. Against
 oneDNN's GEMM on the same blocks, all linear layers of the 0.5B Qwen2 from memory on 2 cores of a Zen 3 EPYC:
-1.46x as fast at 1 row, 1.37x at 2, 1.32x at 4, 1.14x at 8, 1.15x at 16, 1.00x at 32, 1.05x at 62
-(`python benchmarks/small_batch_gemm_bench.py --dtype float32` measures the kernel against oneDNN and MKL).
+1.46x as fast at 1 row, 1.48x at 2 and 4, 1.27x at 8, 1.10x at 16 (`python benchmarks/small_batch_gemm_bench.py
+--dtype float32`); 1.00-1.05x at 32 and 62 rows, which oneDNN keeps.
 """
 
 from __future__ import annotations
