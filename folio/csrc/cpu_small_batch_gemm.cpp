@@ -160,7 +160,6 @@ void dispatch_bf16(int64_t M, int64_t nv, const c10::BFloat16* x, int64_t xs, co
 #if defined(__AVX512F__)
 using fvec = __m512;
 constexpr int64_t LANES = 16;
-inline fvec fzero() { return _mm512_setzero_ps(); }
 inline fvec fload(const float* p) { return _mm512_loadu_ps(p); }
 inline void fstore(float* p, fvec a) { _mm512_storeu_ps(p, a); }
 inline fvec fbroadcast(const float* p) { return _mm512_set1_ps(*p); }
@@ -168,7 +167,6 @@ inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 #else
 using fvec = __m256;
 constexpr int64_t LANES = 8;
-inline fvec fzero() { return _mm256_setzero_ps(); }
 inline fvec fload(const float* p) { return _mm256_loadu_ps(p); }
 inline void fstore(float* p, fvec a) { _mm256_storeu_ps(p, a); }
 inline fvec fbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
@@ -177,7 +175,7 @@ inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 
 // Rows of K a block's pieces take: a piece of a 64-column block (16 KiB) stays in L1 while the rows of x go past
 // it one by one, each pass reading whole rows of the piece (wider passes over fewer columns read the block in
-// narrow strides, and ran at 0.6-0.75x oneDNN's GEMM from 4 rows on).
+// narrow strides, and ran at 0.59-0.73x oneDNN's GEMM from 3 rows on).
 constexpr int64_t F32_PIECE_K = 64;
 constexpr int F32_VECTORS = 64 / LANES;  // a 64-column row of the piece: the sums of one row of x in registers
 
