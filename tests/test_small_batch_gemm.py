@@ -204,7 +204,7 @@ def test_model_keeps_one_copy_of_each_weight(tiny_model_factory, dtype, tie):
 
 
 @f32_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 13, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 13, 16, 31, 62, 64])
 @pytest.mark.parametrize("n,k", [(1, 64), (3, 7), (5, 96), (37, 100), (1000, 576), (9, 4864), (130, 300)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_matches_the_exact_product(m, n, k, with_bias):
@@ -225,7 +225,7 @@ def test_float32_strided_rows_and_errors():
     w = packed(torch.randn(8, 100))
     assert torch.equal(small_batch_gemm.linear(x, w, None), small_batch_gemm.linear(x.contiguous(), w, None))
     with pytest.raises(RuntimeError, match="M <= MAX_M_F32"):
-        small_batch_gemm.linear(torch.randn(17, 100), w, None)
+        small_batch_gemm.linear(torch.randn(small_batch_gemm.MAX_ROWS[torch.float32] + 1, 100), w, None)
     with pytest.raises(RuntimeError, match="contiguous"):
         small_batch_gemm.KERNEL.load().linear_f32(x[:, :50], w.blocks[:, ::2], 8, None)
     with pytest.raises(RuntimeError, match="within the blocks' K"):
@@ -233,7 +233,7 @@ def test_float32_strided_rows_and_errors():
 
 
 @f32_kernel
-def test_float32_layers_keep_the_packed_weight_and_send_up_to_sixteen_rows_to_the_kernel(monkeypatch):
+def test_float32_layers_keep_the_packed_weight_and_send_up_to_max_rows_to_the_kernel(monkeypatch):
     layer = Linear(100, 48, bias=True, params_dtype=torch.float32)
     method = DenseLinearMethod()
     layer.bind(method)
@@ -247,10 +247,11 @@ def test_float32_layers_keep_the_packed_weight_and_send_up_to_sixteen_rows_to_th
     calls = []
     real = small_batch_gemm.linear
     monkeypatch.setattr(small_batch_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for m in (1, 16, 17, 64):
+    limit = small_batch_gemm.MAX_ROWS[torch.float32]
+    for m in (1, limit, limit + 1, 300):
         x = torch.randn(m, 100)
         assert torch.allclose(layer(x), x @ weight.T + layer.bias, rtol=1e-5, atol=1e-4)
-    assert calls == [1, 16]  # 17 and 64 rows go to oneDNN's GEMM
+    assert calls == [1, limit]  # more rows go to oneDNN's GEMM
 
 
 @KERNEL_DTYPES

@@ -26,8 +26,12 @@
 // float32 (AVX2+FMA or AVX-512F, any K, M <= MAX_M_F32): MKL's sgemm packs the whole weight matrix on every
 // call with M >= 2 rows, so a 2-row product cost 2.3x a 1-row one and a 7-row one 2.9x (the 49152 x 576
 // lm_head of SmolLM2 on an AVX2 EPYC: 14 ms, 33 ms, 41 ms), and oneDNN's GEMM took a batch-1 decode step twice
-// this kernel's time; here the weight oneDNN packed as blocks [N / NB][K'][NB] is read once, with FMAs in
-// float32 (sums in another order than MKL's and oneDNN's: results differ in the last bits).
+// this kernel's time; here the weight oneDNN packed as blocks [N / NB][K'][NB] is read in place, a piece of 64
+// K rows at a time, by register tiles of up to 6 rows of x (one row over whole 64-column rows of the piece for
+// one or two rows), with FMAs in float32 (sums in another order than MKL's and oneDNN's: results differ in the
+// last bits). Against oneDNN's GEMM on the same blocks, all linear layers of the 0.5B Qwen2 from memory on 2
+// cores of a shared Zen 3 EPYC: 1.2-1.5x as fast at 1-16 rows, 1.1-1.25x at 32, 1.0-1.2x at 62; 0.9-1.1x at
+// 96-256, which oneDNN keeps (MAX_M_F32).
 #include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -66,7 +70,7 @@
 
 namespace {
 
-constexpr int MAX_M_F32 = 16;
+constexpr int MAX_M_F32 = 64;
 // bf16 weight elements ahead of the current pair of K to prefetch (8 KiB): 2 KiB added 7-10 % to the read rate
 // on Zen 4; 8 KiB 6-7 % more at one row (a layer from memory, 30 alternating rounds), 4.5-6 % on a bf16 decode
 // step of the 0.5B Qwen2; the same at 32 and 64 rows, where the kernel is compute-bound
@@ -173,41 +177,106 @@ inline fvec fbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
 
-// Rows of K a block's pieces take: a piece of a 64-column block (16 KiB) stays in L1 while the rows of x go past
-// it one by one, each pass reading whole rows of the piece (wider passes over fewer columns read the block in
-// narrow strides, and ran at 0.59-0.73x oneDNN's GEMM from 3 rows on).
+// Rows of K a block's pieces take: a piece of a 64-column block (16 KiB) stays in L1 while the rows of x pass
+// it, and each column span's first tile prefetches its share of the next piece. Without that prefetch the tiles,
+// reading the piece's columns in 64-byte strides, waited on memory: 0.7-0.9x oneDNN's GEMM at 8-32 rows, where
+// they now run 1.2-1.5x.
 constexpr int64_t F32_PIECE_K = 64;
-constexpr int F32_VECTORS = 64 / LANES;  // a 64-column row of the piece: the sums of one row of x in registers
+// Rows of x a tile takes at most: 6 rows times 2 vectors of columns is 12 sums in registers, 2 loads of the
+// weight and 6 broadcasts of x for 12 FMAs, the shape that keeps AVX2's two FMA units busy.
+constexpr int TILE_ROWS = 6;
+// At most this many rows go one at a time over whole 64-column rows of the piece (8 sums, the weight loaded
+// once a row): 1.1-1.2x the tiles' speed there, whose 2 or 4 sums wait on the FMAs' latency.
+constexpr int64_t ONE_ROW_UP_TO = 2;
 
-// Columns [0, width) of a block [K'][width] (width a multiple of LANES, at most 64) for one row of x over
-// [k0, k1): its sums in sums[width] go on from the previous piece's.
-template <int V>
-void piece_f32(const float* x, const float* w, int64_t width, int64_t k0, int64_t k1, float* sums) {
-  fvec acc[V];
-  for (int v = 0; v < V; ++v) acc[v] = fload(sums + v * LANES);
+// Columns [0, V * LANES) of a block [K'][width] for R rows of x (row stride xs) over [k0, k1): their sums in
+// sums[R][width] go on from the previous piece's. `ahead`, given
+// to a column span's first tile, is where that span's share of the next piece lies: one line per 16 columns is
+// prefetched at each k.
+template <int R, int V>
+void tile_f32(const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1, float* sums,
+              const char* ahead) {
+  // Every loop over R and V unrolled outright: at -O3 GCC 12 otherwise kept the sums in memory, storing all 12
+  // at each k (half the speed).
+  constexpr int LINES = V * LANES / 16;
+  fvec acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = fload(sums + r * width + v * LANES);
   for (int64_t k = k0; k < k1; ++k) {
+    if (ahead)
+#pragma GCC unroll 8
+      for (int l = 0; l < LINES; ++l) _mm_prefetch(ahead + ((k - k0) * LINES + l) * 64, _MM_HINT_T0);
     const float* row = w + k * width;
-    const fvec xk = fbroadcast(x + k);
-    for (int v = 0; v < V; ++v) acc[v] = ffma(xk, fload(row + v * LANES), acc[v]);
+    fvec b[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) b[v] = fload(row + v * LANES);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const fvec a = fbroadcast(x + r * xs + k);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] = ffma(a, b[v], acc[r][v]);
+    }
   }
-  for (int v = 0; v < V; ++v) fstore(sums + v * LANES, acc[v]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) fstore(sums + r * width + v * LANES, acc[r][v]);
 }
 
-// One block of `width` output columns for M rows: y's columns [n0, n0 + width) within N get the sums plus the
-// bias.
+// tile_f32 for R <= ROWS rows (R given at run time).
+template <int ROWS, int V>
+void tile_rows(int R, const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1, float* sums,
+               const char* ahead) {
+  static_assert(ROWS == 1 || ROWS == TILE_ROWS);
+  if constexpr (ROWS == 1) {
+    return tile_f32<1, V>(x, xs, w, width, k0, k1, sums, ahead);
+  } else {
+    switch (R) {
+      case 1: return tile_f32<1, V>(x, xs, w, width, k0, k1, sums, ahead);
+      case 2: return tile_f32<2, V>(x, xs, w, width, k0, k1, sums, ahead);
+      case 3: return tile_f32<3, V>(x, xs, w, width, k0, k1, sums, ahead);
+      case 4: return tile_f32<4, V>(x, xs, w, width, k0, k1, sums, ahead);
+      case 5: return tile_f32<5, V>(x, xs, w, width, k0, k1, sums, ahead);
+      default: return tile_f32<TILE_ROWS, V>(x, xs, w, width, k0, k1, sums, ahead);
+    }
+  }
+}
+
+// All M rows of x times a piece [k0, k1) of a block, in tiles of at most ROWS rows (as even as can be) and spans
+// of V vectors of columns (single vectors past the last whole span), each span's first tile prefetching its
+// share of the next piece.
+template <int ROWS, int V>
+void piece_f32(int64_t M, const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1,
+               float* sums) {
+  const int64_t chunks = (M + ROWS - 1) / ROWS, base = M / chunks, extra = M % chunks;
+  constexpr int64_t SPAN = V * LANES;
+  const int64_t whole_end = width / SPAN * SPAN, span_bytes = (k1 - k0) * SPAN * 4;
+  const char* next = reinterpret_cast<const char*>(w + k1 * width);
+  for (int64_t c = 0; c < width; c += c < whole_end ? SPAN : LANES) {
+    for (int64_t i = 0, m0 = 0; i < chunks; m0 += base + (i < extra), ++i) {
+      const int R = static_cast<int>(base + (i < extra));
+      if (c < whole_end)
+        tile_rows<ROWS, V>(R, x + m0 * xs, xs, w + c, width, k0, k1, sums + m0 * width + c,
+                           i == 0 ? next + c / SPAN * span_bytes : nullptr);
+      else
+        tile_rows<ROWS, 1>(R, x + m0 * xs, xs, w + c, width, k0, k1, sums + m0 * width + c, nullptr);
+    }
+  }
+}
+
+// One block of `width` output columns for M rows: y's columns [n0, n0 + width) within N get the sums (scratch
+// sums[M][width]) plus the bias.
 void block_f32(int64_t M, const float* x, int64_t xs, const float* w, int64_t width, int64_t K, const float* bias,
-               float* y, int64_t N, int64_t n0) {
-  float sums[MAX_M_F32 * 64];
+               float* y, int64_t N, int64_t n0, float* sums) {
   std::fill(sums, sums + M * width, 0.f);
   for (int64_t k0 = 0; k0 < K; k0 += F32_PIECE_K) {
     const int64_t k1 = std::min(K, k0 + F32_PIECE_K);
-    for (int64_t m = 0; m < M; ++m) {
-      if (width == 64) {
-        piece_f32<F32_VECTORS>(x + m * xs, w, width, k0, k1, sums + m * width);
-      } else {
-        for (int64_t c = 0; c < width; c += LANES) piece_f32<1>(x + m * xs, w + c, width, k0, k1, sums + m * width + c);
-      }
-    }
+    if (M <= ONE_ROW_UP_TO)
+      piece_f32<1, 64 / LANES>(M, x, xs, w, width, k0, k1, sums);
+    else
+      piece_f32<TILE_ROWS, 2>(M, x, xs, w, width, k0, k1, sums);
   }
   const int64_t columns = std::min(width, N - n0);
   for (int64_t m = 0; m < M; ++m)
@@ -443,7 +512,9 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::T
   const int64_t xs = x.stride(0), K_blocks = w.size(1);
   const folio::BlockStream streams[] = {{wp, w.stride(0) * 4}};
   folio::parallel_blocks(wp, w.size(0), streams, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block_f32(M, xp, xs, wp + b * K_blocks * width, width, K, bp, yp, N, b * width);
+    alignas(64) float sums[MAX_M_F32 * 64];
+    for (int64_t b = b0; b < b1; ++b)
+      block_f32(M, xp, xs, wp + b * K_blocks * width, width, K, bp, yp, N, b * width, sums);
   });
 #endif
   return y;

@@ -18,14 +18,15 @@ an Emerald Rapids Xeon (`python benchmarks/small_batch_gemm_bench.py --rows 8 9 
 the 0.5B Qwen2's layers) it took 1.17x less time than oneDNN at 9 rows, 1.20-1.24x at 16, 1.30-1.74x at 32,
 1.13x at 48 and 1.09-1.24x at 64; at 96 rows 1.08x and at 128 0.93x (`AMX_ROWS` is 64).
 
-float32 (AVX2+FMA or AVX-512F, one to sixteen rows): oneDNN packs a float32 weight as blocks of 64 output
+float32 (AVX2+FMA or AVX-512F, up to MAX_ROWS rows): oneDNN packs a float32 weight as blocks of 64 output
 columns, each [K'][64] (`packed_blocks` recognises it as group 1), and the dense method keeps that copy alone, for
-oneDNN's GEMM past MAX_ROWS (1.1-1.6x MKL's on the plain weight at a W1 decode step's 62 rows on a Zen 3 EPYC; MKL
-packs the whole weight on every call of two rows or more). The kernel reads those blocks a piece of 64 K rows at
-a time, which stays in L1 while the rows of x pass it one by one, each row's 64 sums in registers. Against
-oneDNN's GEMM on the same blocks, all linear layers of the 0.5B Qwen2 from memory on 2 cores of a Zen 3 EPYC:
-1.46x as fast at 1 row, 1.48x at 2 and 4, 1.27x at 8, 1.10x at 16 (`python benchmarks/small_batch_gemm_bench.py
---dtype float32`); 1.00-1.05x at 32 and 62 rows, which oneDNN keeps.
+oneDNN's GEMM past MAX_ROWS (prefill chunks; 1.1-1.6x MKL's on the plain weight, which MKL packs on every call
+of two rows or more). The kernel reads those blocks a piece of 64 K rows at a time, which stays in L1 while
+register tiles of up to 6 rows of x by two vectors of columns pass it (one or two rows: one row at a time over
+all 64 columns), the next piece prefetched meanwhile. Against oneDNN's GEMM on the same blocks, all linear layers
+of the 0.5B Qwen2 from memory on 2 cores of a Zen 3 EPYC (`python benchmarks/small_batch_gemm_bench.py --dtype
+float32`, the machine shared and noisy): 1.2-1.5x as fast at 1-16 rows, 1.1-1.25x at 32, 1.0-1.2x at a W1 decode
+step's 62 (that step 1.08x, the two alternating in one engine), 0.9-1.1x at 96-256: MAX_ROWS is 64.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ KERNEL = CppKernel("folio_cpu_small_batch_gemm", CSRC / "cpu_small_batch_gemm.cp
                    what="CPU small-batch GEMM kernel", fallback="small batches use oneDNN or MKL")
 # bf16: measured on Zen 4 and on an AMX Xeon (see above)
 MAX_ROWS_AMX = 8
-MAX_ROWS = {torch.bfloat16: MAX_ROWS_AMX if has_amx() else 64, torch.float32: 16}
+MAX_ROWS = {torch.bfloat16: MAX_ROWS_AMX if has_amx() else 64, torch.float32: 64}
 # bf16 batches past MAX_ROWS and up to this many rows run `amx_linear` where it serves (0: none, without AMX)
 AMX_ROWS = 64 if has_amx() else 0
 # values side by side along K in a packed block: the pairs vdpbf16ps multiplies; float32 ones one by one
