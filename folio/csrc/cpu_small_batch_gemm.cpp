@@ -190,9 +190,9 @@ constexpr int TILE_ROWS = 6;
 constexpr int64_t ONE_ROW_UP_TO = 2;
 
 // Columns [0, V * LANES) of a block [K'][width] for R rows of x (row stride xs) over [k0, k1): their sums in
-// sums[R][width] go on from the previous piece's. `ahead`, given
-// to a column span's first tile, is where that span's share of the next piece lies: one line per 16 columns is
-// prefetched at each k.
+// sums[R][width] go on from the previous piece's. `ahead`, given to a column span's first tile, is where that
+// span's share of the next piece lies: one line per 16 columns is prefetched at each k (tiles of 2 rows or more;
+// piece_f32).
 template <int R, int V>
 void tile_f32(const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1, float* sums,
               const char* ahead) {
@@ -205,7 +205,7 @@ void tile_f32(const float* x, int64_t xs, const float* w, int64_t width, int64_t
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v) acc[r][v] = fload(sums + r * width + v * LANES);
   for (int64_t k = k0; k < k1; ++k) {
-    if (ahead)
+    if (R > 1 && ahead)
 #pragma GCC unroll 8
       for (int l = 0; l < LINES; ++l) _mm_prefetch(ahead + ((k - k0) * LINES + l) * 64, _MM_HINT_T0);
     const float* row = w + k * width;
@@ -246,12 +246,11 @@ void tile_rows(int R, const float* x, int64_t xs, const float* w, int64_t width,
 
 // All M rows of x times a piece [k0, k1) of a block, in tiles of at most ROWS rows (as even as can be) and spans
 // of V vectors of columns (single vectors past the last whole span), each span's first tile prefetching its
-// share of the next piece where the tiles take narrow columns. One row at a time reads the piece's whole rows in
+// share of the next piece. One row at a time (the only way a tile has one row) reads the piece's whole rows in
 // order, which the hardware prefetcher follows: prefetching there too cost 10-14 % at one and two rows.
 template <int ROWS, int V>
 void piece_f32(int64_t M, const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1,
                float* sums) {
-  constexpr bool PREFETCH_F32 = ROWS > 1;
   const int64_t chunks = (M + ROWS - 1) / ROWS, base = M / chunks, extra = M % chunks;
   constexpr int64_t SPAN = V * LANES;
   const int64_t whole_end = width / SPAN * SPAN, span_bytes = (k1 - k0) * SPAN * 4;
@@ -261,7 +260,7 @@ void piece_f32(int64_t M, const float* x, int64_t xs, const float* w, int64_t wi
       const int R = static_cast<int>(base + (i < extra));
       if (c < whole_end)
         tile_rows<ROWS, V>(R, x + m0 * xs, xs, w + c, width, k0, k1, sums + m0 * width + c,
-                           i == 0 && PREFETCH_F32 ? next + c / SPAN * span_bytes : nullptr);
+                           i == 0 ? next + c / SPAN * span_bytes : nullptr);
       else
         tile_rows<ROWS, 1>(R, x + m0 * xs, xs, w + c, width, k0, k1, sums + m0 * width + c, nullptr);
     }
