@@ -30,7 +30,7 @@
 // K rows at a time, by register tiles of up to 6 rows of x (one row over whole 64-column rows of the piece for
 // one or two rows), with FMAs in float32 (sums in another order than MKL's and oneDNN's: results differ in the
 // last bits). Against oneDNN's GEMM on the same blocks, all linear layers of the 0.5B Qwen2 from memory on 2
-// cores of a shared Zen 3 EPYC: 1.2-1.5x as fast at 1-16 rows, 1.1-1.25x at 32, 1.0-1.2x at 62; 0.9-1.1x at
+// cores of a shared Zen 3 EPYC: 1.3-1.6x as fast at 1-16 rows, 1.1-1.4x at 32, 1.0-1.2x at 48-64; 0.9-1.1x at
 // 96-256, which oneDNN keeps (MAX_M_F32).
 #include "parallel.h"
 #include <ATen/core/Tensor.h>
@@ -180,7 +180,7 @@ inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 // Rows of K a block's pieces take: a piece of a 64-column block (16 KiB) stays in L1 while the rows of x pass
 // it, and each column span's first tile prefetches its share of the next piece. Without that prefetch the tiles,
 // reading the piece's columns in 64-byte strides, waited on memory: 0.7-0.9x oneDNN's GEMM at 8-32 rows, where
-// they now run 1.2-1.5x.
+// they now run 1.1-1.6x.
 constexpr int64_t F32_PIECE_K = 64;
 // Rows of x a tile takes at most: 6 rows times 2 vectors of columns is 12 sums in registers, 2 loads of the
 // weight and 6 broadcasts of x for 12 FMAs, the shape that keeps AVX2's two FMA units busy.

@@ -25,8 +25,9 @@ of two rows or more). The kernel reads those blocks a piece of 64 K rows at a ti
 register tiles of up to 6 rows of x by two vectors of columns pass it (one or two rows: one row at a time over
 all 64 columns), the next piece prefetched meanwhile. Against oneDNN's GEMM on the same blocks, all linear layers
 of the 0.5B Qwen2 from memory on 2 cores of a Zen 3 EPYC (`python benchmarks/small_batch_gemm_bench.py --dtype
-float32`, the machine shared and noisy): 1.2-1.5x as fast at 1-16 rows, 1.1-1.25x at 32, 1.0-1.2x at a W1 decode
-step's 62 (that step 1.08x, the two alternating in one engine), 0.9-1.1x at 96-256: MAX_ROWS is 64.
+float32`, the machine shared and noisy): 1.3-1.6x as fast at 1-16 rows, 1.1-1.4x at 32, 1.0-1.2x at 48-64 (a
+W1 decode step's 62 among them; that step 1.02-1.08x, the two alternating in one engine), 0.9-1.1x at 96-256:
+MAX_ROWS is 64.
 """
 
 from __future__ import annotations
