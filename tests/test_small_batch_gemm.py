@@ -91,7 +91,7 @@ def test_every_block_width_and_padded_k(path, width, k, padded_k):
     blocks = plain.view(num_blocks, width, padded_k // 2, 2).transpose(1, 2).contiguous()
     for m in (9, 40):
         x = torch.randn(m, k).to(torch.bfloat16)
-        got = BF16_PATHS[path](x, small_batch_gemm.PackedWeight(blocks, n), None)
+        got = BF16_PATHS[path](x, small_batch_gemm.PackedWeight(blocks, n, k), None)
         assert torch.allclose(got.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-1)
 
 
@@ -118,7 +118,7 @@ def test_strided_rows_and_errors(path):
     with pytest.raises(RuntimeError, match="within the blocks' K"):
         linear(torch.randn(1, 66).to(torch.bfloat16), weight, None)
     with pytest.raises(RuntimeError, match="within the last block"):
-        linear(x, small_batch_gemm.PackedWeight(weight.blocks, 65), None)
+        linear(x, small_batch_gemm.PackedWeight(weight.blocks, 65, 64), None)
     if path == "amx":
         with pytest.raises(RuntimeError, match="multiple of 32"):
             linear(torch.randn(17, 48).to(torch.bfloat16), packed(torch.randn(8, 48).to(torch.bfloat16)), None)
