@@ -1,5 +1,6 @@
 """The small-batch kernel (folio.models.small_batch_gemm) against the library GEMM, side by side: oneDNN's GEMM
-on the same packed weights, in bf16 or float32.
+on the same packed weights, in bf16 or float32 (there also the kernel on the same weights kept as bf16 blocks:
+folio.models.bf16_valued; the weights hold bf16 values, as a bf16 checkpoint's do).
 
 1. Every linear layer of a model (random weights, more bytes than the caches hold, so each pass reads them
    from memory as a decode step does; a large L3 may hold SmolLM2's) multiplied by M rows up to MAX_ROWS:
@@ -21,7 +22,7 @@ import time
 import torch
 
 from folio.bench.noise import OtherLoad, note
-from folio.models import small_batch_gemm
+from folio.models import bf16_valued, small_batch_gemm
 
 MODELS = {  # hidden, q + 2 kv width, intermediate, layers
     "SmolLM2-135M": (576, 960, 1536, 30),
@@ -33,10 +34,12 @@ def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[dic
     """ms per pass of each path ("library", "kernel", and in bf16 with AMX "amx"), and the weights' bytes."""
     hidden, qkv, inter, layers = MODELS[model]
     shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers
-    weights = [torch.randn(n, k).to(dtype) for n, k in shapes]
+    # bf16 values, as a bf16 checkpoint's weights are, so that in float32 they can also be kept in bf16
+    weights = [torch.randn(n, k).to(torch.bfloat16).to(dtype) for n, k in shapes]
     xs = {k: torch.randn(m, k).to(dtype) for _, k in shapes}
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
     served = [small_batch_gemm.packed_blocks(p, w) for p, w in zip(packed, weights)]
+    narrow = [bf16_valued.narrowed(w) for w in weights] if dtype == torch.float32 else []
 
     def library():
         for w, p in zip(weights, packed):
@@ -53,7 +56,13 @@ def layer_pass(model: str, m: int, rounds: int, dtype: torch.dtype) -> tuple[dic
         for w, s in zip(weights, served):
             small_batch_gemm.amx_linear(xs[w.shape[1]], s, None)
 
+    def bf16_blocks():
+        for w, s in zip(weights, narrow):
+            small_batch_gemm.linear(xs[w.shape[1]], s, None)
+
     paths = {"library": library, "kernel": kernel}
+    if narrow:
+        paths["kernel on bf16 blocks"] = bf16_blocks
     if dtype == torch.bfloat16 and small_batch_gemm.amx_available():
         paths["amx"] = amx
     times: dict[str, list[float]] = {name: [] for name in paths}

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from folio import LLM, SamplingParams
 from folio.loader.model_loader import load_model
 from folio.models import dense_linear, fused_ops, small_batch_gemm
-from folio.models.dense_linear import DenseLinearMethod, can_prepack
+from folio.models.dense_linear import DenseLinearMethod
+from folio.models.onednn_layout import can_prepack
 from folio.models.linear import Linear, LinearMethod, bind_linear_methods
 from folio.platforms import current_platform
 
@@ -183,6 +184,31 @@ def test_a_gated_gate_ups_large_batches_go_to_onednn_in_pieces(monkeypatch):
         got = gated(x)
         assert pieces == expect
         assert torch.equal(got.view(torch.int16), plain(x).view(torch.int16))
+
+
+@pytest.mark.parametrize("bf16_values", [False, True])  # on oneDNN's packed weight, or bf16 blocks (bf16_valued)
+def test_a_float32_gate_ups_large_batches_go_in_pieces(bf16_values, monkeypatch):
+    """Every gate/up, in plain order too, takes a batch past SILU_PIECE_ROWS piece by piece, each piece's
+    SiLU-and-mul written into its rows of the result."""
+    weights = [torch.randn(128, 64) for _ in range(2)]
+    if bf16_values:
+        weights = [w.to(torch.bfloat16).float() for w in weights]
+    layer = Linear(64, {0: 128, 1: 128}, params_dtype=torch.float32, silu_and_mul=True)
+    bind_linear_methods(layer, DenseLinearMethod())
+    for shard, weight in enumerate(weights):
+        layer.weight.weight_loader(layer.weight, weight, shard)
+    layer.method.process_weights_after_loading(layer)
+    pieces = []
+    product = DenseLinearMethod.product
+    monkeypatch.setattr(DenseLinearMethod, "product", lambda self, layer, x: pieces.append(x.shape[0]) or
+                        product(self, layer, x))
+    monkeypatch.setattr(dense_linear, "SILU_PIECE_ROWS", 100)
+    for rows, expect in ((100, [100]), (101, [51, 50]), (301, [76, 76, 76, 73])):
+        pieces.clear()
+        x = torch.randn(rows, 64)
+        got = layer(x)
+        assert pieces == expect
+        torch.testing.assert_close(got, F.silu(x @ weights[0].T) * (x @ weights[1].T), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", [DenseLinearMethod, ReferenceLinearMethod])

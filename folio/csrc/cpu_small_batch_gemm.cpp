@@ -32,6 +32,12 @@
 // last bits). Against oneDNN's GEMM on the same blocks, all linear layers of the 0.5B Qwen2 from memory on 2
 // cores of a shared Zen 3 EPYC: 1.3-1.6x as fast at 1-16 rows, 1.1-1.4x at 32, 1.0-1.2x at 48-64; 0.9-1.1x at
 // 96-256, which oneDNN keeps (MAX_M_F32).
+//
+// The same float32 kernel reads bf16 blocks of that layout too: a float32 weight whose values are all bf16 ones
+// (a bf16 checkpoint run in float32, folio/models/bf16_valued.py), kept in half the bytes. Up to WIDEN_FROM rows
+// each vector of the block is widened as it is loaded (a zero-extension and a shift: exact); from there each
+// piece is widened once into an L1 buffer that the tiles read as float32, since widening at every tile cost
+// 8-15 % at 32-64 rows. The FMAs and their order are the float32 blocks', so are the results, bit for bit.
 #include "parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -45,6 +51,7 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -165,6 +172,9 @@ void dispatch_bf16(int64_t M, int64_t nv, const c10::BFloat16* x, int64_t xs, co
 using fvec = __m512;
 constexpr int64_t LANES = 16;
 inline fvec fload(const float* p) { return _mm512_loadu_ps(p); }
+inline fvec fload(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 inline void fstore(float* p, fvec a) { _mm512_storeu_ps(p, a); }
 inline fvec fbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -172,44 +182,57 @@ inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 using fvec = __m256;
 constexpr int64_t LANES = 8;
 inline fvec fload(const float* p) { return _mm256_loadu_ps(p); }
+inline fvec fload(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 inline void fstore(float* p, fvec a) { _mm256_storeu_ps(p, a); }
 inline fvec fbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
 
-// Rows of K a block's pieces take: a piece of a 64-column block (16 KiB) stays in L1 while the rows of x pass
-// it, and each column span's first tile prefetches its share of the next piece. Without that prefetch the tiles,
-// reading the piece's columns in 64-byte strides, waited on memory: 0.7-0.9x oneDNN's GEMM at 8-32 rows, where
-// they now run 1.1-1.6x.
-constexpr int64_t F32_PIECE_K = 64;
+// Bytes of a block's pieces (64 K rows of a 64-column float32 block, 128 of a bf16 one): a piece stays in L1
+// while the rows of x pass it, and each column span's first tile prefetches its share of the next piece. Without
+// that prefetch the tiles, reading the piece's columns in 64-byte strides, waited on memory: 0.7-0.9x oneDNN's
+// GEMM at 8-32 rows, where they now run 1.1-1.6x.
+constexpr int64_t F32_PIECE_BYTES = 16384;
 // Rows of x a tile takes at most: 6 rows times 2 vectors of columns is 12 sums in registers, 2 loads of the
 // weight and 6 broadcasts of x for 12 FMAs, the shape that keeps AVX2's two FMA units busy.
 constexpr int TILE_ROWS = 6;
 // At most this many rows go one at a time over whole 64-column rows of the piece (8 sums, the weight loaded
 // once a row): 1.1-1.2x the tiles' speed there, whose 2 or 4 sums wait on the FMAs' latency.
 constexpr int64_t ONE_ROW_UP_TO = 2;
+// bf16 blocks: from this many rows each piece is widened to float32 once, into L1, for the tiles to read (the
+// 0.5B Qwen2's layers on a Zen 3 EPYC: widening at each tile's loads 1.06x as fast at 12 rows, 0.93x at 16,
+// 0.81-0.88x at 20-62), in pieces of 64 K rows (16 KiB widened)
+constexpr int64_t WIDEN_FROM = 14;
+constexpr int64_t WIDE_PIECE_K = 64;
 
 // Columns [0, V * LANES) of a block [K'][width] for R rows of x (row stride xs) over [k0, k1): their sums in
 // sums[R][width] go on from the previous piece's. `ahead`, given to a column span's first tile, is where that
-// span's share of the next piece lies: one line per 16 columns is prefetched at each k (tiles of 2 rows or more;
-// piece_f32). Past the last piece of a thread's blocks that is the next thread's, or past the weight's end: a
+// span's share of the next piece lies: its bytes of each k are prefetched at that k, a line at a time (tiles of 2
+// rows or more; piece_f32). Past the last piece of a thread's blocks that is the next thread's, or past the weight's end: a
 // prefetch never faults.
-template <int R, int V>
-void tile_f32(const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1, float* sums,
+template <int R, int V, class T>
+void tile_f32(const float* x, int64_t xs, const T* w, int64_t width, int64_t k0, int64_t k1, float* sums,
               const char* ahead) {
   // Every loop over R and V unrolled outright: at -O3 GCC 12 otherwise kept the sums in memory, storing all 12
   // at each k (half the speed).
-  constexpr int LINES = V * LANES / 16;
+  constexpr int64_t SPAN_BYTES = V * LANES * sizeof(T);
   fvec acc[R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v) acc[r][v] = fload(sums + r * width + v * LANES);
   for (int64_t k = k0; k < k1; ++k) {
-    if (R > 1 && ahead)
+    if (R > 1 && ahead) {
+      if constexpr (SPAN_BYTES >= 64) {
 #pragma GCC unroll 8
-      for (int l = 0; l < LINES; ++l) _mm_prefetch(ahead + ((k - k0) * LINES + l) * 64, _MM_HINT_T0);
-    const float* row = w + k * width;
+        for (int l = 0; l < SPAN_BYTES / 64; ++l) _mm_prefetch(ahead + (k - k0) * SPAN_BYTES + l * 64, _MM_HINT_T0);
+      } else if ((k - k0) * SPAN_BYTES % 64 == 0) {
+        _mm_prefetch(ahead + (k - k0) * SPAN_BYTES, _MM_HINT_T0);
+      }
+    }
+    const T* row = w + k * width;
     fvec b[V];
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v) b[v] = fload(row + v * LANES);
@@ -227,20 +250,20 @@ void tile_f32(const float* x, int64_t xs, const float* w, int64_t width, int64_t
 }
 
 // tile_f32 for R <= ROWS rows (R given at run time).
-template <int ROWS, int V>
-void tile_rows(int R, const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1, float* sums,
+template <int ROWS, int V, class T>
+void tile_rows(int R, const float* x, int64_t xs, const T* w, int64_t width, int64_t k0, int64_t k1, float* sums,
                const char* ahead) {
   static_assert(ROWS == 1 || ROWS == TILE_ROWS);
   if constexpr (ROWS == 1) {
-    return tile_f32<1, V>(x, xs, w, width, k0, k1, sums, ahead);
+    return tile_f32<1, V, T>(x, xs, w, width, k0, k1, sums, ahead);
   } else {
     switch (R) {
-      case 1: return tile_f32<1, V>(x, xs, w, width, k0, k1, sums, ahead);
-      case 2: return tile_f32<2, V>(x, xs, w, width, k0, k1, sums, ahead);
-      case 3: return tile_f32<3, V>(x, xs, w, width, k0, k1, sums, ahead);
-      case 4: return tile_f32<4, V>(x, xs, w, width, k0, k1, sums, ahead);
-      case 5: return tile_f32<5, V>(x, xs, w, width, k0, k1, sums, ahead);
-      default: return tile_f32<TILE_ROWS, V>(x, xs, w, width, k0, k1, sums, ahead);
+      case 1: return tile_f32<1, V, T>(x, xs, w, width, k0, k1, sums, ahead);
+      case 2: return tile_f32<2, V, T>(x, xs, w, width, k0, k1, sums, ahead);
+      case 3: return tile_f32<3, V, T>(x, xs, w, width, k0, k1, sums, ahead);
+      case 4: return tile_f32<4, V, T>(x, xs, w, width, k0, k1, sums, ahead);
+      case 5: return tile_f32<5, V, T>(x, xs, w, width, k0, k1, sums, ahead);
+      default: return tile_f32<TILE_ROWS, V, T>(x, xs, w, width, k0, k1, sums, ahead);
     }
   }
 }
@@ -249,40 +272,68 @@ void tile_rows(int R, const float* x, int64_t xs, const float* w, int64_t width,
 // of V vectors of columns (single vectors past the last whole span), each span's first tile prefetching its
 // share of the next piece. One row at a time (the only way a tile has one row) reads the piece's whole rows in
 // order, which the hardware prefetcher follows: prefetching there too cost 10-14 % at one and two rows.
-template <int ROWS, int V>
-void piece_f32(int64_t M, const float* x, int64_t xs, const float* w, int64_t width, int64_t k0, int64_t k1,
-               float* sums) {
+template <int ROWS, int V, class T>
+void piece_f32(int64_t M, const float* x, int64_t xs, const T* w, int64_t width, int64_t k0, int64_t k1,
+               float* sums, const char* next) {
   const int64_t chunks = (M + ROWS - 1) / ROWS, base = M / chunks, extra = M % chunks;
   constexpr int64_t SPAN = V * LANES;
-  const int64_t whole_end = width / SPAN * SPAN, span_bytes = (k1 - k0) * SPAN * 4;
-  const char* next = reinterpret_cast<const char*>(w + k1 * width);
+  const int64_t whole_end = width / SPAN * SPAN, span_bytes = (k1 - k0) * SPAN * static_cast<int64_t>(sizeof(T));
   for (int64_t c = 0; c < width; c += c < whole_end ? SPAN : LANES) {
     for (int64_t i = 0, m0 = 0; i < chunks; m0 += base + (i < extra), ++i) {
       const int R = static_cast<int>(base + (i < extra));
       if (c < whole_end)
-        tile_rows<ROWS, V>(R, x + m0 * xs, xs, w + c, width, k0, k1, sums + m0 * width + c,
-                           i == 0 ? next + c / SPAN * span_bytes : nullptr);
+        tile_rows<ROWS, V, T>(R, x + m0 * xs, xs, w + c, width, k0, k1, sums + m0 * width + c,
+                           i == 0 && next ? next + c / SPAN * span_bytes : nullptr);
       else
-        tile_rows<ROWS, 1>(R, x + m0 * xs, xs, w + c, width, k0, k1, sums + m0 * width + c, nullptr);
+        tile_rows<ROWS, 1, T>(R, x + m0 * xs, xs, w + c, width, k0, k1, sums + m0 * width + c, nullptr);
     }
+  }
+}
+
+// y's columns [n0, n0 + width) within N: the sums[M][width] plus the bias.
+void add_bias(int64_t M, int64_t width, const float* bias, float* y, int64_t N, int64_t n0, const float* sums) {
+  const int64_t columns = std::min(width, N - n0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < columns; ++j) y[m * N + n0 + j] = sums[m * width + j] + (bias ? bias[n0 + j] : 0.f);
+}
+
+// Rows [k0, k1) of a bf16 block [K'][width] widened to float32 in wide[k1 - k0][width], the next piece
+// prefetched meanwhile.
+void widen_piece(const c10::BFloat16* w, int64_t width, int64_t k0, int64_t k1, float* wide) {
+  const c10::BFloat16* from = w + k0 * width;
+  const char* next = reinterpret_cast<const char*>(w + k1 * width);
+  for (int64_t i = 0, n = (k1 - k0) * width; i < n; i += LANES) {
+    if (i % 32 == 0) _mm_prefetch(next + i * 2, _MM_HINT_T0);
+    fstore(wide + i, fload(from + i));
   }
 }
 
 // One block of `width` output columns for M rows: y's columns [n0, n0 + width) within N get the sums (scratch
 // sums[M][width]) plus the bias.
-void block_f32(int64_t M, const float* x, int64_t xs, const float* w, int64_t width, int64_t K, const float* bias,
-               float* y, int64_t N, int64_t n0, float* sums) {
+template <class T>
+void block_f32(int64_t M, const float* x, int64_t xs, const T* w, int64_t width, int64_t K, const float* bias,
+               float* y, int64_t N, int64_t n0, float* sums, float* wide) {
   std::fill(sums, sums + M * width, 0.f);
-  for (int64_t k0 = 0; k0 < K; k0 += F32_PIECE_K) {
-    const int64_t k1 = std::min(K, k0 + F32_PIECE_K);
-    if (M <= ONE_ROW_UP_TO)
-      piece_f32<1, 64 / LANES>(M, x, xs, w, width, k0, k1, sums);
-    else
-      piece_f32<TILE_ROWS, 2>(M, x, xs, w, width, k0, k1, sums);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (M >= WIDEN_FROM) {
+      for (int64_t k0 = 0; k0 < K; k0 += WIDE_PIECE_K) {
+        const int64_t k1 = std::min(K, k0 + WIDE_PIECE_K);
+        widen_piece(w, width, k0, k1, wide);
+        piece_f32<TILE_ROWS, 2, float>(M, x + k0, xs, wide, width, 0, k1 - k0, sums, nullptr);
+      }
+      return add_bias(M, width, bias, y, N, n0, sums);
+    }
   }
-  const int64_t columns = std::min(width, N - n0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < columns; ++j) y[m * N + n0 + j] = sums[m * width + j] + (bias ? bias[n0 + j] : 0.f);
+  constexpr int64_t PIECE_K = F32_PIECE_BYTES / (64 * sizeof(T));
+  for (int64_t k0 = 0; k0 < K; k0 += PIECE_K) {
+    const int64_t k1 = std::min(K, k0 + PIECE_K);
+    const char* next = reinterpret_cast<const char*>(w + k1 * width);
+    if (M <= ONE_ROW_UP_TO)
+      piece_f32<1, 64 / LANES, T>(M, x, xs, w, width, k0, k1, sums, next);
+    else
+      piece_f32<TILE_ROWS, 2, T>(M, x, xs, w, width, k0, k1, sums, next);
+  }
+  add_bias(M, width, bias, y, N, n0, sums);
 }
 #endif
 
@@ -491,12 +542,32 @@ at::Tensor linear_bf16_amx_argmax(at::Tensor x, at::Tensor w, int64_t N, c10::op
   return out;
 }
 
+#if FOLIO_F32_FMA
+// The float32 kernel over blocks of float32 or bf16 (a float32 weight whose every value is a bf16 one, kept in
+// half the bytes: each vector of the block widened to float32 as it is loaded, the same FMAs on the same values).
+template <class T>
+void run_f32(const at::Tensor& x, const at::Tensor& w, int64_t N, const float* bp, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), width = w.size(2), K_blocks = w.size(1), xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+  float* yp = y.data_ptr<float>();
+  const folio::BlockStream streams[] = {{wp, w.stride(0) * static_cast<int64_t>(sizeof(T))}};
+  folio::parallel_blocks(wp, w.size(0), streams, [&](int64_t b0, int64_t b1) {
+    alignas(64) float sums[MAX_M_F32 * 64];  // on the heap at 16-byte alignment it cost 12 % at 16 rows
+    alignas(64) float wide[std::is_same_v<T, float> ? 1 : WIDE_PIECE_K * 64];
+    for (int64_t b = b0; b < b1; ++b)
+      block_f32<T>(M, xp, xs, wp + b * K_blocks * width, width, K, bp, yp, N, b * width, sums, wide);
+  });
+}
+#endif
+
 at::Tensor linear_f32(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(FOLIO_F32_FMA, "built without AVX2+FMA or AVX-512F");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be float32 [M, K], unit stride");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(3) == 1 &&
-                  w.size(2) % LANES == 0 && w.size(2) <= 64,
-              "w must be contiguous float32 blocks [N / NB, K', NB, 1] with NB a multiple of ", LANES, " up to 64");
+  TORCH_CHECK(w.dim() == 4 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) &&
+                  w.is_contiguous() && w.size(3) == 1 && w.size(2) % LANES == 0 && w.size(2) <= 64,
+              "w must be contiguous float32 or bf16 blocks [N / NB, K', NB, 1] with NB a multiple of ", LANES,
+              " up to 64");
   const int64_t M = x.size(0), K = x.size(1), width = w.size(2);
   TORCH_CHECK(M >= 1 && M <= MAX_M_F32 && K <= w.size(1) && N >= 1 && N <= w.size(0) * width &&
                   N > (w.size(0) - 1) * width,
@@ -508,16 +579,10 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w, int64_t N, c10::optional<at::T
   }
   at::Tensor y = at::empty({M, N}, x.options());
 #if FOLIO_F32_FMA
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t xs = x.stride(0), K_blocks = w.size(1);
-  const folio::BlockStream streams[] = {{wp, w.stride(0) * 4}};
-  folio::parallel_blocks(wp, w.size(0), streams, [&](int64_t b0, int64_t b1) {
-    alignas(64) float sums[MAX_M_F32 * 64];  // on the heap at 16-byte alignment it cost 12 % at 16 rows
-    for (int64_t b = b0; b < b1; ++b)
-      block_f32(M, xp, xs, wp + b * K_blocks * width, width, K, bp, yp, N, b * width, sums);
-  });
+  if (w.scalar_type() == at::kFloat)
+    run_f32<float>(x, w, N, bp, y);
+  else
+    run_f32<c10::BFloat16>(x, w, N, bp, y);
 #endif
   return y;
 }
@@ -536,7 +601,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_amx_argmax", &linear_bf16_amx_argmax,
         "argmax over columns of the product linear_bf16_amx writes (int64 [M]: first maximum, first NaN), unwritten",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("linear_f32", &linear_f32, "x W^T (+ b) for float32 x of at most MAX_M_F32 rows, W in oneDNN's packed blocks [N / NB, K', NB, 1]",
+  m.def("linear_f32", &linear_f32, "x W^T (+ b) for float32 x of at most MAX_M_F32 rows, W float32 or bf16 blocks [N / NB, K', NB, 1]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_kernel", &has_kernel, "whether the AVX512-BF16 kernel was compiled in");
   m.def("has_amx_kernel", &has_amx_kernel, "whether the AMX-BF16 path was compiled in and may use the tiles");

@@ -52,11 +52,16 @@ def gemm_min_rows(dtype: torch.dtype) -> int:
 def supports(layers: list[Linear]) -> bool:
     """Whether experts made of these Linear layers can run fused: all keep plain CPU float32 or bf16 weights
     of one dtype (their linear method's plain_weights), without bias, and the kernel builds."""
-    dtypes = {layer.weight.dtype for layer in layers}
+    dtypes = {layer.params_dtype for layer in layers}
     return (len(dtypes) == 1 and dtypes <= set(DTYPES)
             and all(layer.method.plain_weights and not layer.tied and layer.bias is None and layer.weight.is_cpu
                     for layer in layers)
             and KERNEL.load() is not None)
+
+
+def plain_weight(layer: Linear) -> torch.Tensor:
+    """A plain-weight layer's matrix in its dtype (a float32 layer's may be loaded as bf16: LinearMethod)."""
+    return layer.weight.detach().to(layer.params_dtype)
 
 
 class FusedExpertsMethod(ExpertsMethod):
@@ -65,9 +70,9 @@ class FusedExpertsMethod(ExpertsMethod):
 
     def process_weights_after_loading(self, experts: "Experts") -> None:
         """Stack the experts' weights into experts.w13 and experts.w2; the expert modules go."""
-        experts.w13 = nn.Parameter(torch.stack([mlp.gate_up_proj.weight.detach() for mlp in experts]),
+        experts.w13 = nn.Parameter(torch.stack([plain_weight(mlp.gate_up_proj) for mlp in experts]),
                                    requires_grad=False)
-        experts.w2 = nn.Parameter(torch.stack([mlp.down_proj.weight.detach() for mlp in experts]),
+        experts.w2 = nn.Parameter(torch.stack([plain_weight(mlp.down_proj) for mlp in experts]),
                                   requires_grad=False)
         del experts[:]
 

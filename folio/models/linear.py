@@ -34,7 +34,9 @@ class LinearMethod(ABC):
 
     plain_weights: whether a loaded layer's `weight` is the plain float [output_size, input_size] matrix
     until `process_weights_after_loading`, so that a module may take it over (an MoE layer stacks its
-    experts': folio.models.fused_moe). Quantised methods keep packed integers: False."""
+    experts': folio.models.fused_moe). In the layer's params_dtype, except that a float32 layer's may be
+    held in bf16 as a bf16 checkpoint stores it (the dense method: folio.models.bf16_valued), the same values.
+    Quantised methods keep packed integers: False."""
 
     plain_weights = False
 

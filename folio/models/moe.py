@@ -81,7 +81,7 @@ def experts_method(experts: Experts) -> ExpertsMethod:
     float32 / bf16 weights (dense) and the kernel builds, else one by one through their linear methods
     (int8, int4, GGUF blocks, other dtypes)."""
     layers = [layer for mlp in experts for layer in (mlp.gate_up_proj, mlp.down_proj)]
-    return fused_moe.FusedExpertsMethod(layers[0].weight.dtype) if fused_moe.supports(layers) else PerExpertMethod()
+    return fused_moe.FusedExpertsMethod(layers[0].params_dtype) if fused_moe.supports(layers) else PerExpertMethod()
 
 
 class SparseMoeBlock(HotPathModule):

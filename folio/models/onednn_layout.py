@@ -15,9 +15,19 @@ from typing import Optional
 
 import torch
 
+# oneDNN's blocked weight layout is chosen for a batch size; decode batches of tens of requests dominate.
+PACK_FOR_BATCH = 64
 BLOCK_WIDTHS = (64, 48, 32, 16)
 # K' candidates: K rounded up to the group, or to one of these (oneDNN's K blocking)
 K_PADDINGS = (1, 16, 32, 64)
+
+
+def can_prepack(dtype: torch.dtype) -> bool:
+    """oneDNN's linear on a packed weight: float32 wherever oneDNN is built in, bf16 on a CPU that has it (the
+    reorder refuses CPUs without AVX-512 or AVX-NE-CONVERT)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def raw_bytes(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""A oneDNN-packed bf16 weight per layer shape, for quantised layers to dequantise into before a dense GEMM.
+"""A oneDNN-packed weight per layer shape and dtype, for layers stored narrower than they multiply (quantised
+ones, float32 ones kept as bf16: folio.models.bf16_valued) to widen into before a dense GEMM.
 
 A quantised layer multiplies a prefill-sized batch by its weight dequantised for the call. Handed to F.linear as
 a plain tensor, that weight is packed by oneDNN again on every call; written instead by the dequantiser straight
@@ -8,51 +9,59 @@ layers, `python benchmarks/int4_blocks_bench.py --prefill`), ms per call, F.line
 scratch (bf16's own prepacked weight): int4 gate/up 74.8 -> 62.8 (56.9), down 27.9 -> 21.9 (20.9), q/k/v 5.70 ->
 5.22 (5.18); int8 weight-only 71.5 -> 61.2, 27.0 -> 23.4, 6.34 -> 5.55.
 
-One scratch per shape for the process, made at first use from a probe of distinct values (so that its layout can
-be recognised); a use holds its lock from the dequantiser's write to the end of the GEMM, so engines on two
-threads never share one mid-call. It costs a bf16 copy of each distinct layer shape (30 MB for the 0.5B Qwen2);
-shapes of more than MAX_BYTES (a large vocabulary's lm_head) get none, and `linear` gives their plain
-dequantised weight to F.linear, as it does where oneDNN cannot pack bf16.
+One scratch per shape and dtype for the process, made at first use from a probe of distinct values (so that its
+layout can be recognised); a use holds its lock from the dequantiser's write to the end of the GEMM, so engines on
+two threads never share one mid-call. It costs a copy of each distinct layer shape (the 0.5B Qwen2: 30 MB in
+bf16, 60 MB in float32); shapes of more than MAX_BYTES (a large vocabulary's lm_head) get none, and `linear` gives
+their plain dequantised weight to F.linear, as it does where oneDNN cannot pack bf16.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from folio.models import onednn_layout
-from folio.models.dense_linear import PACK_FOR_BATCH, can_prepack
+from folio.models.onednn_layout import PACK_FOR_BATCH, can_prepack
 
 MAX_BYTES = 192 << 20  # a 7B model's gate/up layer (180 MB in bf16) gets one; a 150k vocabulary's lm_head not
 
-_scratches: dict[tuple[int, int], Optional["PackedScratch"]] = {}
+_scratches: dict[tuple[int, int, torch.dtype], Optional["PackedScratch"]] = {}
+# values side by side along K in oneDNN's blocks of each dtype (folio.models.onednn_layout)
+_GROUPS = {torch.bfloat16: 2, torch.float32: 1}
 _making = threading.Lock()
 
 
 @dataclass
 class PackedScratch:
-    packed: torch.Tensor  # oneDNN's packed bf16 weight [N, K]
-    blocks: torch.Tensor  # its buffer as bf16 [N' / W, K' / 2, W, 2] (onednn_layout.vnni_blocks): what is written
+    packed: torch.Tensor  # oneDNN's packed weight [N, K]
+    blocks: torch.Tensor  # its buffer [N' / W, K' / group, W, group] (onednn_layout.vnni_blocks): what is written
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # the tensor whose values the blocks hold, weakly, where a writer can skip writing them again (a float32
+    # gate/up's pieces: folio.models.bf16_valued); None after any other write
+    holding: Optional[weakref.ref] = None
 
 
-def for_shape(n: int, k: int) -> Optional[PackedScratch]:
-    """The scratch for a weight [n, k], or None where oneDNN cannot pack bf16 here, lays it out in a way folio
-    does not recognise, or the weight is larger than MAX_BYTES."""
-    if (n, k) not in _scratches:
+def for_shape(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Optional[PackedScratch]:
+    """The scratch for a weight [n, k] of dtype (bf16 or float32), or None where oneDNN cannot pack it here, lays
+    it out in a way folio does not recognise, or the weight is larger than MAX_BYTES."""
+    key = (n, k, dtype)
+    if key not in _scratches:
         with _making:
-            if (n, k) not in _scratches:
+            if key not in _scratches:
                 scratch = None
-                if 2 * n * k <= MAX_BYTES and k % 2 == 0 and can_prepack(torch.bfloat16):
-                    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+                group = _GROUPS[dtype]
+                if n * k * dtype.itemsize <= MAX_BYTES and k % group == 0 and can_prepack(dtype):
+                    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(dtype)
                     packed = torch.ops.mkldnn._reorder_linear_weight(probe, PACK_FOR_BATCH)
-                    blocks = onednn_layout.vnni_blocks(packed, probe, 2)
+                    blocks = onednn_layout.vnni_blocks(packed, probe, group)
                     scratch = None if blocks is None else PackedScratch(packed, blocks)
-                _scratches[(n, k)] = scratch
-    return _scratches[(n, k)]
+                _scratches[key] = scratch
+    return _scratches[key]
 
 
 def linear(x: torch.Tensor, n: int, write: Optional[Callable[[torch.Tensor], None]],
@@ -66,4 +75,5 @@ def linear(x: torch.Tensor, n: int, write: Optional[Callable[[torch.Tensor], Non
         return torch.nn.functional.linear(x, dequantized().to(x.dtype), b)
     with scratch.lock:
         write(scratch.blocks)
+        scratch.holding = None
         return torch.ops.mkldnn._linear_pointwise(x, scratch.packed, b, "none", [], "")

@@ -27,7 +27,8 @@ all 64 columns), the next piece prefetched meanwhile. Against oneDNN's GEMM on t
 of the 0.5B Qwen2 from memory on 2 cores of a Zen 3 EPYC (`python benchmarks/small_batch_gemm_bench.py --dtype
 float32`, the machine shared and noisy): 1.3-1.6x as fast at 1-16 rows, 1.1-1.4x at 32, 1.0-1.2x at 48-64 (a
 W1 decode step's 62 among them; that step 1.02-1.08x, the two alternating in one engine), 0.9-1.1x at 96-256:
-MAX_ROWS is 64.
+MAX_ROWS is 64. The float32 kernel also reads those blocks in bf16 where a float32 weight holds only bf16 values
+(folio.models.bf16_valued), widening them exactly as it loads them.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ class PackedWeight:
     out_features: int
     in_features: int
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weight multiplies in (x's and the product's): float32 for blocks of single values, bf16
+        ones among them (a float32 weight of bf16 values kept in bf16: folio.models.bf16_valued); else the
+        blocks'."""
+        return torch.float32 if self.blocks.shape[3] == 1 else self.blocks.dtype
+
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     ext = KERNEL.load()
@@ -87,7 +95,7 @@ def weight_rows(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     blocks = weight.blocks
     flat = ids.reshape(-1)
     rows = blocks[flat // blocks.shape[2], :, flat % blocks.shape[2]]  # [T, K' / group, group]
-    rows = rows.reshape(flat.shape[0], -1)[:, :weight.in_features].contiguous()
+    rows = rows.reshape(flat.shape[0], -1)[:, :weight.in_features].to(weight.dtype).contiguous()
     return rows.view(*ids.shape, weight.in_features)
 
 

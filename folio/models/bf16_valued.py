@@ -1,0 +1,97 @@
+"""float32 layers whose weights hold only bf16 values (a bf16 checkpoint run in float32), kept in bf16.
+
+On a CPU without fast bf16 arithmetic (AVX2) folio runs in float32, and most checkpoints are stored in bf16: each
+weight then widens exactly, and a float32 copy holds the same values in twice the bytes. The dense method keeps
+such a weight as bf16 blocks in the layout oneDNN gives its float32 weights (`narrowed`), loaded as bf16 where the
+checkpoint stores it so (`keep_bf16_tensors`): no float32 copy is made, at load or after. The small-batch kernel
+reads the blocks in place, widening each vector as it loads it (folio/csrc/cpu_small_batch_gemm.cpp): the same FMAs
+on the same values, bit for bit the float32 kernel's results. Decode reads half the bytes, and the model half the
+memory (the 0.5B Qwen2: 1.0 GB of weights instead of 2.0).
+
+Batches past the kernel's rows (prefill chunks) go to oneDNN's float32 GEMM on a packed scratch of the layer's
+shape (folio.models.packed_scratch), the blocks widened into it first: a copy, since the two layouts are the
+same, skipped where the scratch still holds this weight (a gate/up's pieces: dense_linear.SILU_PIECE_ROWS). Shapes too large for a scratch (a large vocabulary's lm_head, which sees a prefill step's last tokens and a
+decode step's rows) run the kernel on MAX_ROWS rows at a time.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from folio.models import packed_scratch, small_batch_gemm
+from folio.models.small_batch_gemm import PackedWeight
+from folio.models.weight_loader import ShardId, weight_loader_of
+
+CHECK_BYTES = 4 << 20  # float32 values checked and laid out at a time by `narrowed`
+
+
+def available() -> bool:
+    """Whether the kernel that reads bf16 blocks as float32 is built here."""
+    return small_batch_gemm.available(torch.float32)
+
+
+def keep_bf16_tensors(param: nn.Parameter) -> None:
+    """Make a float32 weight's loader keep bf16 checkpoint tensors in bf16: the parameter turns bf16 at its first
+    tensor if that one is bf16, and back to float32 (exactly) at any later one that is not. Loading then makes no
+    float32 copy of a bf16 checkpoint (the 0.5B Qwen2: 2.0 GB), which `narrowed` lays out as blocks."""
+    load = weight_loader_of(param)
+
+    def load_keeping_bf16(p: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
+        if not getattr(p, "bf16_decided", False):
+            p.bf16_decided = True
+            if tensor.dtype == torch.bfloat16:
+                p.data = torch.empty(p.shape, dtype=torch.bfloat16)
+        elif p.dtype == torch.bfloat16 and tensor.dtype != torch.bfloat16:
+            p.data = p.data.to(torch.float32)
+        load(p, tensor, shard_id)
+
+    param.weight_loader = load_keeping_bf16
+
+
+def narrowed(weight: torch.Tensor) -> Optional[PackedWeight]:
+    """A float32 layer's weight [N, K] (as loaded: float32, or bf16 kept so by `keep_bf16_tensors`) as bf16
+    blocks [ceil(N / W), K', W, 1] in the layout oneDNN gives a float32 weight of its shape (that of the shape's
+    scratch; blocks of 64 columns and K' = K for a shape without one), where every value is a bf16 one and the
+    kernel is built; else None. Made a few MB at a time, so that it adds no float32 copy of a layer (a tied
+    lm_head: 545 MB for the 0.5B Qwen2) to the load's peak."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2 or not weight.is_cpu or not available():
+        return None
+    n, k = weight.shape
+    scratch = packed_scratch.for_shape(n, k, torch.float32)
+    width, padded_k = (scratch.blocks.shape[2], scratch.blocks.shape[1]) if scratch is not None else (64, k)
+    blocks = torch.zeros(-(-n // width), padded_k, width, 1, dtype=torch.bfloat16)
+    step = max(1, CHECK_BYTES // (width * k * 4))
+    for b in range(0, blocks.shape[0], step):
+        part = weight[b * width:(b + step) * width]
+        narrow = part.to(torch.bfloat16)
+        if not torch.equal(narrow.to(part.dtype), part):
+            return None
+        whole = -(-part.shape[0] // width) * width
+        if whole != part.shape[0]:  # the last block's columns past N stay zero
+            narrow = torch.cat([narrow, narrow.new_zeros(whole - part.shape[0], k)])
+        blocks[b:b + whole // width, :k, :, 0] = narrow.view(-1, width, k).transpose(1, 2)
+    return PackedWeight(blocks, n, k)
+
+
+def linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., K] (float32) @ weight^T (+ bias) for bf16-valued blocks (`narrowed`), any number of rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    limit = small_batch_gemm.MAX_ROWS[torch.float32]
+    if rows.shape[0] <= limit:
+        out = small_batch_gemm.linear(rows, weight, bias)
+    else:
+        scratch = packed_scratch.for_shape(weight.out_features, weight.in_features, torch.float32)
+        if scratch is not None and scratch.blocks.shape == weight.blocks.shape:
+            with scratch.lock:
+                if scratch.holding is None or scratch.holding() is not weight.blocks:
+                    scratch.blocks.copy_(weight.blocks)
+                    scratch.holding = weakref.ref(weight.blocks)
+                out = torch.ops.mkldnn._linear_pointwise(rows, scratch.packed, bias, "none", [], "")
+        else:
+            out = torch.cat([small_batch_gemm.linear(rows[r:r + limit], weight, bias)
+                             for r in range(0, rows.shape[0], limit)])
+    return out.view(*x.shape[:-1], weight.out_features)
