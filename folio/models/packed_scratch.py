@@ -12,8 +12,8 @@ scratch (bf16's own prepacked weight): int4 gate/up 74.8 -> 62.8 (56.9), down 27
 One scratch per shape and dtype for the process, made at first use from a probe of distinct values (so that its
 layout can be recognised); a use holds its lock from the dequantiser's write to the end of the GEMM, so engines on
 two threads never share one mid-call. It costs a copy of each distinct layer shape (the 0.5B Qwen2: 30 MB in
-bf16, 60 MB in float32); shapes of more than MAX_BYTES (a large vocabulary's lm_head) get none, and `linear` gives
-their plain dequantised weight to F.linear, as it does where oneDNN cannot pack bf16.
+bf16, 60 MB in float32); shapes of more than MAX_BYTES[dtype] (a large vocabulary's lm_head) get none, and
+`linear` gives their plain dequantised weight to F.linear, as it does where oneDNN cannot pack bf16.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import torch
 from folio.models import onednn_layout
 from folio.models.onednn_layout import PACK_FOR_BATCH, can_prepack
 
-MAX_BYTES = 192 << 20  # a 7B model's gate/up layer (180 MB in bf16) gets one; a 150k vocabulary's lm_head not
+# bf16: a 7B model's gate/up layer (180 MB) gets one, a 150k vocabulary's lm_head not. float32 (a float32 copy of
+# bf16 weights, in place of one for every layer): a 3B model's gate/up (200 MB) too, the 0.5B's lm_head (545) not.
+MAX_BYTES = {torch.bfloat16: 192 << 20, torch.float32: 512 << 20}
 
 _scratches: dict[tuple[int, int, torch.dtype], Optional["PackedScratch"]] = {}
 # values side by side along K in oneDNN's blocks of each dtype (folio.models.onednn_layout)
@@ -48,14 +50,14 @@ class PackedScratch:
 
 def for_shape(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Optional[PackedScratch]:
     """The scratch for a weight [n, k] of dtype (bf16 or float32), or None where oneDNN cannot pack it here, lays
-    it out in a way folio does not recognise, or the weight is larger than MAX_BYTES."""
+    it out in a way folio does not recognise, or the weight is larger than MAX_BYTES[dtype]."""
     key = (n, k, dtype)
     if key not in _scratches:
         with _making:
             if key not in _scratches:
                 scratch = None
                 group = _GROUPS[dtype]
-                if n * k * dtype.itemsize <= MAX_BYTES and k % group == 0 and can_prepack(dtype):
+                if n * k * dtype.itemsize <= MAX_BYTES[dtype] and k % group == 0 and can_prepack(dtype):
                     probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(dtype)
                     packed = torch.ops.mkldnn._reorder_linear_weight(probe, PACK_FOR_BATCH)
                     blocks = onednn_layout.vnni_blocks(packed, probe, group)
