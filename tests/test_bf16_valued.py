@@ -36,6 +36,9 @@ def bf16_values(*shape: int, seed: int = 0) -> torch.Tensor:
 def test_only_weights_of_bf16_values_are_narrowed_into_onednns_float32_layout(check_bytes, n, k, monkeypatch):
     monkeypatch.setattr(bf16_valued, "CHECK_BYTES", check_bytes)
     w = bf16_values(n, k)
+    if packed_scratch.for_shape(n, k, torch.float32) is None:
+        assert bf16_valued.narrowed(w) is None  # no scratch oneDNN's GEMM could take: stays float32
+        pytest.skip("oneDNN packs float32 weights here in a layout folio does not recognise")
     narrow = bf16_valued.narrowed(w)
     assert narrow.blocks.dtype == torch.bfloat16 and narrow.dtype == torch.float32
     packed = small_batch_gemm.packed_blocks(torch.ops.mkldnn._reorder_linear_weight(w, 64), w)
@@ -48,16 +51,19 @@ def test_only_weights_of_bf16_values_are_narrowed_into_onednns_float32_layout(ch
     assert bf16_valued.narrowed(w) is None
 
 
-# rows: one at a time (1, 2), tiles on the vectors as loaded (3-11), tiles on widened pieces (12 on), 64 the most;
-# K: one piece, pieces of 64 (widened) and 128 (as loaded) with a partial last one, K padded in the blocks
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 11, 12, 13, 31, 64])
+# rows: one at a time (1, 2), tiles on the vectors as loaded (3-13), tiles on widened pieces (14 on), 64 the most;
+# K: one piece, pieces of 64 (widened) and 128 (as loaded) with a partial last one, K padded in the blocks;
+# blocks 64 columns wide, or narrower (single vectors past the last span of two)
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 13, 14, 31, 64])
 @pytest.mark.parametrize("k,padded_k", [(40, 0), (200, 0), (300, 320)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_the_kernel_on_bf16_blocks_gives_the_float32_blocks_results_bit_for_bit(m, k, padded_k, with_bias):
-    n = 150  # two whole blocks and a partial one
-    weight = float32_blocks(bf16_values(n, k), padded_k=padded_k)
+@pytest.mark.parametrize("width,with_bias", [(64, False), (64, True), (48, True), (16, False)])
+def test_the_kernel_on_bf16_blocks_gives_the_float32_blocks_results_bit_for_bit(m, k, padded_k, width, with_bias):
+    n = 150  # whole blocks and a partial one
+    weight = float32_blocks(bf16_values(n, k), width=width, padded_k=padded_k)
     narrow = small_batch_gemm.PackedWeight(weight.blocks.to(torch.bfloat16), n, k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
+    x = torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(m + k))[:, ::2]  # strided rows
+    if m % 2:
+        x = x.contiguous()
     bias = torch.randn(n) if with_bias else None
     got = small_batch_gemm.linear(x, narrow, bias)
     assert torch.equal(got, small_batch_gemm.linear(x, weight, bias))
@@ -71,6 +77,10 @@ def test_batches_past_the_kernels_rows_go_to_the_scratch_or_to_the_kernel_in_pie
     one (a shape too large), the kernel MAX_ROWS rows at a time. Any leading dims."""
     n, k = 100, 96
     w = bf16_values(n, k)
+    if scratch and packed_scratch.for_shape(n, k, torch.float32) is None:
+        pytest.skip("oneDNN packs float32 weights here in a layout folio does not recognise")
+    if not scratch:  # as for a shape too large for one
+        monkeypatch.setitem(packed_scratch.MAX_BYTES, torch.float32, 0)
     narrow = bf16_valued.narrowed(w)
     if not scratch:
         monkeypatch.setattr(packed_scratch, "for_shape", lambda *shape: None)

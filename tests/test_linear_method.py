@@ -198,6 +198,9 @@ def test_a_float32_gate_ups_large_batches_go_in_pieces(bf16_values, monkeypatch)
     for shard, weight in enumerate(weights):
         layer.weight.weight_loader(layer.weight, weight, shard)
     layer.method.process_weights_after_loading(layer)
+    if layer.small_batch_weight is None:
+        pytest.skip("no float32 small-batch kernel here (or oneDNN's layout is not one it reads)")
+    assert (layer.small_batch_weight.blocks.dtype == torch.bfloat16) == bf16_values  # or oneDNN's float32 blocks
     pieces = []
     product = DenseLinearMethod.product
     monkeypatch.setattr(DenseLinearMethod, "product", lambda self, layer, x: pieces.append(x.shape[0]) or

@@ -59,9 +59,14 @@ def supports(layers: list[Linear]) -> bool:
             and KERNEL.load() is not None)
 
 
-def plain_weight(layer: Linear) -> torch.Tensor:
-    """A plain-weight layer's matrix in its dtype (a float32 layer's may be loaded as bf16: LinearMethod)."""
-    return layer.weight.detach().to(layer.params_dtype)
+def stacked(layers: list[Linear]) -> torch.Tensor:
+    """The plain-weight layers' matrices as one [E, N, K] tensor in their dtype, each copied in (a float32 layer's
+    may be loaded as bf16: LinearMethod), so that no list of widened copies is held beside it."""
+    first = layers[0]
+    out = torch.empty(len(layers), *first.weight.shape, dtype=first.params_dtype)
+    for e, layer in enumerate(layers):
+        out[e].copy_(layer.weight.detach())
+    return out
 
 
 class FusedExpertsMethod(ExpertsMethod):
@@ -70,10 +75,8 @@ class FusedExpertsMethod(ExpertsMethod):
 
     def process_weights_after_loading(self, experts: "Experts") -> None:
         """Stack the experts' weights into experts.w13 and experts.w2; the expert modules go."""
-        experts.w13 = nn.Parameter(torch.stack([plain_weight(mlp.gate_up_proj) for mlp in experts]),
-                                   requires_grad=False)
-        experts.w2 = nn.Parameter(torch.stack([plain_weight(mlp.down_proj) for mlp in experts]),
-                                  requires_grad=False)
+        experts.w13 = nn.Parameter(stacked([mlp.gate_up_proj for mlp in experts]), requires_grad=False)
+        experts.w2 = nn.Parameter(stacked([mlp.down_proj for mlp in experts]), requires_grad=False)
         del experts[:]
 
     def apply(self, experts: "Experts", x: torch.Tensor, weights: torch.Tensor,
