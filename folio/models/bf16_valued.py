@@ -97,7 +97,7 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) 
         out = small_batch_gemm.linear(rows, weight, bias)
     else:
         scratch = packed_scratch.for_shape(weight.out_features, weight.in_features, torch.float32)
-        if scratch is not None and scratch.blocks.shape == weight.blocks.shape:
+        if scratch is not None:  # `narrowed` laid the blocks out as the scratch's
             with scratch.lock:
                 if scratch.holding is None or scratch.holding() is not weight.blocks:
                     scratch.blocks.copy_(weight.blocks)

@@ -18,6 +18,8 @@ import torch
 # oneDNN's blocked weight layout is chosen for a batch size; decode batches of tens of requests dominate.
 PACK_FOR_BATCH = 64
 BLOCK_WIDTHS = (64, 48, 32, 16)
+# values side by side along K in oneDNN's blocks of each float dtype: bf16's pairs (vdpbf16ps's), float32's one by one
+GROUPS = {torch.bfloat16: 2, torch.float32: 1}
 # K' candidates: K rounded up to the group, or to one of these (oneDNN's K blocking)
 K_PADDINGS = (1, 16, 32, 64)
 

@@ -33,8 +33,6 @@ from folio.models.onednn_layout import PACK_FOR_BATCH, can_prepack
 MAX_BYTES = {torch.bfloat16: 192 << 20, torch.float32: 512 << 20}
 
 _scratches: dict[tuple[int, int, torch.dtype], Optional["PackedScratch"]] = {}
-# values side by side along K in oneDNN's blocks of each dtype (folio.models.onednn_layout)
-_GROUPS = {torch.bfloat16: 2, torch.float32: 1}
 _making = threading.Lock()
 
 
@@ -56,7 +54,7 @@ def for_shape(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Optional[P
         with _making:
             if key not in _scratches:
                 scratch = None
-                group = _GROUPS[dtype]
+                group = onednn_layout.GROUPS[dtype]
                 if n * k * dtype.itemsize <= MAX_BYTES[dtype] and k % group == 0 and can_prepack(dtype):
                     probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(dtype)
                     packed = torch.ops.mkldnn._reorder_linear_weight(probe, PACK_FOR_BATCH)

@@ -50,8 +50,6 @@ MAX_ROWS_AMX = 8
 MAX_ROWS = {torch.bfloat16: MAX_ROWS_AMX if has_amx() else 64, torch.float32: 64}
 # bf16 batches past MAX_ROWS and up to this many rows run `amx_linear` where it serves (0: none, without AMX)
 AMX_ROWS = 64 if has_amx() else 0
-# values side by side along K in a packed block: the pairs vdpbf16ps multiplies; float32 ones one by one
-GROUPS = {torch.bfloat16: 2, torch.float32: 1}
 
 
 @dataclass(frozen=True)
@@ -82,9 +80,9 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
 def packed_blocks(packed: torch.Tensor, weight: torch.Tensor) -> Optional[PackedWeight]:
     """oneDNN's packed copy of a bf16 or float32 weight [N, K] as the kernel reads it, or None where the kernel is
     missing or oneDNN chose a layout it does not read (folio.models.onednn_layout)."""
-    if weight.dtype not in GROUPS or not available(weight.dtype):
+    if weight.dtype not in onednn_layout.GROUPS or not available(weight.dtype):
         return None
-    blocks = onednn_layout.vnni_blocks(packed, weight, GROUPS[weight.dtype])
+    blocks = onednn_layout.vnni_blocks(packed, weight, onednn_layout.GROUPS[weight.dtype])
     return None if blocks is None else PackedWeight(blocks, weight.shape[0], weight.shape[1])
 
 
