@@ -11,6 +11,7 @@ from conftest import build_tiny_model, hf_greedy_logprobs, write_tokenizer
 from folio import LLM, SamplingParams
 from folio.models import bf16_valued, packed_scratch, small_batch_gemm
 from folio.models.dense_linear import DenseLinearMethod
+from folio.models.layers import Embedding
 from folio.models.linear import Linear
 
 pytestmark = pytest.mark.skipif(not small_batch_gemm.available(torch.float32),
@@ -121,6 +122,33 @@ def test_a_dense_float32_layer_of_bf16_values_keeps_only_the_bf16_blocks():
         assert torch.allclose(layer(x), x @ weight.T + layer.bias, rtol=1e-5, atol=1e-4)
 
 
+def test_a_float32_embedding_keeps_a_bf16_table_in_bf16_unless_a_tied_head_shares_it():
+    """Untied: the table turns bf16 and lookups come back in float32, the same values; a float32 tensor keeps it
+    float32. Tied: the head's method decides (a head without the dense method's loader reads it in float32)."""
+    table = bf16_values(50, 24)
+    untied = Embedding(50, 24)
+    untied.weight.weight_loader(untied.weight, table.to(torch.bfloat16), None)
+    assert untied.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    rows = untied(ids)
+    assert rows.dtype == torch.float32 and torch.equal(rows, table[ids])
+    from_float32 = Embedding(50, 24)
+    from_float32.weight.weight_loader(from_float32.weight, table, None)
+    assert from_float32.weight.dtype == torch.float32 and torch.equal(from_float32(ids), table[ids])
+    tied = Embedding(50, 24)
+    Linear(24, 50, tied_to=tied.weight, params_dtype=torch.float32)  # not bound: no dense loader around it
+    tied.weight.weight_loader(tied.weight, table.to(torch.bfloat16), None)
+    assert tied.weight.dtype == torch.float32 and torch.equal(tied(ids), table[ids])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # a bf16 model's table is bf16 whatever the checkpoint's dtype
+    try:
+        in_bf16 = Embedding(50, 24)
+    finally:
+        torch.set_default_dtype(previous)
+    in_bf16.weight.weight_loader(in_bf16.weight, table, None)
+    assert in_bf16.weight.dtype == torch.bfloat16 and in_bf16(ids).dtype == torch.bfloat16
+
+
 def test_the_loader_keeps_bf16_tensors_and_widens_a_weight_given_another_dtype():
     """A float32 layer's weight turns bf16 at a first bf16 tensor and back to float32, exactly, at a shard of
     another dtype; a first float32 tensor keeps it float32. Processing narrows bf16 values, widens the rest."""
@@ -160,9 +188,9 @@ def test_the_loader_keeps_bf16_tensors_and_widens_a_weight_given_another_dtype()
 @pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True), ("phi3", False), ("mixtral", False)])
 def test_a_bf16_checkpoint_in_float32_generates_what_transformers_does(tmp_path, arch, tie):
     """Weights as stored in bf16, run in float32 (the default on CPUs without fast bf16): loaded as bf16, the
-    layers keep bf16 blocks, a tied embedding looks its rows up in the lm_head's, fused experts are stacked in
-    float32, and greedy tokens and logprobs are Transformers' in float32 on the same checkpoint, prompts of
-    more than the kernel's rows included."""
+    layers keep bf16 blocks, a tied embedding looks its rows up in the lm_head's, an untied one keeps its table in
+    bf16, fused experts are stacked in bf16, and greedy tokens and logprobs are Transformers' in float32 on the
+    same checkpoint, prompts of more than the kernel's rows included."""
     import transformers
 
     folder = build_tiny_model(str(tmp_path / "f32"), arch, tie=tie)
@@ -173,7 +201,12 @@ def test_a_bf16_checkpoint_in_float32_generates_what_transformers_does(tmp_path,
     model = llm.llm_engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert layers and all(m.small_batch_weight.blocks.dtype == torch.bfloat16 for m in layers)
-    assert all(p.dtype == torch.float32 for p in model.parameters())  # norms, an untied embedding, experts
+    # an untied embedding's table and fused experts stay bf16 too; the norms are float32
+    table = model.embed_tokens.weight
+    assert table is None if tie else table.dtype == torch.bfloat16
+    experts = [p for name, p in model.named_parameters() if name.endswith((".w13", ".w2"))]
+    assert (arch == "mixtral") == bool(experts) and all(p.dtype == torch.bfloat16 for p in experts)
+    assert all(p.dtype == torch.float32 for name, p in model.named_parameters() if "norm" in name)
     prompts = [[5, 6, 7, 8, 9], [(7 * i) % 400 + 3 for i in range(150)]]
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -1,7 +1,8 @@
 """The fused MoE path (folio.models.fused_moe) against the per-expert path it replaces for unquantised experts:
 same routing, same numbers (float32: to rounding, rtol/atol 1e-5; bf16: within 3e-2 of outputs of size ~1, and
 on average no further from the float32 result than the per-expert path, give or take 25%), for odd shapes, experts without tokens, top-k
-1/2/8, one token and a prefill, the kernel's own tiles and its ATen GEMM path, and Qwen2-MoE's shared expert."""
+1/2/8, one token and a prefill, the kernel's own tiles and its ATen GEMM path, and Qwen2-MoE's shared expert;
+float32 experts of bf16 values held in bf16 with the float32 results bit for bit."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ HIDDEN = 72  # not a multiple of the vector width: exercises the dot products' t
 
 
 def make_blocks(num_experts: int, top_k: int, intermediate: int, dtype: torch.dtype, shared: int = 0,
-                seed: int = 0) -> tuple[SparseMoeBlock, SparseMoeBlock]:
-    """(per-expert block, fused block) with the same random weights."""
+                seed: int = 0, bf16_values: bool = False) -> tuple[SparseMoeBlock, SparseMoeBlock]:
+    """(per-expert block, fused block) with the same random weights (bf16_values: each one a bf16 value, as a
+    bf16 checkpoint's are)."""
     cfg = ModelConfig.from_hf_dict({
         "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 32,
         "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -39,7 +41,8 @@ def make_blocks(num_experts: int, top_k: int, intermediate: int, dtype: torch.dt
     bind_linear_methods(block, DenseLinearMethod())
     g = torch.Generator().manual_seed(seed)
     for param in block.parameters():
-        param.data.copy_(torch.randn(param.shape, generator=g) / param.shape[-1] ** 0.5)
+        values = torch.randn(param.shape, generator=g) / param.shape[-1] ** 0.5
+        param.data.copy_(values.to(torch.bfloat16) if bf16_values else values)
     fused = copy.deepcopy(block)
     process_weights_after_loading(fused)
     assert isinstance(fused.experts.method, fused_moe.FusedExpertsMethod) and len(fused.experts) == 0
@@ -69,8 +72,39 @@ def test_fused_equals_per_expert_float32(tokens, num_experts, top_k, skip, gemm_
         want = per_expert.experts(x, weights, ids)
         got = fused.experts(x, weights, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert fused.experts.w13.dtype == fused.experts.w2.dtype == torch.float32  # values bf16 cannot hold
     ran = torch.tensor([int(bool((ids == e).any())) for e in range(num_experts)])
     assert torch.equal(fused.experts.runs, ran) and torch.equal(per_expert.experts.runs, ran)
+
+
+@pytest.mark.parametrize("gemm_min_rows", [1 << 30, 1], ids=["tiles", "aten-gemm"])
+@pytest.mark.parametrize("tokens,num_experts,top_k,skip", [(1, 5, 2, ()), (200, 9, 8, (4,)), (37, 3, 1, ())])
+def test_float32_experts_of_bf16_values_stay_bf16_and_give_the_float32_results(tokens, num_experts, top_k, skip,
+                                                                            gemm_min_rows):
+    """A float32 block whose expert weights hold bf16 values (a bf16 checkpoint run in float32) stacks them in
+    bf16, and the kernel's float32 results on them are bit for bit those on the same values in float32."""
+    per_expert, fused = make_blocks(num_experts, top_k, intermediate=40, dtype=torch.float32, bf16_values=True)
+    experts = fused.experts
+    assert experts.w13.dtype == experts.w2.dtype == torch.bfloat16
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(2))
+    weights, ids = routing(tokens, num_experts, top_k, skip)
+    with torch.no_grad():
+        got, counts = fused_moe.KERNEL.load().fused_moe(x, experts.w13, experts.w2, weights, ids, gemm_min_rows)
+        widened, _ = fused_moe.KERNEL.load().fused_moe(x, experts.w13.float(), experts.w2.float(), weights, ids,
+                                                       gemm_min_rows)
+        want = per_expert.experts(x, weights, ids)
+    assert got.dtype == torch.float32 and torch.equal(got, widened)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=num_experts))
+
+
+def test_the_kernel_refuses_experts_of_another_dtype_than_it_can_widen():
+    """bf16 experts serve float32 activations; float32 experts never serve bf16 ones."""
+    x = torch.randn(2, HIDDEN).bfloat16()
+    w13, w2 = torch.randn(3, 16, HIDDEN), torch.randn(3, HIDDEN, 8)
+    weights, ids = routing(2, 3, 1, ())
+    with pytest.raises(RuntimeError, match="bf16 under float32 x"):
+        fused_moe.KERNEL.load().fused_moe(x, w13, w2, weights, ids, 1 << 30)
 
 
 @pytest.mark.parametrize("gemm_min_rows", [1 << 30, 1], ids=["tiles", "aten-gemm"])

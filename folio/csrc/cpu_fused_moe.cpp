@@ -1,6 +1,7 @@
 // One mixture-of-experts feed-forward in one call: out[t] = sum over t's chosen experts e (ascending e) of
 // w[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t])), for unquantised experts stacked as
-// w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], in float32 or bf16.
+// w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], in float32 or bf16; float32 activations may take
+// bf16 experts (a bf16 checkpoint's, held in half the bytes: folio.models.fused_moe), each value widened exactly.
 //
 // Why: a decode step of a batch of B sequences sends about B * top_k / E rows to each expert: a handful.
 // Run expert by expert from Python, that is ~10 torch ops per expert per layer, each tiny matmul threaded
@@ -128,7 +129,8 @@ struct Task {
   int64_t expert, col;
 };
 
-template <typename T>
+// X: the activations' type (float32 or bf16), W: the experts' (X, or bf16 under float32 activations).
+template <typename X, typename W>
 void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
          const at::Tensor& ids, int64_t gemm_min_rows, at::Tensor& out, at::Tensor& counts) {
   const int64_t T_ = x.size(0), H = x.size(1), K = ids.size(1), E = w13.size(0), I = w2.size(2);
@@ -162,9 +164,9 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
     for (int64_t c = 0; c < H; c += COLS) down_tasks.push_back({e, c});
   }
 
-  const T* xp = x.data_ptr<T>();
-  const T* w13p = w13.data_ptr<T>();
-  const T* w2p = w2.data_ptr<T>();
+  const X* xp = x.data_ptr<X>();
+  const W* w13p = w13.data_ptr<W>();
+  const W* w2p = w2.data_ptr<W>();
   auto act = at::empty({S, I}, x.options().dtype(at::kFloat));  // silu(gate) * up, per sorted choice
   auto y = at::empty({S, H}, x.options().dtype(at::kFloat));    // the expert's output, per sorted choice
   float* actp = act.data_ptr<float>();
@@ -176,7 +178,7 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
   folio::parallel_for(0, S, 16, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       if (count[id[order[s]]] >= gemm_min_rows) continue;
-      const T* src = xp + (order[s] / K) * H;
+      const X* src = xp + (order[s] / K) * H;
       for (int64_t h = 0; h < H; ++h) xsp[s * H + h] = static_cast<float>(src[h]);
     }
   });
@@ -187,7 +189,7 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
       const int64_t rows = count[e], cols = std::min(COLS, I - c), s0 = start[e];
       gate.resize(rows * cols);
       up.resize(rows * cols);
-      const T* w = w13p + e * 2 * I * H;
+      const W* w = w13p + e * 2 * I * H;
       dots(xsp + s0 * H, H, rows, w + c * H, H, cols, H, gate.data(), cols);
       dots(xsp + s0 * H, H, rows, w + (I + c) * H, H, cols, H, up.data(), cols);
       for (int64_t r = 0; r < rows; ++r)
@@ -203,21 +205,22 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
     }
   });
 
-  // Large experts: ATen's (threaded) GEMMs on the expert's rows, in the activations' dtype.
+  // Large experts: ATen's (threaded) GEMMs on the expert's rows, in the activations' dtype (bf16 experts of
+  // float32 activations widened for the call: a copy of the expert, against GEMMs of gemm_min_rows rows or more).
   if (!large.empty()) {
     auto order_t = at::from_blob(order.data(), {S}, at::kLong);
     for (const int64_t e : large) {
       const auto tokens = at::div(order_t.narrow(0, start[e], count[e]), K, "floor");
-      const auto gate_up = at::linear(x.index_select(0, tokens), w13[e]).to(at::kFloat);
+      const auto gate_up = at::linear(x.index_select(0, tokens), w13[e].to(x.scalar_type())).to(at::kFloat);
       auto a = act.narrow(0, start[e], count[e]);
       at::mul_out(a, at::silu(gate_up.narrow(1, 0, I)), gate_up.narrow(1, I, I));
-      y.narrow(0, start[e], count[e]).copy_(at::linear(a.to(x.scalar_type()), w2[e]));
+      y.narrow(0, start[e], count[e]).copy_(at::linear(a.to(x.scalar_type()), w2[e].to(x.scalar_type())));
     }
   }
 
   // Each token's weighted sum of its experts' outputs, in ascending expert order.
   const float* wp = weights.data_ptr<float>();
-  T* outp = out.data_ptr<T>();
+  X* outp = out.data_ptr<X>();
   folio::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(H);
     std::vector<std::pair<int64_t, int64_t>> chosen(K);  // (expert, slot)
@@ -230,19 +233,22 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
         const float* row = yp + pos[slot] * H;
         for (int64_t h = 0; h < H; ++h) acc[h] += w * row[h];
       }
-      for (int64_t h = 0; h < H; ++h) outp[t * H + h] = static_cast<T>(acc[h]);
+      for (int64_t h = 0; h < H; ++h) outp[t * H + h] = static_cast<X>(acc[h]);
     }
   });
 }
 
-// x [T, H], w13 [E, 2I, H], w2 [E, H, I] (all float32 or all bf16, contiguous); weights [T, K] (any float
-// dtype), ids [T, K] int64. Returns (out [T, H] in x's dtype, counts [E] int64: rows per expert).
+// x [T, H], w13 [E, 2I, H], w2 [E, H, I] (contiguous; all float32, all bf16, or float32 x with bf16 experts);
+// weights [T, K] (any float dtype), ids [T, K] int64. Returns (out [T, H] in x's dtype, counts [E] int64: rows
+// per expert).
 std::tuple<at::Tensor, at::Tensor> fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                                              const at::Tensor& weights, const at::Tensor& ids,
                                              int64_t gemm_min_rows) {
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && ids.dim() == 2, "fused_moe: bad ranks");
-  TORCH_CHECK(x.scalar_type() == w13.scalar_type() && x.scalar_type() == w2.scalar_type(),
-              "fused_moe: x and the expert weights must share a dtype");
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
+                  (x.scalar_type() == w13.scalar_type() ||
+                   (x.scalar_type() == at::kFloat && w13.scalar_type() == at::kBFloat16)),
+              "fused_moe: the experts share x's dtype, or are bf16 under float32 x");
   TORCH_CHECK(w13.size(1) == 2 * w2.size(2) && w13.size(2) == x.size(1) && w2.size(1) == x.size(1) &&
                   w13.size(0) == w2.size(0),
               "fused_moe: weight shapes do not match");
@@ -253,11 +259,13 @@ std::tuple<at::Tensor, at::Tensor> fused_moe(const at::Tensor& x, const at::Tens
   const auto ic = ids.to(at::kLong).contiguous();
   auto out = at::empty_like(xc);
   auto counts = at::zeros({w13.size(0)}, ic.options());
-  if (x.scalar_type() == at::kFloat) {
-    run<float>(xc, w13, w2, wc, ic, gemm_min_rows, out, counts);
+  if (x.scalar_type() == at::kFloat && w13.scalar_type() == at::kFloat) {
+    run<float, float>(xc, w13, w2, wc, ic, gemm_min_rows, out, counts);
+  } else if (x.scalar_type() == at::kFloat) {
+    run<float, c10::BFloat16>(xc, w13, w2, wc, ic, gemm_min_rows, out, counts);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "fused_moe: float32 or bf16 only");
-    run<c10::BFloat16>(xc, w13, w2, wc, ic, gemm_min_rows, out, counts);
+    run<c10::BFloat16, c10::BFloat16>(xc, w13, w2, wc, ic, gemm_min_rows, out, counts);
   }
   return {out, counts};
 }
@@ -266,5 +274,5 @@ std::tuple<at::Tensor, at::Tensor> fused_moe(const at::Tensor& x, const at::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   folio::bind_decode_threads(m);
-  m.def("fused_moe", &fused_moe, "grouped mixture-of-experts feed-forward (float32 / bf16 experts)");
+  m.def("fused_moe", &fused_moe, "grouped mixture-of-experts feed-forward (float32 / bf16 experts, bf16 ones under float32 x too)");
 }

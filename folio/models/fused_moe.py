@@ -3,7 +3,9 @@
 
 After loading, an MoE layer's expert weights are stacked into w13 [E, 2I, H] (gate rows, then up rows, as
 each expert's fused gate_up_proj) and w2 [E, H, I], and the per-expert modules are dropped (their weights
-freed). A step then makes one call: the (token, slot) choices grouped by expert, each expert's gate/up
+freed). A float32 model keeps a bf16 checkpoint's experts in bf16 (`stacked`), as its dense layers keep their
+weights (folio.models.bf16_valued): the experts are most of an MoE model's bytes, and the kernel computes in
+float32 on the exactly widened values, so the results are those of float32 experts. A step then makes one call: the (token, slot) choices grouped by expert, each expert's gate/up
 GEMM, SiLU(gate) * up and down GEMM on its rows, and each token's weighted sum, all threads working on
 (expert, column block) tasks so that every weight row is read once per step by one thread. Experts with
 `gemm_min_rows` rows or more (prefill) use ATen's GEMMs inside the same call.
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from folio.csrc_build import CSRC, CppKernel
+from folio.models import bf16_valued
 from folio.models.experts_method import ExpertsMethod
 from folio.models.linear import Linear
 from folio.platforms.cpu_features import has_fast_bf16
@@ -60,10 +63,15 @@ def supports(layers: list[Linear]) -> bool:
 
 
 def stacked(layers: list[Linear]) -> torch.Tensor:
-    """The plain-weight layers' matrices as one [E, N, K] tensor in their dtype, each copied in (a float32 layer's
-    may be loaded as bf16: LinearMethod), so that no list of widened copies is held beside it."""
+    """The plain-weight layers' matrices as one [E, N, K] tensor, each copied in, so that no list of copies is
+    held beside it. In their dtype, except float32 layers whose every value is a bf16 one (a bf16 checkpoint's,
+    loaded as bf16: LinearMethod.plain_weights): those stay bf16, half the bytes, which the kernel widens
+    exactly as it reads them."""
     first = layers[0]
-    out = torch.empty(len(layers), *first.weight.shape, dtype=first.params_dtype)
+    dtype = first.params_dtype
+    if dtype == torch.float32 and all(bf16_valued.holds_bf16_values(layer.weight.detach()) for layer in layers):
+        dtype = torch.bfloat16
+    out = torch.empty(len(layers), *first.weight.shape, dtype=dtype)
     for e, layer in enumerate(layers):
         out[e].copy_(layer.weight.detach())
     return out

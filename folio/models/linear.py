@@ -114,6 +114,7 @@ class Linear(HotPathModule):
                 raise ValueError(f"a tied Linear({input_size}, {self.output_size}) needs a weight of shape "
                                  f"{(self.output_size, input_size)}, got {tuple(tied_to.shape)}")
             self.weight = tied_to
+            tied_to.tied_head = True  # the embedding's loader leaves the table's dtype to this layer's method
         self.method: Optional[LinearMethod] = None
 
     def bind(self, method: LinearMethod) -> None:
