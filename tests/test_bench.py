@@ -190,6 +190,25 @@ def test_baseline_compares_with_transformers(llama_dir, tmp_path, capsys):
     assert "transformers" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("stored,dtype,held", [("bfloat16", "float32", "bfloat16"), ("float32", "float32", "float32"),
+                                               ("bfloat16", "bfloat16", "bfloat16"), (None, "float32", "float32")])
+def test_roofline_counts_weights_in_the_dtype_a_run_holds_them(llama_dir, stored, dtype, held):
+    """A float32 run of a bf16 checkpoint holds its weights in bf16 (folio.models.bf16_valued): its decode streams
+    2 bytes a weight, and the bound counts them so; the KV cache stays in the run's dtype."""
+    import torch
+
+    from folio.bench import roofline
+
+    cfg = roofline.read_model_config(llama_dir)
+    cfg.hf_config = {k: v for k, v in cfg.hf_config.items() if k not in ("torch_dtype", "dtype")}
+    if stored is not None:
+        cfg.hf_config["torch_dtype"] = stored
+    cost = roofline.model_cost(cfg, getattr(torch, dtype))
+    assert cost.weight_dtype == held
+    assert cost.weight_bytes == getattr(torch, held).itemsize * cost.matmul_params
+    assert cost.kv_bytes_per_token == getattr(torch, dtype).itemsize * 2 * 2 * 2 * 16
+
+
 def test_roofline_with_small_buffers(llama_dir, tmp_path):
     out = str(tmp_path / "roofline.json")
     report = _run(["bench", "roofline", "--model", llama_dir, *ENGINE_FLAGS, "--num-prompts", "3", "--input-len",

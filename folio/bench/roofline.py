@@ -6,7 +6,8 @@ shared/design/performance-study.md §2-3):
 * matrix throughput: `F.linear` at the model's own shapes with a large M, in the engine's dtype and float32.
 
 A decode step must stream every weight once, counted in the engine's dtype (the unquantised model's bound:
-quantised layers, a GGUF file's by default, stream fewer bytes, and the report says so), plus the KV cache of
+quantised layers, a GGUF file's by default, stream fewer bytes, and the report says so; a float32 run of a bf16
+checkpoint holds its weights in bf16, and they are counted so: `held_weight_dtype`), plus the KV cache of
 every request, and do 2 FLOPs per weight per request, so it takes at least
 max(bytes / bandwidth, FLOPs / peak), peak being the best rate among the model's shapes. Prefill is bounded the
 same way, with the lm_head counted only at the last prompt position (the only one that samples). The workload
@@ -73,6 +74,7 @@ class ModelCost:
     matmul_params: int  # weights every token goes through, lm_head included
     lm_head_params: int
     weight_bytes: int  # streamed by every decode step
+    weight_dtype: str  # what they are counted in (`held_weight_dtype`)
     kv_bytes_per_token: int
     attention_flops_per_context_token: int  # per query token: QK^T and PV over each context token, all layers
 
@@ -153,6 +155,14 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "lm_head": (h, cfg.vocab_size)}
 
 
+def held_weight_dtype(cfg: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a run in `dtype` holds the unquantised weights in: a float32 run of a checkpoint stored in bf16
+    keeps them in bf16 (folio.models.bf16_valued: the same values in half the bytes), so its decode streams 2
+    bytes a weight; any other run, `dtype`."""
+    stored = cfg.hf_config.get("torch_dtype") or cfg.hf_config.get("dtype")
+    return torch.bfloat16 if dtype == torch.float32 and stored == "bfloat16" else dtype
+
+
 def model_cost(cfg: ModelConfig, dtype: torch.dtype) -> ModelCost:
     shapes = linear_shapes(cfg)
     per_layer = sum(k * n for name, (k, n) in shapes.items() if name != "lm_head")
@@ -160,7 +170,8 @@ def model_cost(cfg: ModelConfig, dtype: torch.dtype) -> ModelCost:
     matmul = cfg.num_hidden_layers * per_layer + lm_head
     attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
     kv_bytes_per_token = KVCacheSpec.for_model(cfg, 1, dtype).bytes_per_token
-    return ModelCost(matmul, lm_head, matmul * dtype.itemsize, kv_bytes_per_token, attention)
+    held = held_weight_dtype(cfg, dtype)
+    return ModelCost(matmul, lm_head, matmul * held.itemsize, dtype_name(held), kv_bytes_per_token, attention)
 
 
 def _median_seconds(fn: Callable[[], object], reps: int) -> float:
@@ -250,8 +261,9 @@ def print_result(result: RooflineResult) -> None:
         print(f"    {r.name:<10}{f'{r.k} -> {r.n}':>16}" + "".join(f"{g:>12.0f}" for g in r.gflops.values()))
     print(f"  limits measured while {note(limits.other_cores)}")
     print(f"  model: {cost.matmul_params / 1e6:.1f}M matmul weights per token "
-          f"(lm_head {cost.lm_head_params / 1e6:.1f}M), {cost.weight_bytes / 1e9:.3f} GB per decode step, "
-          f"KV {cost.kv_bytes_per_token / 1024:.1f} KiB per token")
+          f"(lm_head {cost.lm_head_params / 1e6:.1f}M), {cost.weight_bytes / 1e9:.3f} GB per decode step"
+          + (f" (held in {cost.weight_dtype}, as the checkpoint stores them)" if cost.weight_dtype != result.dtype
+             else "") + f", KV {cost.kv_bytes_per_token / 1024:.1f} KiB per token")
     print(f"  bound at {limits.bandwidth_gb_s:.1f} GB/s and {peak:.0f} GFLOP/s (the best {result.dtype} shape above):")
     for label, step in (("decode step", bound.decode_step), ("decode alone", bound.decode_batch1)):
         print(f"    {label}, batch {step.batch}, context {step.context:.0f}: {step.bytes / 1e9:.3f} GB, "
