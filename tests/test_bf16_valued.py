@@ -12,6 +12,7 @@ from folio import LLM, SamplingParams
 from folio.models import bf16_valued, packed_scratch, small_batch_gemm
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.layers import Embedding
+from folio.models.weight_loader import weight_loader_of
 from folio.models.linear import Linear
 
 pytestmark = pytest.mark.skipif(not small_batch_gemm.available(torch.float32),
@@ -135,6 +136,11 @@ def test_a_float32_embedding_keeps_a_bf16_table_in_bf16_unless_a_tied_head_share
     from_float32 = Embedding(50, 24)
     from_float32.weight.weight_loader(from_float32.weight, table, None)
     assert from_float32.weight.dtype == torch.float32 and torch.equal(from_float32(ids), table[ids])
+    widened = torch.randn(50, 24)  # a later tensor of another dtype widens the table back, exactly
+    untied.weight.weight_loader(untied.weight, widened, None)
+    assert untied.weight.dtype == torch.float32 and torch.equal(untied(ids), widened[ids])
+    cast = Embedding(50, 24).to(torch.bfloat16)  # a cast module returns rows in its new dtype
+    assert cast(ids).dtype == torch.bfloat16
     tied = Embedding(50, 24)
     Linear(24, 50, tied_to=tied.weight, params_dtype=torch.float32)  # not bound: no dense loader around it
     tied.weight.weight_loader(tied.weight, table.to(torch.bfloat16), None)
@@ -145,7 +151,7 @@ def test_a_float32_embedding_keeps_a_bf16_table_in_bf16_unless_a_tied_head_share
         in_bf16 = Embedding(50, 24)
     finally:
         torch.set_default_dtype(previous)
-    in_bf16.weight.weight_loader(in_bf16.weight, table, None)
+    weight_loader_of(in_bf16.weight)(in_bf16.weight, table, None)
     assert in_bf16.weight.dtype == torch.bfloat16 and in_bf16(ids).dtype == torch.bfloat16
 
 

@@ -3,7 +3,7 @@
 On a CPU without fast bf16 arithmetic (AVX2) folio runs in float32, and most checkpoints are stored in bf16:
 each weight then widens exactly, and a float32 copy holds the same values in twice the bytes. The dense method
 keeps such a weight as bf16 blocks in the layout oneDNN gives its float32 weights (`narrowed`), loaded as bf16
-where the checkpoint stores it so (`keep_bf16_tensors`): no float32 copy is made, at load or after. The
+where the checkpoint stores it so (weight_loader.keep_bf16_tensors): no float32 copy is made, at load or after. The
 small-batch kernel reads the blocks in place, widening each vector as it loads it
 (folio/csrc/cpu_small_batch_gemm.cpp): the same FMAs on the same values, bit for bit the float32 kernel's
 results. Decode reads half the bytes, and the model half the memory (the 0.5B Qwen2: 1.0 GB of weights instead
@@ -22,11 +22,9 @@ import weakref
 from typing import Optional
 
 import torch
-from torch import nn
 
 from folio.models import packed_scratch, small_batch_gemm
 from folio.models.small_batch_gemm import PackedWeight
-from folio.models.weight_loader import ShardId, weight_loader_of
 
 CHECK_BYTES = 4 << 20  # float32 values checked (holds_bf16_values) and laid out (`narrowed`) at a time
 
@@ -34,24 +32,6 @@ CHECK_BYTES = 4 << 20  # float32 values checked (holds_bf16_values) and laid out
 def available() -> bool:
     """Whether the kernel that reads bf16 blocks as float32 is built here."""
     return small_batch_gemm.available(torch.float32)
-
-
-def keep_bf16_tensors(param: nn.Parameter) -> None:
-    """Make a float32 weight's loader keep bf16 checkpoint tensors in bf16: the parameter turns bf16 at its first
-    tensor if that one is bf16, and back to float32 (exactly) at any later one that is not. Loading then makes no
-    float32 copy of a bf16 checkpoint (the 0.5B Qwen2: 2.0 GB), which `narrowed` lays out as blocks."""
-    load = weight_loader_of(param)
-
-    def load_keeping_bf16(p: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
-        if not getattr(p, "bf16_decided", False):
-            p.bf16_decided = True
-            if tensor.dtype == torch.bfloat16:
-                p.data = torch.empty(p.shape, dtype=torch.bfloat16)
-        elif p.dtype == torch.bfloat16 and tensor.dtype != torch.bfloat16:
-            p.data = p.data.to(torch.float32)
-        load(p, tensor, shard_id)
-
-    param.weight_loader = load_keeping_bf16
 
 
 def holds_bf16_values(weight: torch.Tensor) -> bool:
@@ -63,7 +43,7 @@ def holds_bf16_values(weight: torch.Tensor) -> bool:
 
 
 def narrowed(weight: torch.Tensor) -> Optional[PackedWeight]:
-    """A float32 layer's weight [N, K] (as loaded: float32, or bf16 kept so by `keep_bf16_tensors`) as bf16
+    """A float32 layer's weight [N, K] (as loaded: float32, or bf16 kept so by weight_loader.keep_bf16_tensors) as bf16
     blocks [ceil(N / W), K', W, 1] in the layout oneDNN gives a float32 weight of its shape (its scratch's), where
     every value is a bf16 one and the kernel is built; else None, and the weight stays on its float32 path. A
     shape too large for a scratch (a large vocabulary's lm_head, whose batches are a step's sampled rows) takes

@@ -31,6 +31,7 @@ from folio.models import bf16_valued, gated_layout, small_batch_gemm
 from folio.models.layers import silu_and_mul
 from folio.models.linear import Linear, LinearMethod
 from folio.models.onednn_layout import PACK_FOR_BATCH, can_prepack
+from folio.models.weight_loader import keep_bf16_tensors
 
 # A gate/up's batches past the AMX tiles go in pieces of at most this many rows, each piece's SiLU-and-mul taken
 # while its product is still in cache. A 2048-token prefill step's whole product (0.5B Qwen2: 40 MB in bf16, 80
@@ -54,7 +55,7 @@ class DenseLinearMethod(LinearMethod):
         if not layer.tied:
             layer.weight = layer.row_parameter(layer.input_size)
         if layer.params_dtype == torch.float32 and bf16_valued.available():
-            bf16_valued.keep_bf16_tensors(layer.weight)  # a tied one's too: the embedding's table
+            keep_bf16_tensors(layer.weight)  # a tied one's too: the embedding's table
         layer.bias = layer.row_parameter() if layer.with_bias else None
         layer.packed = None
         layer.small_batch_weight = None

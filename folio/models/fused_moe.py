@@ -3,12 +3,15 @@
 
 After loading, an MoE layer's expert weights are stacked into w13 [E, 2I, H] (gate rows, then up rows, as
 each expert's fused gate_up_proj) and w2 [E, H, I], and the per-expert modules are dropped (their weights
-freed). A float32 model keeps a bf16 checkpoint's experts in bf16 (`stacked`), as its dense layers keep their
+freed). A step then makes one call: the (token, slot) choices grouped by expert, each expert's gate/up GEMM,
+SiLU(gate) * up and down GEMM on its rows, and each token's weighted sum, all threads working on (expert, column
+block) tasks so that every weight row is read once per step by one thread. Experts with `gemm_min_rows` rows or
+more (prefill) use ATen's GEMMs inside the same call.
+
+A float32 model keeps a bf16 checkpoint's experts in bf16 (`held_dtype`), as its dense layers keep their
 weights (folio.models.bf16_valued): the experts are most of an MoE model's bytes, and the kernel computes in
-float32 on the exactly widened values, so the results are those of float32 experts. A step then makes one call: the (token, slot) choices grouped by expert, each expert's gate/up
-GEMM, SiLU(gate) * up and down GEMM on its rows, and each token's weighted sum, all threads working on
-(expert, column block) tasks so that every weight row is read once per step by one thread. Experts with
-`gemm_min_rows` rows or more (prefill) use ATen's GEMMs inside the same call.
+float32 on the exactly widened values, so the results are those of float32 experts (bit for bit on the
+kernel's own tiles; on ATen's GEMMs, which get a widened copy, to the GEMM's rounding).
 
 Why: the per-expert path (folio.models.experts_method.PerExpertMethod) issues about ten torch ops per
 chosen expert per layer, each small matmul threaded on its own; at decode batch sizes every expert runs in
@@ -62,19 +65,23 @@ def supports(layers: list[Linear]) -> bool:
             and KERNEL.load() is not None)
 
 
-def stacked(layers: list[Linear]) -> torch.Tensor:
-    """The plain-weight layers' matrices as one [E, N, K] tensor, each copied in, so that no list of copies is
-    held beside it. In their dtype, except float32 layers whose every value is a bf16 one (a bf16 checkpoint's,
-    loaded as bf16: LinearMethod.plain_weights): those stay bf16, half the bytes, which the kernel widens
-    exactly as it reads them."""
-    first = layers[0]
-    dtype = first.params_dtype
-    if dtype == torch.float32 and all(bf16_valued.holds_bf16_values(layer.weight.detach()) for layer in layers):
-        dtype = torch.bfloat16
-    out = torch.empty(len(layers), *first.weight.shape, dtype=dtype)
+def stacked(layers: list[Linear], dtype: torch.dtype) -> torch.Tensor:
+    """The plain-weight layers' matrices as one [E, N, K] tensor in dtype, each copied in, so that no list of copies
+    is held beside it."""
+    out = torch.empty(len(layers), *layers[0].weight.shape, dtype=dtype)
     for e, layer in enumerate(layers):
         out[e].copy_(layer.weight.detach())
     return out
+
+
+def held_dtype(layers: list[Linear]) -> torch.dtype:
+    """The layers' params_dtype, except bf16 for float32 experts whose every value is a bf16 one (a bf16
+    checkpoint's, loaded as bf16: LinearMethod.plain_weights): half the bytes, which the kernel widens exactly as
+    it reads them. One dtype for all of a layer's experts, gate/up and down alike (the kernel takes one)."""
+    dtype = layers[0].params_dtype
+    if dtype == torch.float32 and all(bf16_valued.holds_bf16_values(layer.weight.detach()) for layer in layers):
+        return torch.bfloat16
+    return dtype
 
 
 class FusedExpertsMethod(ExpertsMethod):
@@ -83,8 +90,10 @@ class FusedExpertsMethod(ExpertsMethod):
 
     def process_weights_after_loading(self, experts: "Experts") -> None:
         """Stack the experts' weights into experts.w13 and experts.w2; the expert modules go."""
-        experts.w13 = nn.Parameter(stacked([mlp.gate_up_proj for mlp in experts]), requires_grad=False)
-        experts.w2 = nn.Parameter(stacked([mlp.down_proj for mlp in experts]), requires_grad=False)
+        gate_up, down = [mlp.gate_up_proj for mlp in experts], [mlp.down_proj for mlp in experts]
+        dtype = held_dtype(gate_up + down)
+        experts.w13 = nn.Parameter(stacked(gate_up, dtype), requires_grad=False)
+        experts.w2 = nn.Parameter(stacked(down, dtype), requires_grad=False)
         del experts[:]
 
     def apply(self, experts: "Experts", x: torch.Tensor, weights: torch.Tensor,

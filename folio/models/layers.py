@@ -16,7 +16,7 @@ from torch import nn
 from folio.models import fused_ops
 from folio.models.hot_path import HotPathModule
 from folio.models.rope_scaling import cos_sin_tables
-from folio.models.weight_loader import ShardId, default_weight_loader, uninitialized
+from folio.models.weight_loader import keep_bf16_tensors, uninitialized
 
 if TYPE_CHECKING:
     from folio.models.model_config import ModelConfig
@@ -26,17 +26,23 @@ class Embedding(HotPathModule):
     """Token ids to vectors: rows of `weight`, or, once a tied lm_head's processed copy serves them
     (folio.models.linear.share_tied_tables), of that copy, the table freed.
 
-    A float32 table that a checkpoint stores in bf16 is kept in bf16 (`load_table`) and its rows widened, exactly,
-    as they are looked up: a float32 copy would hold the same values in twice the bytes (Qwen2-7B's table: 2.2 GB
-    against 1.1). A table a tied lm_head shares is left to the head's linear method (the dense one keeps it in
-    bf16 too; a quantised head reads it in float32)."""
+    A float32 table that a checkpoint stores in bf16 is kept in bf16 (weight_loader.keep_bf16_tensors) and its rows
+    widened, exactly, as they are looked up: a float32 copy would hold the same values in twice the bytes
+    (Qwen2-7B's table: 2.2 GB against 1.1). A table a tied lm_head shares (Linear marks it `tied_head`) is left to
+    the head's linear method (the dense one keeps it in bf16 too; a quantised head reads it in float32)."""
 
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
         self.weight = uninitialized(num_embeddings, dim)
-        self.weight.weight_loader = load_table
         self.dtype = self.weight.dtype  # what lookups return, whatever the table is held in
+        if self.dtype == torch.float32:
+            keep_bf16_tensors(self.weight, unless=lambda p: getattr(p, "tied_head", False))
         self.rows: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def _apply(self, fn, recurse=True):
+        """A dtype cast of the module (`.to(torch.bfloat16)`) changes what lookups return too."""
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
+        return super()._apply(fn, recurse)
 
     def look_up_in(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Take rows from `rows` (ids -> [*ids.shape, dim]) from now on, and free the table."""
@@ -47,14 +53,6 @@ class Embedding(HotPathModule):
         if self.rows is not None:
             return self.rows(ids)
         return nn.functional.embedding(ids, self.weight).to(self.dtype)
-
-
-def load_table(param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
-    """An embedding table's weight loader: a float32 table given a bf16 tensor turns bf16, unless a tied head
-    shares it (Linear marks it `tied_head`)."""
-    if param.dtype == torch.float32 and tensor.dtype == torch.bfloat16 and not getattr(param, "tied_head", False):
-        param.data = torch.empty(param.shape, dtype=torch.bfloat16)
-    default_weight_loader(param, tensor, shard_id)
 
 
 class RMSNorm(HotPathModule):

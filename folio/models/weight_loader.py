@@ -70,3 +70,24 @@ def shard_slices(param: nn.Parameter, tensor: torch.Tensor) -> list[tuple[ShardI
     if tensor.shape[0] != total:
         raise ValueError(f"has {tensor.shape[0]} rows, expected {total} (the fused shards {list(extents)})")
     return [(shard_id, tensor[first:first + count]) for shard_id, (first, count) in extents.items()]
+
+
+def keep_bf16_tensors(param: nn.Parameter, unless: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
+    """Make a float32 parameter's loader keep bf16 checkpoint tensors in bf16 (every bf16 value is a float32 one,
+    so a float32 copy would hold the same values in twice the bytes): the parameter turns bf16 at its first tensor
+    if that one is bf16, and back to float32 (exactly) at any later one that is not. `unless(param)`, asked at
+    each tensor, leaves the dtype alone (an embedding table a tied lm_head shares: the head's method decides)."""
+    load = weight_loader_of(param)
+
+    def load_keeping_bf16(p: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
+        if unless(p):
+            pass
+        elif not getattr(p, "bf16_decided", False):
+            p.bf16_decided = True
+            if tensor.dtype == torch.bfloat16:
+                p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
+        elif p.dtype == torch.bfloat16 and tensor.dtype != torch.bfloat16:
+            p.data = p.data.to(torch.float32)
+        load(p, tensor, shard_id)
+
+    param.weight_loader = load_keeping_bf16
