@@ -221,3 +221,31 @@ def test_a_bf16_checkpoint_in_float32_generates_what_transformers_does(tmp_path,
         assert output.outputs[0].token_ids == tokens
         got = [step[t].logprob for step, t in zip(output.outputs[0].logprobs, tokens)]
         assert got == pytest.approx(logprobs, rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a16", "int4"])
+def test_a_quantised_tied_head_leaves_a_bf16_table_in_bf16_with_the_float32_tables_results(tmp_path, quantization):
+    """A tied lm_head quantised on load reads the table in float32, and lookups widen its rows: a float32 model of a
+    bf16 checkpoint keeps the table in bf16 and gives, logprob for logprob, what the same values stored in float32
+    give (the rescored int4 head, where the CPU has it, recomputes its top logits from the bf16 table)."""
+    import transformers
+
+    folder = build_tiny_model(str(tmp_path / "f32"), "llama", tie=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    folders = {}
+    for dtype in (torch.bfloat16, torch.float32):  # the same bf16 values, stored in each dtype
+        folders[dtype] = str(tmp_path / str(dtype)[6:])
+        model.to(dtype).save_pretrained(folders[dtype])
+        write_tokenizer(folders[dtype])
+    prompts = [[5, 6, 7, 8, 9], [(7 * i) % 400 + 3 for i in range(40)]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, prompt_logprobs=2)
+    results = {}
+    for dtype, path in folders.items():
+        llm = LLM(path, dtype="float32", quantization=quantization, kv_cache_memory=1 << 22)
+        table = llm.llm_engine.runner.model.embed_tokens.weight
+        assert table.dtype == dtype
+        exact_table = getattr(llm.llm_engine.runner.model.lm_head, "exact_table", None)
+        assert exact_table is None or exact_table.data_ptr() == table.data_ptr()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[dtype] = [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs]
+    assert results[torch.bfloat16] == results[torch.float32]

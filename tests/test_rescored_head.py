@@ -75,6 +75,17 @@ def test_kernel_rescores_the_k_largest_of_each_row(m, v, h, k, ties, dtype):
     _check_rescored(got, logits, x, table, min(k, v))
 
 
+@needs_kernel
+@pytest.mark.parametrize("m,v,h,k", CASES)
+def test_a_bf16_table_under_float32_logits_gives_the_float32_tables_results_bit_for_bit(m, v, h, k):
+    """A float32 model keeps a bf16 checkpoint's table in bf16: its rows are widened exactly as they are read."""
+    logits, x, table = _case(m, v, h, seed=m * v + h + 1, dtype=torch.float32)
+    narrow = table.to(torch.bfloat16)
+    got = rescored_head.rescore_top_k(logits.clone(), x, narrow, k)
+    assert torch.equal(_bits(got), _bits(rescored_head.rescore_top_k(logits.clone(), x, narrow.float(), k)))
+    _check_rescored(got, logits, x, narrow.float(), min(k, v))
+
+
 @pytest.mark.parametrize("m,v,h,k", CASES[2:])
 def test_reference_rescores_the_k_largest_of_each_row(m, v, h, k):
     logits, x, table = _case(m, v, h, seed=m + v + h, ties=True)
@@ -105,6 +116,8 @@ def test_kernel_refuses_what_it_cannot_take():
         ext.rescore_top_k(logits, x[:1], table, 4)
     with pytest.raises(RuntimeError, match="all of one dtype"):
         ext.rescore_top_k(logits.float(), x, table, 4)
+    with pytest.raises(RuntimeError, match="all of one dtype"):  # a float32 table under bf16 logits
+        ext.rescore_top_k(logits, x, table.float(), 4)
     with pytest.raises(RuntimeError, match="bf16 or float32"):
         ext.rescore_top_k(logits.half(), x.half(), table.half(), 4)
     with pytest.raises(RuntimeError, match="positive"):

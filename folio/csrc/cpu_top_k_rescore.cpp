@@ -1,6 +1,7 @@
 // rescore_top_k: per row of bf16 (or float32) logits [M, V] computed from a 4-bit copy of an lm_head, the k
-// largest replaced in place by their exact values x[m] . table[token] from the table of the same dtype
-// (folio.models.rescored_head).
+// largest replaced in place by their exact values x[m] . table[token] from the table of the same dtype, or from a
+// bf16 table under float32 logits (a float32 model keeps a bf16 checkpoint's table in bf16; its rows are widened
+// exactly as they are read, so the values equal a float32 copy's bit for bit) (folio.models.rescored_head).
 //
 // Selection without sorting the row: the first k logits seed a heap whose root is the lowest ranked (lower
 // value, or equal value and higher index); the rest of the row is scanned 16 at a time against the root's
@@ -94,21 +95,31 @@ void select(const T* row, int64_t V, int64_t k, std::vector<Candidate>& heap) {
   for (; i < V; ++i) offer(i);
 }
 
-// float32 rows: 16 lanes of FMAs (two AVX2 vectors), added up at the end
-float dot(const float* a, const float* b, int64_t H) {
+#if FOLIO_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 widened exactly: their bits in the top half of a float32
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
+// a float32 x times a float32 (or bf16, widened) row: 16 lanes of FMAs (two AVX2 vectors), added up at the end;
+// the same operations whichever the row's dtype, so a bf16 row gives its float32 copy's sum bit for bit
+template <class W>
+float dot(const W* a, const float* b, int64_t H) {
   int64_t h = 0;
   float sum = 0;
 #if FOLIO_AVX2
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (; h + 16 <= H; h += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + h), _mm256_loadu_ps(b + h), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + h + 8), _mm256_loadu_ps(b + h + 8), acc1);
+    acc0 = _mm256_fmadd_ps(load8(a + h), _mm256_loadu_ps(b + h), acc0);
+    acc1 = _mm256_fmadd_ps(load8(a + h + 8), _mm256_loadu_ps(b + h + 8), acc1);
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
   for (float v : lanes) sum += v;
 #endif
-  for (; h < H; ++h) sum += a[h] * b[h];
+  for (; h < H; ++h) sum = std::fma(static_cast<float>(a[h]), b[h], sum);
   return sum;
 }
 
@@ -139,12 +150,13 @@ void prefetch_row(const T* row, int64_t H) {
   for (int64_t byte = 0; byte < H * (int64_t)sizeof(T); byte += 64) __builtin_prefetch(p + byte);
 }
 
-template <class T>
+// T: the logits' and x's dtype; W: the table's (T, or bf16 under float32)
+template <class T, class W>
 void rescore(at::Tensor& logits, const at::Tensor& x, const at::Tensor& table, int64_t k) {
   const int64_t M = logits.size(0), V = logits.size(1), H = x.size(1);
   T* out = logits.data_ptr<T>();
   const T* xs = x.data_ptr<T>();
-  const T* rows = table.data_ptr<T>();
+  const W* rows = table.data_ptr<W>();
   std::vector<int64_t> top(M * k);  // each row's selected tokens
   folio::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<Candidate> heap;
@@ -167,16 +179,19 @@ void rescore(at::Tensor& logits, const at::Tensor& x, const at::Tensor& table, i
 void rescore_top_k(at::Tensor logits, const at::Tensor& x, const at::Tensor& table, int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && x.dim() == 2 && table.dim() == 2, "rescore_top_k: 2-D tensors");
   const auto dt = logits.scalar_type();
-  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && x.scalar_type() == dt && table.scalar_type() == dt,
-              "rescore_top_k: bf16 or float32 tensors, all of one dtype");
+  const auto table_dt = table.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && x.scalar_type() == dt &&
+                  (table_dt == dt || table_dt == at::kBFloat16),
+              "rescore_top_k: bf16 or float32 tensors, all of one dtype (or a bf16 table under float32)");
   TORCH_CHECK(logits.is_contiguous() && x.is_contiguous() && table.is_contiguous(),
               "rescore_top_k: contiguous tensors");
   TORCH_CHECK(x.size(0) == logits.size(0) && table.size(0) == logits.size(1) && table.size(1) == x.size(1),
               "rescore_top_k: shapes do not match");
   TORCH_CHECK(k > 0, "rescore_top_k: k must be positive");
   k = std::min(k, logits.size(1));
-  if (dt == at::kFloat) rescore<float>(logits, x, table, k);
-  else rescore<c10::BFloat16>(logits, x, table, k);
+  if (dt == at::kBFloat16) rescore<c10::BFloat16, c10::BFloat16>(logits, x, table, k);
+  else if (table_dt == at::kBFloat16) rescore<float, c10::BFloat16>(logits, x, table, k);
+  else rescore<float, float>(logits, x, table, k);
 }
 
 }  // namespace
@@ -184,6 +199,7 @@ void rescore_top_k(at::Tensor logits, const at::Tensor& x, const at::Tensor& tab
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   folio::bind_decode_threads(m);
   m.def("rescore_top_k", &rescore_top_k,
-        "per row of bf16 or float32 logits, the k largest replaced in place by x . table[token] (sums in float32)",
+        "per row of bf16 or float32 logits, the k largest replaced in place by x . table[token] (sums in float32; "
+        "a bf16 table under float32 logits widened)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

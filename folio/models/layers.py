@@ -29,7 +29,7 @@ class Embedding(HotPathModule):
     A float32 table that a checkpoint stores in bf16 is kept in bf16 (weight_loader.keep_bf16_tensors) and its rows
     widened, exactly, as they are looked up: a float32 copy would hold the same values in twice the bytes
     (Qwen2-7B's table: 2.2 GB against 1.1). A table a tied lm_head shares (Linear marks it `tied_head`) is left to
-    the head's linear method (the dense one keeps it in bf16 too; a quantised head reads it in float32)."""
+    the head's linear method (the dense and quantised ones keep it in bf16 too)."""
 
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()

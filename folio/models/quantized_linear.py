@@ -4,7 +4,8 @@ Each checkpoint tensor, a whole weight or one shard of a fused q/k/v or gate/up 
 it is handed to its parameter's weight loader, into that shard's rows: scales are per row (and per group
 along K), so shards quantise independently, and no float copy of the model is ever whole in memory. A tied
 lm_head is the embedding's float weight while loading; it gets its own quantised copy afterwards (the
-embedding lookup keeps the float table).
+embedding lookup keeps the float table: in a float32 model, a bf16 checkpoint's table stays bf16,
+weight_loader.keep_bf16_tensors, since the lookup widens its rows exactly and quantising reads it in float32).
 
 A subclass says how a float weight is quantised (`quantize`: the formats of folio.models.quant_reference)
 and how a batch is multiplied (`apply`).
@@ -21,7 +22,7 @@ from torch import nn
 
 from folio.models import packed_scratch, quant_kernels
 from folio.models.linear import Linear, LinearMethod
-from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader
+from folio.models.weight_loader import ShardId, copy_checked, keep_bf16_tensors, set_weight_loader
 from folio.platforms.cpu_features import has_fast_bf16
 
 # Rows quantised at a time: bounds the float32 temporaries of quantising a large tensor (an embedding).
@@ -62,6 +63,8 @@ class QuantizedLinearMethod(LinearMethod):
             layer.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             set_weight_loader(layer.weight, lambda param, tensor, shard_id: self._load(layer, tensor, shard_id),
                               layer.shards)
+        elif layer.params_dtype == torch.float32:
+            keep_bf16_tensors(layer.weight)  # the embedding's table: half the bytes for the same values
         # float32 whatever the model's dtype (the kernels' format; bf16 would round the scales)
         layer.register_buffer("weight_scale", torch.empty(layer.output_size, groups, dtype=torch.float32),
                               persistent=False)

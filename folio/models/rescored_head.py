@@ -9,7 +9,8 @@ for every logit, then recomputes the TOP_K largest of each row from the bf16 tab
 hundred KB, and a partial selection over the row: folio/csrc/cpu_top_k_rescore.cpp): a token greedy decoding
 or a sampler's top candidates pick gets the bf16 head's logit, and only the tail, which enters a softmax as
 a small share of its mass, keeps the 4-bit error. A float32 model does the same where its int4 layers are
-blocks (AVX2 CPUs without AVX-512, folio.models.int4_blocks), from its float32 table.
+blocks (AVX2 CPUs without AVX-512, folio.models.int4_blocks), from its float32 table, or from a bf16 checkpoint's
+table kept in bf16 (weight_loader.keep_bf16_tensors), its rows widened exactly as they are read.
 
 The same at every batch size (chunks of CHUNK_ROWS rows), so a token's logits do not depend on the
 batch it ran in, and perplexity over prompt logprobs measures what decoding samples from.
@@ -52,7 +53,8 @@ def rescore_top_k_reference(logits: torch.Tensor, x: torch.Tensor, table: torch.
 def rescore_top_k(logits: torch.Tensor, x: torch.Tensor, table: torch.Tensor, k: int) -> torch.Tensor:
     """rescore_top_k_reference, by the C++ kernel where it serves these tensors."""
     ext = KERNEL.load()
-    if (ext is not None and logits.dtype == x.dtype == table.dtype and logits.dtype in SERVED
+    table_served = table.dtype in (x.dtype, torch.bfloat16)  # the same dtype, or a bf16 table under float32
+    if (ext is not None and logits.dtype == x.dtype and logits.dtype in SERVED and table_served
             and logits.is_contiguous() and x.is_contiguous() and table.is_contiguous()):
         ext.rescore_top_k(logits, x, table, k)
         return logits
@@ -63,7 +65,8 @@ class RescoredInt4Head(Int4LinearMethod):
     """Int4 weight-only logits with each row's TOP_K largest recomputed from the tied embedding table.
 
     Only for a tied layer of a model whose int4 layers are blocks (`serves`; elsewhere the int4 schemes keep
-    an int8 head). layer.exact_table: the embedding's weight (the same storage, not a copy)."""
+    an int8 head). layer.exact_table: the embedding's weight (the same storage, not a copy; in a float32 model, bf16
+    where the checkpoint's table is)."""
 
     def __init__(self, group_size: int, top_k: int = TOP_K) -> None:
         super().__init__(group_size)
