@@ -1,5 +1,6 @@
 """The Responses API through the openai client: plain and streamed (typed events), instructions, input items,
-previous_response_id, store, GET and DELETE; its answers equal chat completions' for the same conversation."""
+previous_response_id, store, GET and DELETE; its answers equal chat completions' for the same conversation.
+Tools and output formats: test_server_responses_tools.py."""
 
 from __future__ import annotations
 
@@ -106,9 +107,18 @@ def test_stream_events_assemble_into_the_response(client):
 
 
 @pytest.mark.parametrize("change,status,param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, 400, "tools"),
+    ({"tools": [{"type": "web_search_preview"}]}, 400, "tools"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, 400, "tools"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "foo"}}]}, 400, "tools"),
     ({"tool_choice": "required"}, 400, "tool_choice"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "text"),
+    ({"tool_choice": {"type": "web_search_preview"}}, 400, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, 400, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "foo"}}}}, 400, "text"),
+    ({"text": {"format": {"type": "xml"}}}, 400, "text"),
+    ({"text": {"verbosity": "low"}}, 400, "text"),
+    ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
     ({"n": 2}, 400, "n"),
     ({"max_tokens": 5}, 400, "max_tokens"),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),

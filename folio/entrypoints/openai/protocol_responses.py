@@ -2,16 +2,20 @@
 
 A request takes chat's sampling fields, vLLM's extras included (extra_body with the openai client), except `n`
 and `max_tokens`: a response has one output, and `max_output_tokens` is its limit. Input is text only: messages
-(a plain string is one user message), and the function calls and their outputs of an earlier turn.
+(a plain string is one user message), and the function calls and their outputs of an earlier turn. Tools are
+function tools (the Responses API's flat shape: name and parameters beside `type`); built-in tools (web search,
+file search, ...) are refused, since nothing here runs them.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
-from folio.entrypoints.openai.protocol import RequestModel, SamplingRequest, text_parts_only
+from folio.entrypoints.openai.protocol import (ChatTool, FunctionDefinition, NamedFunction, NamedToolChoice,
+                                               RequestModel, SamplingRequest, text_parts_only)
+from folio.entrypoints.openai.request_limits import RequestLimits
 
 
 class InputTextPart(RequestModel):
@@ -58,12 +62,55 @@ InputItem = Annotated[
                                        "(this server takes text only)")]
 
 
+class FunctionTool(RequestModel):
+    """A function the model may call: chat's function definition, flattened."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; none: the function takes any object
+    strict: Optional[bool] = None  # arguments always follow the schema here (they are constrained by it)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _function_tools_only(cls, kind: Any) -> Any:
+        if kind != "function":
+            raise ValueError(f"only function tools are supported (this server runs no built-in tools), got a tool "
+                             f"of type {kind!r}")
+        return kind
+
+    def as_chat_tool(self) -> ChatTool:
+        return ChatTool(type="function", function=FunctionDefinition(
+            name=self.name, description=self.description, parameters=self.parameters, strict=self.strict))
+
+
+class FunctionToolChoice(RequestModel):
+    type: Literal["function"]
+    name: str
+
+    def as_chat_tool_choice(self) -> NamedToolChoice:
+        return NamedToolChoice(type="function", function=NamedFunction(name=self.name))
+
+
 class TextFormat(RequestModel):
-    type: str
+    """text.format: "text" (no constraint), "json_object", or "json_schema" with its schema beside the type."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # the output always follows the schema here
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "TextFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None and self.name is not None):
+            raise ValueError("name and schema are required when type is 'json_schema', and only then")
+        return self
 
 
 class TextConfig(RequestModel):
     format: Optional[TextFormat] = None
+    verbosity: Optional[str] = None  # refused unless "medium" (serving_responses.py)
 
 
 class ResponsesRequest(SamplingRequest):
@@ -73,8 +120,8 @@ class ResponsesRequest(SamplingRequest):
     previous_response_id: Optional[str] = None
     store: bool = True
     metadata: Optional[dict[str, str]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tools: Optional[list[FunctionTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, None] = None  # default: auto with tools
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextConfig] = None
     truncation: Optional[str] = None
@@ -83,6 +130,17 @@ class ResponsesRequest(SamplingRequest):
     background: Optional[bool] = None
     include: Optional[list[str]] = None
     top_logprobs: Optional[int] = None
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        super().check_limits(limits)
+        limits.tools(self.tools)
+
+    def chat_tools(self) -> Optional[list[ChatTool]]:
+        return None if self.tools is None else [tool.as_chat_tool() for tool in self.tools]
+
+    def chat_tool_choice(self) -> Union[str, NamedToolChoice, None]:
+        choice = self.tool_choice
+        return choice.as_chat_tool_choice() if isinstance(choice, FunctionToolChoice) else choice
 
 
 # ---- the response ----------------------------------------------------------------------------------------
@@ -100,6 +158,20 @@ class OutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    """A call the model made: the client runs it and sends back a function_call_output item with its call_id."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = Union[OutputMessage, OutputFunctionCall]
 
 
 class InputTokensDetails(BaseModel):
@@ -133,7 +205,7 @@ class ResponseObject(BaseModel):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     usage: Optional[ResponseUsage] = None
     incomplete_details: Optional[IncompleteDetails] = None
     error: Optional[ResponseError] = None
@@ -147,8 +219,8 @@ class ResponseObject(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     user: Optional[str] = None
     parallel_tool_calls: bool = True
-    tool_choice: str = "auto"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: Union[str, dict[str, Any]] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     truncation: Literal["disabled"] = "disabled"
 

@@ -10,11 +10,11 @@ from pydantic import BaseModel
 
 from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogProbs, ChatCompletionChunk,
                                                ChatCompletionRequest, ChatCompletionResponse, ChatLogProb, ChatMessage,
-                                               ChatStreamChoice, ChatTool, DeltaMessage, NamedToolChoice, TopLogProb,
-                                               UsageInfo)
+                                               ChatStreamChoice, ChatTool, DeltaMessage, TopLogProb, UsageInfo)
+from folio.entrypoints.openai.output_constraint import json_format, output_constraint
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, clamp_logprob
-from folio.entrypoints.openai.tool_grammar import resolve_tool_choice, tool_choice_constraint
+from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
 from folio.entrypoints.openai.tool_parser import ToolCallParser, join_tool_calls
 from folio.outputs import Logprob
 from folio.structured_output.params import StructuredOutputsParams
@@ -56,35 +56,19 @@ class OpenAIServingChat(OpenAIServing):
                                              request.chat_template_kwargs))]
 
     def structured_outputs(self, request: ChatCompletionRequest) -> Optional[StructuredOutputsParams]:
-        """At most one constraint: structured_outputs, response_format, or the grammar of tool_choice (with
-        "auto", a client's own constraint replaces it, and calls are still read from the output)."""
+        """At most one constraint: structured_outputs, response_format, or the grammar of tool_choice
+        (output_constraint)."""
         given = []
         if request.structured_outputs is not None:
             given.append(("structured_outputs", super().structured_outputs(request)))
         fmt = request.response_format
         if fmt is not None and fmt.type != "text":
-            schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
-            constraint = StructuredOutputsParams(json=schema) if schema is not None else \
-                StructuredOutputsParams(json_object=True)
+            constraint = json_format(fmt.json_schema.json_schema if fmt.json_schema is not None else None)
             self.llm.engine.structured_output.validate(constraint, "response_format.json_schema.schema")
             given.append(("response_format", constraint))
-        if len(given) > 1:
-            raise ValueError("structured_outputs and response_format both constrain the output: give one of them")
-        tool_choice = resolve_tool_choice(request.tools, request.tool_choice)
-        if tool_choice == "none":
-            return given[0][1] if given else None
-        for i, tool in enumerate(request.tools):
-            if tool.function.parameters is not None:
-                self.llm.engine.structured_output.validate(StructuredOutputsParams(json=tool.function.parameters),
-                                                           f"tools[{i}].function.parameters")
-        if given:
-            if tool_choice != "auto":
-                raise ValueError(f"tool_choice {'named' if isinstance(tool_choice, NamedToolChoice) else tool_choice!r}"
-                                 f" makes the output tool calls; it cannot be combined with {given[0][0]}")
-            return given[0][1]
-        constraint = tool_choice_constraint(request.tools, tool_choice, request.parallel_tool_calls is not False)
-        self.llm.engine.structured_output.validate(constraint, "tools")
-        return constraint
+        return output_constraint(self.llm.engine.structured_output, given, request.tools,
+                                 resolve_tool_choice(request.tools, request.tool_choice),
+                                 request.parallel_tool_calls is not False, "tools[{}].function.parameters")
 
     async def read_deltas(self, request: ChatCompletionRequest,
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
