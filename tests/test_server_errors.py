@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from folio.entrypoints.openai import protocol
 from server_fixture import MODEL_NAME, running_server
 
 MAX_MODEL_LEN = 128
@@ -106,6 +107,40 @@ def test_bad_completion_requests(http, change, match, param):
 ])
 def test_bad_chat_requests(http, change, match, param):
     assert_error(http.post("/v1/chat/completions", json={**CHAT, **change}), 400, match, param)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"functions": [{"name": "f", "parameters": {}}]}, "legacy function calling"),
+    ({"function_call": "auto"}, "use tool_choice"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "text only"),
+    ({"modalities": ["text", "audio"]}, "text only"),
+    ({"prediction": {"type": "content", "content": "x"}}, "predicted outputs"),
+    ({"web_search_options": {}}, "built-in tools"),
+    ({"reasoning_effort": "low"}, "chat_template_kwargs"),
+    ({"verbosity": "low"}, "verbosity"),
+    ({"store": True}, "not stored"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+])
+def test_openai_fields_this_server_cannot_honour_are_400s_naming_them(http, change, match):
+    assert_error(http.post("/v1/chat/completions", json={**CHAT, **change}), 400, match, next(iter(change)))
+
+
+def test_fields_that_ask_for_nothing_missing_are_accepted_and_unknown_ones_logged(server, http, caplog, monkeypatch):
+    """Hints at billing, retention and caching change nothing here; values that ask for what the server does
+    (text, no storing, medium verbosity) are fine; a field of no API is ignored, and the log names it once."""
+    monkeypatch.setattr(protocol, "_warned_unknown", set())  # (other tests' fields fill the log's budget)
+    asked = {"modalities": ["text"], "store": False, "verbosity": "medium", "metadata": {"k": "v"},
+             "service_tier": "flex", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+             "prompt_cache_options": {"ttl": "1h"}, "safety_identifier": "u1", "reasoning_effort": None,
+             "some_future_field": 1}
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            response = http.post("/v1/chat/completions", json={**CHAT, **asked})
+            assert response.status_code == 200, response.text
+    named = [r.getMessage() for r in caplog.records if "some_future_field" in r.getMessage()]
+    assert len(named) == 1 and "ChatCompletionRequest" in named[0]
+    assert not any("service_tier" in r.getMessage() for r in caplog.records)
+    server.wait_idle()
 
 
 @pytest.mark.parametrize("body", [b'{"prompt": "hi",', b"not json", b"[1, 2]", b'"hello"', b"",

@@ -2,23 +2,30 @@
 
 Requests are strict where OpenAI is (`"stream": 0` or `"n": "2"` is a 400, not a silent conversion) and
 reject NaN/Infinity, which Python's JSON parser accepts but no sampler can use. Value ranges are left to
-SamplingParams, so the API and the Python engine give the same error for the same bad value. Unknown
-fields are ignored, as vLLM does, because clients send fields of newer API versions. A request body is
+SamplingParams, so the API and the Python engine give the same error for the same bad value. OpenAI's fields
+that ask for what this server lacks (audio, legacy function calling, reasoning controls...) are declared and
+refused when set (`Unsupported`, with why); those that only hint at billing, retention or caching are declared
+and accepted (`BillingAndCacheHints`: they change nothing an open model returns). Other fields are ignored, as
+vLLM does, because clients send fields of newer API versions, and the server log names them. A request body is
 refused if any of its strings holds a lone UTF-16 surrogate ("\ud800", which JSON allows): it is not text,
 and the tokenizer cannot encode it. Sizes that a server option bounds are checked by `check_limits`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
-from typing import Annotated, Any, Callable, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 MAX_N = 16  # completions per prompt; more would let one request monopolise the batch
 
@@ -48,8 +55,49 @@ def lone_surrogate_path(body: Any) -> Optional[str]:
     return None
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """A field (a dotted path into the request) that a request may send only as `allowed` (by default absent or
+    null: a value that asks for nothing this server lacks), and why not otherwise."""
+
+    name: str
+    why: str
+    allowed: Callable[[Any], bool] = lambda value: value is None
+
+    def check(self, request: BaseModel) -> None:
+        value: Any = request
+        for part in self.name.split("."):
+            value = getattr(value, part, None)
+        if not self.allowed(value):
+            raise ValueError(f"{self.name} {self.why}")
+
+
+_warned_unknown: set[str] = set()  # field names the log has named (each once: a client sends them every time)
+_MAX_WARNED = 256
+
+
 class RequestBody(RequestModel):
-    """A whole request body: its strings must be valid Unicode."""
+    """A whole request body: its strings must be valid Unicode; `unsupported` fields are refused when set."""
+
+    unsupported: ClassVar[tuple[Unsupported, ...]] = ()
+
+    def refuse_unsupported(self) -> None:
+        """ValueError naming the first unsupported field the request sets."""
+        for field in self.unsupported:
+            field.check(self)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = {name for name, f in cls.model_fields.items()} | \
+                {f.alias for f in cls.model_fields.values() if f.alias}
+            new = sorted(str(key) for key in data.keys() - known - _warned_unknown)
+            if new and len(_warned_unknown) < _MAX_WARNED:
+                _warned_unknown.update(new)
+                logger.warning("%s: ignoring fields this server does not know: %s (logged once each)", cls.__name__,
+                               ", ".join(repr(name)[:80] for name in new))
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -317,7 +365,40 @@ class ResponseFormat(RequestModel):
         return self
 
 
-class ChatCompletionRequest(SamplingRequest):
+class BillingAndCacheHints(RequestModel):
+    """OpenAI's request fields that steer its billing, data retention, prompt caching or abuse tracking: accepted,
+    and without effect here (folio's prefix cache is automatic; `cache_salt` scopes it)."""
+
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    prompt_cache_retention: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
+
+_NO_REASONING = "is not supported: folio runs models without reasoning controls"
+_TEXT_ONLY = "is not supported: this server generates text only"
+# Chat fields refused when set: declared below so that the request names them.
+_CHAT_UNSUPPORTED = (
+    Unsupported("functions", "(legacy function calling) is not supported: use tools"),
+    Unsupported("function_call", "(legacy function calling) is not supported: use tool_choice"),
+    Unsupported("audio", _TEXT_ONLY),
+    Unsupported("modalities", _TEXT_ONLY, lambda value: value in (None, ["text"])),
+    Unsupported("prediction", "(predicted outputs) is not supported"),
+    Unsupported("web_search_options", "is not supported: this server runs no built-in tools"),
+    Unsupported("reasoning_effort", f"{_NO_REASONING} (a chat template's own switch, such as Qwen3's "
+                                    "enable_thinking, goes in chat_template_kwargs)"),
+    Unsupported("verbosity", "other than 'medium' is not supported: folio runs models without verbosity controls",
+                lambda value: value in (None, "medium")),
+    Unsupported("store", "is not supported: chat completions are not stored (the Responses API stores responses)",
+                lambda value: not value),
+    Unsupported("moderation", "is not supported: this server runs no moderation model"),
+)
+
+
+class ChatCompletionRequest(SamplingRequest, BillingAndCacheHints):
+    unsupported = _CHAT_UNSUPPORTED
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[ChatTool]] = None
@@ -328,6 +409,18 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false} for Qwen3
+    metadata: Optional[dict[str, str]] = None  # kept with a stored completion, and none is stored
+    # refused when set (_CHAT_UNSUPPORTED)
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    store: Optional[Any] = None
+    moderation: Optional[Any] = None
 
     def check_limits(self, limits: RequestLimits) -> None:
         super().check_limits(limits)

@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
-from folio.entrypoints.openai.protocol import (ChatTool, FunctionDefinition, NamedFunction, NamedToolChoice,
-                                               RequestModel, SamplingRequest, text_parts_only)
+from folio.entrypoints.openai.protocol import (BillingAndCacheHints, ChatTool, FunctionDefinition, NamedFunction,
+                                               NamedToolChoice, RequestModel, SamplingRequest, Unsupported,
+                                               text_parts_only)
 from folio.entrypoints.openai.request_limits import RequestLimits
 
 
@@ -110,10 +111,35 @@ class TextFormat(RequestModel):
 
 class TextConfig(RequestModel):
     format: Optional[TextFormat] = None
-    verbosity: Optional[str] = None  # refused unless "medium" (serving_responses.py)
+    verbosity: Optional[str] = None  # refused unless "medium" (_RESPONSES_UNSUPPORTED)
 
 
-class ResponsesRequest(SamplingRequest):
+_NO_BUILT_IN = "is not supported: this server runs no built-in tools"
+_RESPONSES_UNSUPPORTED = (
+    Unsupported("n", "is not a field of the Responses API: a response has one output", lambda v: v in (None, 1)),
+    Unsupported("max_tokens", "is not a field of the Responses API: use max_output_tokens"),
+    Unsupported("text.verbosity", "other than 'medium' is not supported: folio runs models without verbosity "
+                                  "controls", lambda v: v in (None, "medium")),
+    Unsupported("truncation", "'auto' is not supported: a prompt that does not fit is refused",
+                lambda v: v in (None, "disabled")),
+    Unsupported("reasoning", "is not supported: folio runs models without reasoning controls",
+                lambda v: not v or all(value is None for value in v.values())),
+    Unsupported("background", "is not supported: a response runs while its request is open", lambda v: not v),
+    Unsupported("background_options", "is not supported: a response runs while its request is open"),
+    Unsupported("include", "is not supported: a response holds its output text only", lambda v: not v),
+    Unsupported("top_logprobs", "is not supported here (chat completions has logprobs)", lambda v: not v),
+    Unsupported("conversation", "is not supported: continue a conversation with previous_response_id"),
+    Unsupported("prompt", "(a stored prompt template) is not supported: send instructions and input"),
+    Unsupported("context_management", "is not supported: a prompt that does not fit is refused"),
+    Unsupported("image", "is not supported: this server generates text only"),
+    Unsupported("access_programs", _NO_BUILT_IN),
+    Unsupported("moderation", "is not supported: this server runs no moderation model"),
+)
+
+
+class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
+    unsupported = _RESPONSES_UNSUPPORTED
+
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None  # a system message before the input; not carried to later turns
     max_output_tokens: Optional[int] = None
@@ -125,11 +151,19 @@ class ResponsesRequest(SamplingRequest):
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextConfig] = None
     truncation: Optional[str] = None
-    # refused unless empty (serving_responses.py says why)
+    max_tool_calls: Optional[int] = None  # calls of built-in tools, and there are none here
+    # refused unless empty (_RESPONSES_UNSUPPORTED)
     reasoning: Optional[dict[str, Any]] = None
     background: Optional[bool] = None
     include: Optional[list[str]] = None
     top_logprobs: Optional[int] = None
+    background_options: Optional[Any] = None
+    conversation: Optional[Any] = None
+    prompt: Optional[Any] = None
+    context_management: Optional[Any] = None
+    image: Optional[Any] = None
+    access_programs: Optional[Any] = None
+    moderation: Optional[Any] = None
 
     def check_limits(self, limits: RequestLimits) -> None:
         super().check_limits(limits)

@@ -194,7 +194,9 @@ class OpenAIServing(ABC):
                                                                      prompts, cached))
 
     async def prepare(self, request: SamplingRequest) -> tuple[list[Prompt], SamplingParams]:
-        """The request's prompts and SamplingParams, its sizes checked first; ValueError naming the field."""
+        """The request's prompts and SamplingParams, its fields and sizes checked first; ValueError naming the
+        field."""
+        request.refuse_unsupported()
         request.check_limits(self.limits)
 
         def tokenize() -> tuple[list[Prompt], SamplingParams]:

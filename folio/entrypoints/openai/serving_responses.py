@@ -47,28 +47,6 @@ from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 
-# Fields a request may send only empty: (field, is it set, why not).
-_UNSUPPORTED = (
-    ("n", lambda r: r.n not in (None, 1), "is not a field of the Responses API: a response has one output"),
-    ("max_tokens", lambda r: r.max_tokens is not None, "is not a field of the Responses API: use max_output_tokens"),
-    ("text", lambda r: r.text is not None and r.text.verbosity not in (None, "medium"),
-     ".verbosity other than 'medium' is not supported: folio runs models without verbosity controls"),
-    ("truncation", lambda r: r.truncation not in (None, "disabled"), "'auto' is not supported: a prompt that does "
-                                                                     "not fit is refused"),
-    ("reasoning", lambda r: any(v is not None for v in (r.reasoning or {}).values()),
-     "is not supported: folio runs models without reasoning controls"),
-    ("background", lambda r: bool(r.background), "is not supported: a response runs while its request is open"),
-    ("include", lambda r: bool(r.include), "is not supported: a response holds its output text only"),
-    ("top_logprobs", lambda r: bool(r.top_logprobs), "is not supported here (chat completions has logprobs)"),
-)
-
-
-def refuse_unsupported(request: ResponsesRequest) -> None:
-    for name, is_set, why in _UNSUPPORTED:
-        if is_set(request):
-            raise ValueError(f"{name}{'' if why.startswith('.') else ' '}{why}")
-
-
 def chat_messages(items: Union[str, list[InputItem]]) -> list[ChatMessage]:
     """Input items as chat messages: a string is a user message; consecutive function calls are one assistant
     message with several tool_calls; a function call's output is a tool message."""
@@ -252,7 +230,7 @@ class OpenAIServingResponses:
         check_model(request.model, self.model_name)
         fields = ResponsesRequest.model_fields
         try:
-            refuse_unsupported(request)
+            request.refuse_unsupported()
             request.check_limits(self.limits)
             if not request.input:
                 raise ValueError("input must not be empty")
