@@ -125,6 +125,19 @@ def test_openai_fields_this_server_cannot_honour_are_400s_naming_them(http, chan
     assert_error(http.post("/v1/chat/completions", json={**CHAT, **change}), 400, match, next(iter(change)))
 
 
+def test_every_unsupported_field_is_a_field_of_its_request():
+    """A misspelled name in a table would let every value through."""
+    from folio.entrypoints.openai.protocol_responses import ResponsesRequest
+
+    for model in (protocol.ChatCompletionRequest, protocol.CompletionRequest, ResponsesRequest):
+        for field in model.unsupported:
+            first, *rest = field.name.split(".")
+            assert first in model.model_fields, (model.__name__, field.name)
+            if rest:
+                annotation = model.model_fields[first].annotation.__args__[0]  # Optional[X]
+                assert rest[0] in annotation.model_fields, (model.__name__, field.name)
+
+
 def test_fields_that_ask_for_nothing_missing_are_accepted_and_unknown_ones_logged(server, http, caplog, monkeypatch):
     """Hints at billing, retention and caching change nothing here; values that ask for what the server does
     (text, no storing, medium verbosity) are fine; a field of no API is ignored, and the log names it once."""
@@ -132,7 +145,7 @@ def test_fields_that_ask_for_nothing_missing_are_accepted_and_unknown_ones_logge
     asked = {"modalities": ["text"], "store": False, "verbosity": "medium", "metadata": {"k": "v"},
              "service_tier": "flex", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
              "prompt_cache_options": {"ttl": "1h"}, "safety_identifier": "u1", "reasoning_effort": None,
-             "some_future_field": 1}
+             "functions": [], "function_call": "none", "some_future_field": 1}
     with caplog.at_level("WARNING"):
         for _ in range(2):
             response = http.post("/v1/chat/completions", json={**CHAT, **asked})

@@ -97,6 +97,9 @@ def test_stream_events_assemble_into_the_response(client):
                         "response.completed"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(deltas) == final.output_text == plain.output_text and final.status == "completed"
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.content == [] and added.item.status == "in_progress"  # the text comes in the deltas
+    assert [e.snapshot for e in events if e.type == "response.output_text.delta"][-1] == final.output_text
     assert events[0].response.status == "in_progress" and events[0].response.id == final.id
     assert client.responses.retrieve(final.id).output_text == final.output_text
 
@@ -113,7 +116,7 @@ def test_stream_events_assemble_into_the_response(client):
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"tool_choice": {"type": "web_search_preview"}}, 400, "tool_choice"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
-      "text": {"format": {"type": "json_object"}}}, 400, "tool_choice"),
+      "structured_outputs": {"json_object": True}}, 400, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "foo"}}}}, 400, "text"),
     ({"text": {"format": {"type": "xml"}}}, 400, "text"),
@@ -132,7 +135,8 @@ def test_stream_events_assemble_into_the_response(client):
     ({"background_options": {"completion_window": "2h"}}, 400, "background_options"),
     ({"context_management": [{"type": "compaction"}]}, 400, "context_management"),
     ({"reasoning": {"effort": None}, "service_tier": "flex", "max_tool_calls": 3, "prompt_cache_key": "k",
-      "text": {"verbosity": "medium"}, "truncation": "disabled", "include": []}, 200, None),
+      "text": {"verbosity": "medium"}, "truncation": "disabled", "include": [], "tools": [], "tool_choice": "auto"},
+     200, None),
     ({"input": []}, 400, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),

@@ -73,6 +73,11 @@ def test_streamed_calls_assemble_into_the_response(client):
                   and e.output_index == index]
         done = [e for e in events if e.type == "response.function_call_arguments.done" and e.output_index == index]
         assert "".join(pieces) == done[0].arguments == call.arguments and done[0].item_id == call.id
+        snapshots = [e.snapshot for e in events if e.type == "response.function_call_arguments.delta"
+                     and e.output_index == index]
+        assert snapshots[-1] == call.arguments  # the client's own assembly: no piece twice
+        added = next(e.item for e in events if e.type == "response.output_item.added" and e.output_index == index)
+        assert (added.arguments, added.status) == ("", "in_progress")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -134,6 +139,24 @@ def test_text_format_json_schema_and_json_object(client, seed):
     assert anything.output_text.startswith("{")
     if anything.status == "completed":  # (a random model may write a string longer than the limit)
         assert isinstance(json.loads(anything.output_text), dict)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_text_format_with_tools_applies_to_the_message(client, seed):
+    """The OpenAI Agents SDK's pattern (output_type and tools): "auto" writes the format or calls; "required"
+    calls first."""
+    fmt = {"type": "json_schema", "name": "final_output", "schema": SCHEMA, "strict": True}
+    auto = client.responses.create(input=QUESTION, tools=FUNCTION_TOOLS, text={"format": fmt},
+                                   parallel_tool_calls=False, extra_body={"seed": seed}, **SAMPLING)
+    if calls_of(auto):
+        assert [item.type for item in auto.output] == ["function_call"] and auto.status == "completed"
+        validate(PARAMETERS[auto.output[0].name], auto.output[0].arguments)
+    else:
+        validate(SCHEMA, auto.output_text)
+    required = client.responses.create(input=QUESTION, tools=FUNCTION_TOOLS, text={"format": fmt},
+                                       tool_choice="required", parallel_tool_calls=False, extra_body={"seed": seed},
+                                       **SAMPLING)
+    assert calls_of(required) and required.status == "completed"
 
 
 def test_structured_outputs_of_vllm(client):

@@ -136,6 +136,28 @@ def test_structured_outputs_field_on_completions_and_chat(client):
     assert len(content) == 6 and content[:3].isdigit() and content[3] == "-"
 
 
+def test_vllms_earlier_guided_fields_are_structured_outputs(client, server):
+    """guided_json / guided_regex / guided_choice (with any guided_decoding_backend) constrain as structured_outputs
+    does; with structured_outputs too, or with a whitespace pattern, a 400."""
+    out = client.completions.create(model=MODEL_NAME, prompt="Pick one:", max_tokens=10, n=3, seed=5,
+                                    temperature=1.0, extra_body={"guided_choice": ["red", "blue"],
+                                                                 "guided_decoding_backend": "xgrammar"})
+    assert {c.text for c in out.choices} <= {"red", "blue"} and {c.finish_reason for c in out.choices} == {"stop"}
+    chat = client.chat.completions.create(messages=MESSAGES, seed=1, extra_body={"guided_json": SCHEMA}, **SAMPLING)
+    validate(SCHEMA, chat.choices[0].message.content)
+    chat = client.chat.completions.create(messages=MESSAGES, seed=5, extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"},
+                                          **SAMPLING)
+    content = chat.choices[0].message.content
+    assert len(content) == 6 and content[:3].isdigit() and content[3] == "-"
+    with server.http() as http:
+        both = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "guided_regex": "a",
+                                                  "structured_outputs": {"regex": "b"}})
+        assert_error(both, 400, "give one of them")
+        spaced = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES,
+                                                         "guided_json": SCHEMA, "guided_whitespace_pattern": " "})
+        assert_error(spaced, 400, "guided_whitespace_pattern is not supported", "guided_whitespace_pattern")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_calls_with_valid_arguments(client, stream):
     kwargs = dict(messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=7,
@@ -152,6 +174,26 @@ def test_tool_choice_required_calls_with_valid_arguments(client, stream):
     assert not content and finish == "tool_calls" and len(calls) == 1
     name, arguments = calls[0]
     validate(WEATHER if name == "get_weather" else TOOLS[1]["function"]["parameters"], arguments)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_message_format_with_tools_applies_to_the_message(client, seed):
+    """As OpenAI's: with "auto" the output is a message in the format or calls; with "required" calls, the format
+    waiting for a later turn's message."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}
+    auto = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, response_format=fmt, seed=seed,
+                                          parallel_tool_calls=False, **SAMPLING)
+    message = auto.choices[0].message
+    if message.tool_calls:
+        assert not message.content and auto.choices[0].finish_reason == "tool_calls"
+        (call,) = message.tool_calls
+        validate(WEATHER if call.function.name == "get_weather" else TOOLS[1]["function"]["parameters"],
+                 call.function.arguments)
+    else:
+        validate(SCHEMA, message.content)
+    required = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, response_format=fmt, seed=seed, **SAMPLING)
+    assert required.choices[0].message.tool_calls and required.choices[0].finish_reason == "tool_calls"
 
 
 def test_named_tool_choice_and_none(client):
@@ -209,8 +251,10 @@ def test_a_conversation_with_tool_calls_and_results(client, server):
      "give one of them", "structured_outputs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]},
      "tools[0].function.parameters is not a valid JSON schema", "tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "cannot be combined with response_format", "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "none"}, "tools[0].function.parameters is not a valid JSON schema", "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"json_object": True}},
+     "cannot be combined with structured_outputs", "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools",
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice requires tools", "tool_choice"),

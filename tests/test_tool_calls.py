@@ -84,3 +84,57 @@ def test_grammars_by_tool_choice():
     assert "get_time" in named and "get_weather" not in named and ")*" not in named
     auto = tool_choice_constraint(TOOLS, "auto", False).grammar
     assert "start: TEXT | text_then_open call\n" in auto and "[lazy]" in auto
+
+
+def test_auto_with_a_message_format_writes_the_format_or_calls(llama_dir):
+    """With a JSON format for the message, "auto" lets the output be a document of it or calls, not free text."""
+    from folio import LLMEngine
+
+    engine = LLMEngine.from_kwargs(llama_dir, dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
+    tokenizer, backend = engine.get_tokenizer(), engine.structured_output.backend
+    eos = min(backend.compile(tool_choice_constraint(TOOLS, "auto", True)).eos_token_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    constraint = tool_choice_constraint(TOOLS, "auto", True, message_schema=schema)
+
+    def accepted(text: str) -> bool:
+        grammar = backend.compile(constraint)
+        return grammar.accept_tokens(tokenizer.encode(text, add_special_tokens=False) + [eos]) and \
+            grammar.is_terminated()
+
+    assert accepted('{"a": 1}') and accepted(TIME) and accepted(TIME + "\n" + TIME)
+    assert not accepted("hello") and not accepted('{"b": 1}') and not accepted("Let me check.\n" + TIME)
+    assert tool_choice_constraint(TOOLS, "required", True, message_schema=None).grammar == \
+        tool_choice_constraint(TOOLS, "required", True).grammar
+
+
+@pytest.mark.parametrize("name", ['a\\x', 'a\\ud800', "rm_rf"])
+def test_a_call_of_a_name_that_is_no_tool_stays_content(name):
+    """A bad JSON escape, a lone surrogate, or a function the request has no tool for: the text is content."""
+    text = '<tool_call>\n{"name": "' + name + '", "arguments": {}}\n</tool_call>'
+    for piece in (1, 5, 1000):
+        parser = ToolCallParser(["get_time"])
+        content, deltas = "", []
+        for i in range(0, len(text), piece):
+            c, d = parser.feed(text[i:i + piece], final=i + piece >= len(text))
+            content, deltas = content + c, deltas + d
+        assert (content, deltas, parser.num_calls) == (text, [], 0)
+    whole = '<tool_call>{"arguments": {"s": "\\ud800"}, "name": "get_time"}</tool_call>'  # another key order
+    (call,) = join_tool_calls(ToolCallParser(["get_time"]).feed(whole, final=True)[1])
+    assert json.loads(call.function.arguments) == {"s": "\ud800"} and call.function.arguments.isascii()
+
+
+def test_the_end_of_the_text_releases_what_was_held_back():
+    parser = ToolCallParser()
+    _, deltas = parser.feed('<tool_call>\n{"name": "f", "arguments": {"x": {"y": 1}}')
+    assert "".join(d.function.arguments for d in deltas) == '{"x": {"y": 1'  # the braces may close the call
+    _, more = parser.feed("", final=True)  # cut there (max_tokens): they were the arguments'
+    assert "".join(d.function.arguments for d in deltas + more) == '{"x": {"y": 1}}'
+    assert ToolCallParser().feed('ok <tool_call>\n{"na', final=True) == ('ok <tool_call>\n{"na', [])
+
+
+def test_pieces_keep_the_order_written():
+    pieces = ToolCallParser().pieces("a" + TIME + "b" + TIME, final=True)
+    kinds = [p if isinstance(p, str) else type(p).__name__ for p in pieces]
+    assert kinds == ["a", "DeltaToolCall", "DeltaToolCall", "CallEnd", "b", "DeltaToolCall", "DeltaToolCall",
+                     "CallEnd"]

@@ -1,10 +1,11 @@
-"""The one constraint on the output of a chat-shaped request (chat completions and responses): a client's own
-(vLLM's structured_outputs, or a JSON format: chat's response_format, the Responses API's text.format), or the
-grammar tool_choice imposes on tool calls (folio.entrypoints.openai.tool_grammar). Each is validated before the
-request is queued; ValueError naming the field."""
+"""The one constraint on the output of a chat-shaped request (chat completions and responses): vLLM's
+structured_outputs, a JSON format for the message (chat's response_format, the Responses API's text.format), the
+grammar tool_choice imposes on tool calls (folio.entrypoints.openai.tool_grammar), or the last two together.
+Each is validated before the request is queued; ValueError naming the field."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool, NamedToolChoice
@@ -13,30 +14,52 @@ from folio.structured_output.manager import StructuredOutputManager
 from folio.structured_output.params import StructuredOutputsParams
 
 
-def json_format(schema: Optional[dict[str, Any]]) -> StructuredOutputsParams:
-    """A JSON output format: the schema's documents, or any JSON object where no schema is given."""
-    return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+@dataclass(frozen=True)
+class MessageFormat:
+    """The JSON a message of the output must be: a schema's documents, or any JSON object (schema None)."""
+
+    field: str  # the request's field, for errors
+    schema_field: str  # where in it the schema is
+    schema: Optional[dict[str, Any]]
+
+    def constraint(self) -> StructuredOutputsParams:
+        if self.schema is None:
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=self.schema)
 
 
-def output_constraint(manager: StructuredOutputManager, given: list[tuple[str, StructuredOutputsParams]],
-                      tools: Optional[list[ChatTool]], tool_choice: ToolChoice, parallel_tool_calls: bool,
-                      parameters_field: str) -> Optional[StructuredOutputsParams]:
-    """At most one of the client's constraints (`given`: (field, validated constraint)), or the grammar of
-    tool_choice (resolved: tool_grammar.resolve_tool_choice). With "auto", a client's constraint replaces the
-    tools' grammar, and calls are still read from the output; a tool_choice that makes the output tool calls
-    cannot be combined with one. parameters_field: where tool i's schema is, with {} for i."""
-    if len(given) > 1:
-        raise ValueError(f"{given[0][0]} and {given[1][0]} both constrain the output: give one of them")
-    if tool_choice == "none":
-        return given[0][1] if given else None
-    for i, tool in enumerate(tools):
+def output_constraint(manager: StructuredOutputManager, tools: Optional[list[ChatTool]], tool_choice: ToolChoice,
+                      parallel_tool_calls: bool, parameters_field: str,
+                      structured_outputs: Optional[StructuredOutputsParams] = None,
+                      message_format: Optional[MessageFormat] = None) -> Optional[StructuredOutputsParams]:
+    """The constraint for a resolved tool_choice (tool_grammar.resolve_tool_choice). parameters_field: where tool
+    i's schema is, with {} for i.
+
+    A message format applies to the text the model writes, as OpenAI's does: with "auto" the output is either a
+    message in the format or tool calls; with "required" or a named function the output is calls, and the format
+    waits for a later turn's message. vLLM's structured_outputs constrains the whole output: with "auto" it
+    replaces the tools' grammar (calls are still read from the output); a tool_choice that makes the output tool
+    calls cannot be combined with it."""
+    if structured_outputs is not None:
+        manager.validate(structured_outputs)
+    if message_format is not None:
+        manager.validate(message_format.constraint(), message_format.schema_field)
+        if structured_outputs is not None:
+            raise ValueError(f"structured_outputs and {message_format.field} both constrain the output: give one of "
+                             "them")
+    for i, tool in enumerate(tools or ()):  # (under "none" too: the template shows them to the model)
         if tool.function.parameters is not None:
             manager.validate(StructuredOutputsParams(json=tool.function.parameters), parameters_field.format(i))
-    if given:
+    if tool_choice == "none":
+        return structured_outputs or (message_format.constraint() if message_format is not None else None)
+    if structured_outputs is not None:
         if tool_choice != "auto":
             raise ValueError(f"tool_choice {'named' if isinstance(tool_choice, NamedToolChoice) else tool_choice!r}"
-                             f" makes the output tool calls; it cannot be combined with {given[0][0]}")
-        return given[0][1]
-    constraint = tool_choice_constraint(tools, tool_choice, parallel_tool_calls)
+                             " makes the output tool calls; it cannot be combined with structured_outputs")
+        return structured_outputs
+    message_schema = None
+    if message_format is not None and tool_choice == "auto":
+        message_schema = message_format.schema if message_format.schema is not None else {"type": "object"}
+    constraint = tool_choice_constraint(tools, tool_choice, parallel_tool_calls, message_schema)
     manager.validate(constraint, "tools")
     return constraint

@@ -13,6 +13,7 @@ and the tokenizer cannot encode it. Sizes that a server option bounds are checke
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -73,7 +74,7 @@ class Unsupported:
 
 
 _warned_unknown: set[str] = set()  # field names the log has named (each once: a client sends them every time)
-_MAX_WARNED = 256
+_MAX_WARNED = 256  # names remembered at most; then no new one is named (random names cannot fill memory)
 
 
 class RequestBody(RequestModel):
@@ -89,14 +90,12 @@ class RequestBody(RequestModel):
     @model_validator(mode="before")
     @classmethod
     def _log_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            known = {name for name, f in cls.model_fields.items()} | \
-                {f.alias for f in cls.model_fields.values() if f.alias}
-            new = sorted(str(key) for key in data.keys() - known - _warned_unknown)
-            if new and len(_warned_unknown) < _MAX_WARNED:
+        if isinstance(data, dict) and len(_warned_unknown) < _MAX_WARNED:
+            new = data.keys() - _known_fields(cls) - _warned_unknown
+            if new:
                 _warned_unknown.update(new)
                 logger.warning("%s: ignoring fields this server does not know: %s (logged once each)", cls.__name__,
-                               ", ".join(repr(name)[:80] for name in new))
+                               ", ".join(sorted(repr(name)[:80] for name in new)))
         return data
 
     @model_validator(mode="before")
@@ -107,6 +106,11 @@ class RequestBody(RequestModel):
             raise ValueError(f"{path} holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair), "
                              "which is not valid Unicode text")
         return data
+
+
+@functools.cache
+def _known_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 
 class StreamOptions(RequestModel):
@@ -154,6 +158,26 @@ class SamplingRequest(RequestBody):
     priority: int = 0
     cache_salt: Optional[str] = None  # keeps this request's prompt out of other tenants' prefix-cache hits
     structured_outputs: Optional[StructuredOutputsRequest] = None
+    # vLLM's earlier names of structured_outputs' constraints (guided decoding), which many clients still send
+    guided_json: Union[str, dict, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None  # accepted whatever it names: there is one backend, llguidance
+    guided_whitespace_pattern: Optional[str] = None  # refused when set
+
+    unsupported = (Unsupported("guided_whitespace_pattern", "is not supported: JSON is written with ', ' and ': ' "
+                                                            "separators and no free whitespace"),)
+
+    @model_validator(mode="after")
+    def _guided_fields_are_structured_outputs(self) -> "SamplingRequest":
+        guided = {kind: getattr(self, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
+        guided = {kind: value for kind, value in guided.items() if value is not None}
+        if guided:
+            if self.structured_outputs is not None:
+                raise ValueError("guided_* and structured_outputs both constrain the output: give one of them")
+            self.structured_outputs = StructuredOutputsRequest.model_validate(guided)
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
@@ -380,8 +404,9 @@ _NO_REASONING = "is not supported: folio runs models without reasoning controls"
 _TEXT_ONLY = "is not supported: this server generates text only"
 # Chat fields refused when set: declared below so that the request names them.
 _CHAT_UNSUPPORTED = (
-    Unsupported("functions", "(legacy function calling) is not supported: use tools"),
-    Unsupported("function_call", "(legacy function calling) is not supported: use tool_choice"),
+    Unsupported("functions", "(legacy function calling) is not supported: use tools", lambda value: not value),
+    Unsupported("function_call", "(legacy function calling) is not supported: use tool_choice",
+                lambda value: value in (None, "none")),
     Unsupported("audio", _TEXT_ONLY),
     Unsupported("modalities", _TEXT_ONLY, lambda value: value in (None, ["text"])),
     Unsupported("prediction", "(predicted outputs) is not supported"),
@@ -397,7 +422,7 @@ _CHAT_UNSUPPORTED = (
 
 
 class ChatCompletionRequest(SamplingRequest, BillingAndCacheHints):
-    unsupported = _CHAT_UNSUPPORTED
+    unsupported = SamplingRequest.unsupported + _CHAT_UNSUPPORTED
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     response_format: Optional[ResponseFormat] = None

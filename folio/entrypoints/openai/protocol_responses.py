@@ -42,11 +42,13 @@ class FunctionCallItem(RequestModel):
 
 
 class FunctionCallOutputItem(RequestModel):
-    """The result of a function call, sent by the client."""
+    """The result of a function call, sent by the client: text, or text parts."""
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: Union[str, list[InputTextPart]]
+
+    _only_text = field_validator("output", mode="before")(text_parts_only("input_text", "output_text"))
 
 
 def _item_type(value: Any) -> Optional[str]:
@@ -81,11 +83,14 @@ class FunctionTool(RequestModel):
         return kind
 
     def as_chat_tool(self) -> ChatTool:
+        """The tool in chat's shape, which the chat template and the tool grammar take."""
         return ChatTool(type="function", function=FunctionDefinition(
             name=self.name, description=self.description, parameters=self.parameters, strict=self.strict))
 
 
 class FunctionToolChoice(RequestModel):
+    """tool_choice naming a function: the output is one call of it."""
+
     type: Literal["function"]
     name: str
 
@@ -138,7 +143,7 @@ _RESPONSES_UNSUPPORTED = (
 
 
 class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
-    unsupported = _RESPONSES_UNSUPPORTED
+    unsupported = SamplingRequest.unsupported + _RESPONSES_UNSUPPORTED
 
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None  # a system message before the input; not carried to later turns
@@ -171,6 +176,11 @@ class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
 
     def chat_tools(self) -> Optional[list[ChatTool]]:
         return None if self.tools is None else [tool.as_chat_tool() for tool in self.tools]
+
+    @staticmethod
+    def echoed(value: Union[str, BaseModel]) -> Union[str, dict[str, Any]]:
+        """A field's value as the response echoes it."""
+        return value.model_dump(by_alias=True, exclude_none=True) if isinstance(value, BaseModel) else value
 
     def chat_tool_choice(self) -> Union[str, NamedToolChoice, None]:
         choice = self.tool_choice

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogProbs, ChatCompletionChunk,
                                                ChatCompletionRequest, ChatCompletionResponse, ChatLogProb, ChatMessage,
                                                ChatStreamChoice, ChatTool, DeltaMessage, TopLogProb, UsageInfo)
-from folio.entrypoints.openai.output_constraint import json_format, output_constraint
+from folio.entrypoints.openai.output_constraint import MessageFormat, output_constraint
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, clamp_logprob
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
@@ -56,19 +56,17 @@ class OpenAIServingChat(OpenAIServing):
                                              request.chat_template_kwargs))]
 
     def structured_outputs(self, request: ChatCompletionRequest) -> Optional[StructuredOutputsParams]:
-        """At most one constraint: structured_outputs, response_format, or the grammar of tool_choice
+        """structured_outputs, response_format, the grammar of tool_choice, or the last two together
         (output_constraint)."""
-        given = []
-        if request.structured_outputs is not None:
-            given.append(("structured_outputs", super().structured_outputs(request)))
         fmt = request.response_format
-        if fmt is not None and fmt.type != "text":
-            constraint = json_format(fmt.json_schema.json_schema if fmt.json_schema is not None else None)
-            self.llm.engine.structured_output.validate(constraint, "response_format.json_schema.schema")
-            given.append(("response_format", constraint))
-        return output_constraint(self.llm.engine.structured_output, given, request.tools,
+        message_format = None if fmt is None or fmt.type == "text" else MessageFormat(
+            "response_format", "response_format.json_schema.schema",
+            fmt.json_schema.json_schema if fmt.json_schema is not None else None)
+        structured = None if request.structured_outputs is None else request.structured_outputs.to_params()
+        return output_constraint(self.llm.engine.structured_output, request.tools,
                                  resolve_tool_choice(request.tools, request.tool_choice),
-                                 request.parallel_tool_calls is not False, "tools[{}].function.parameters")
+                                 request.parallel_tool_calls is not False, "tools[{}].function.parameters",
+                                 structured, message_format)
 
     async def read_deltas(self, request: ChatCompletionRequest,
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
@@ -79,7 +77,7 @@ class OpenAIServingChat(OpenAIServing):
         parsers: dict[int, ToolCallParser] = {}
         async for delta in deltas:
             if tool_choice != "none":
-                parser = parsers.setdefault(delta.index, ToolCallParser())
+                parser = parsers.setdefault(delta.index, ToolCallParser([t.function.name for t in request.tools]))
                 delta.text, delta.tool_calls = parser.feed(delta.text, final=delta.finish_reason is not None)
                 if parser.num_calls and delta.finish_reason == "stop" and tool_choice in ("auto", "required"):
                     delta.finish_reason = "tool_calls"

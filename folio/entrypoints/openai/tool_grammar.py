@@ -11,7 +11,8 @@ with the arguments following the function's `parameters` schema. By tool_choice:
   * "required": one call (more with parallel_tool_calls), of any of the tools, and nothing else;
   * a named function: one call of that function;
   * "auto": free text, but once the model writes "<tool_call>" the call must be well formed (the trigger is a
-    lazy lexeme: the text before it is unconstrained), so a call never fails to parse;
+    lazy lexeme: the text before it is unconstrained), so a call never fails to parse; with a JSON format for the
+    message (response_format, text.format), either such a message or calls;
   * "none": no grammar, and the output is not read for calls.
 The grammar is in llguidance's Lark dialect (`%json` embeds a JSON schema), the structured_output backend's.
 """
@@ -36,16 +37,22 @@ def _literal(text: str) -> str:
     return json.dumps(text)  # a Lark string literal with JSON escapes
 
 
+def _json(schema: dict) -> str:
+    """A JSON schema's documents as a grammar rule's body, written as the structured_output backend writes JSON."""
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+
+
 def _call_rule(tool: ChatTool) -> str:
     """One call's text after CALL_OPEN: the name forced, the arguments constrained by the tool's schema."""
-    schema = {**(tool.function.parameters or ANY_ARGUMENTS), "x-guidance": JSON_OPTIONS}
     begin = '\n{"name": ' + json.dumps(tool.function.name) + ', "arguments": '
-    return f"{_literal(begin)} %json {json.dumps(schema)} {_literal('}' + chr(10) + CALL_CLOSE)}"
+    end = "}\n" + CALL_CLOSE
+    return f"{_literal(begin)} {_json(tool.function.parameters or ANY_ARGUMENTS)} {_literal(end)}"
 
 
-def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice,
-                           parallel_tool_calls: bool) -> Optional[StructuredOutputsParams]:
-    """The grammar for a validated tool_choice (see `resolve_tool_choice`), or None for "none"."""
+def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
+                           message_schema: Optional[dict] = None) -> Optional[StructuredOutputsParams]:
+    """The grammar for a validated tool_choice (see `resolve_tool_choice`), or None for "none". message_schema
+    (with "auto" only): the JSON a message must be, instead of free text."""
     if tool_choice == "none":
         return None
     named = isinstance(tool_choice, NamedToolChoice)
@@ -53,7 +60,9 @@ def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice,
         tools = [t for t in tools if t.function.name == tool_choice.function.name]
     rules = [f"call_{i}: {_call_rule(tool)}" for i, tool in enumerate(tools)]
     more = f" ({_literal(chr(10) + CALL_OPEN)} call)*" if parallel_tool_calls and not named else ""
-    if tool_choice == "auto":
+    if tool_choice == "auto" and message_schema is not None:
+        start = [f"start: message | {_literal(CALL_OPEN)} call{more}", f"message: {_json(message_schema)}"]
+    elif tool_choice == "auto":
         start = [f"start: TEXT | text_then_open call{more}", f"text_then_open[lazy]: TEXT {_literal(CALL_OPEN)}",
                  r"TEXT: /(.|\n)*/"]
     else:
@@ -63,12 +72,12 @@ def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice,
 
 
 def resolve_tool_choice(tools: Optional[list[ChatTool]], tool_choice: Optional[ToolChoice]) -> ToolChoice:
-    """OpenAI's default ("auto" with tools, "none" without), checked against the tools; ValueError naming the
-    field otherwise."""
+    """OpenAI's default ("auto" with tools, "none" without: "auto" without tools is "none" too), checked against
+    the tools; ValueError naming the field otherwise."""
     names = [t.function.name for t in tools or ()]
     if len(set(names)) < len(names):
         raise ValueError(f"tools must have distinct function names, got {', '.join(names)}")
-    if tool_choice is None:
+    if tool_choice is None or (tool_choice == "auto" and not tools):
         return "auto" if tools else "none"
     if not tools and tool_choice != "none":
         raise ValueError("tool_choice requires tools")

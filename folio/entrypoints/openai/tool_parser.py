@@ -6,7 +6,9 @@ call; whitespace around calls is dropped). Inside a call, the first delta carrie
 as soon as `{"name": "...", "arguments": ` has arrived, then each delta carries the next piece of the arguments'
 JSON text, as OpenAI streams them; closing braces at the end are held back until the call closes, since the last
 one closes the call's object rather than the arguments. A call the grammar did not write (a call in another key
-order) is sent whole when it closes; one that does not parse stays content.
+order) is sent whole when it closes; one that does not parse, or names no function of the request's tools, stays
+content. When the text ends (`final`), what was held back goes out: an open call's arguments as they are, and a
+call cut before its name as the content it was.
 """
 
 from __future__ import annotations
@@ -15,13 +17,23 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Collection, Optional, Union
 
 from folio.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from folio.entrypoints.openai.tool_grammar import CALL_CLOSE, CALL_OPEN
 
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-_CLOSERS = re.compile(r"[\s}]*$")
+_CLOSERS = " \t\r\n}"  # what may end a call's arguments and close its object (JSON's whitespace, braces)
+
+
+@dataclass(frozen=True)
+class CallEnd:
+    """A call's closing tag came: every delta of call `index` is out."""
+
+    index: int
+
+
+Piece = Union[str, DeltaToolCall, CallEnd]  # content, a piece of a call, a call's end: in the order written
 
 
 def _pending_prefix(text: str, tag: str) -> int:
@@ -32,32 +44,54 @@ def _pending_prefix(text: str, tag: str) -> int:
     return 0
 
 
+def _is_text(value: object) -> bool:
+    """A str that is valid Unicode text (a JSON escape can decode to a lone surrogate, which no response holds)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass
 class _Call:
     index: int
+    names: Optional[Collection[str]]  # the functions a call may name (None: any)
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
     arguments_start: Optional[int] = None  # where the arguments begin in the call's text, once the header is in
     sent: int = 0  # characters of the arguments handed out
 
-    def update(self, body: str, closed: bool) -> list[DeltaToolCall]:
-        """Deltas for the call's text so far (`body`, everything after <tool_call>); closed: it is all there."""
+    def update(self, body: str, closed: bool, final: bool) -> list[DeltaToolCall]:
+        """Deltas for the call's text so far (`body`, everything after <tool_call>); closed: it is all there;
+        final: no more text will come, so nothing is held back."""
         deltas = []
         if self.arguments_start is None:
             header = _HEADER.match(body)
-            if header is None:
+            name = None if header is None else self._name(header.group(1))
+            if name is None:
                 return self._whole(body) if closed else []
             self.arguments_start = header.end()
-            deltas.append(self._opening(json.loads(header.group(1))))
+            deltas.append(self._opening(name))
         arguments = body[self.arguments_start:].lstrip()
         if closed:
             arguments = arguments.rstrip().removesuffix("}").rstrip()  # the call's own closing brace
-        else:  # what may yet turn out to close the call: braces, whitespace, the start of </tool_call>
+        elif not final:  # what may yet turn out to close the call: braces, whitespace, the start of </tool_call>
             arguments = arguments[:len(arguments) - _pending_prefix(arguments, CALL_CLOSE)]
-            arguments = arguments[:_CLOSERS.search(arguments).start()]
+            arguments = arguments[:len(arguments.rstrip(_CLOSERS))]  # (scans the end only: no work per length)
         if len(arguments) > self.sent:
             deltas.append(DeltaToolCall(index=self.index, function=DeltaFunctionCall(arguments=arguments[self.sent:])))
             self.sent = len(arguments)
         return deltas
+
+    def _name(self, literal: str) -> Optional[str]:
+        """The function a header's JSON string names, if it is one the call may name."""
+        try:
+            name = json.loads(literal)
+        except ValueError:
+            return None
+        return name if _is_text(name) and (self.names is None or name in self.names) else None
 
     def _opening(self, name: str) -> DeltaToolCall:
         return DeltaToolCall(index=self.index, id=self.id, type="function",
@@ -67,54 +101,72 @@ class _Call:
         try:
             call = json.loads(body)
             name, arguments = call["name"], call.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return []
+        if not _is_text(name) or (self.names is not None and name not in self.names):
             return []
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        if not _is_text(text):
+            text = json.dumps(arguments)  # escaped: the same value, in ASCII
         opening = self._opening(name)
         opening.function.arguments = text
         return [opening]
 
 
 class ToolCallParser:
-    """One choice's parser: feed it each new piece of text; `final` on the last one flushes what waits."""
+    """One choice's parser: feed it each new piece of text; `final` on the last one flushes what waits.
 
-    def __init__(self) -> None:
+    names: the functions of the request's tools; a call naming another is content (None: any name)."""
+
+    def __init__(self, names: Optional[Collection[str]] = None) -> None:
+        self._names = None if names is None else frozenset(names)
         self._buffer = ""  # text not handed out yet: a possible tag start, or the open call's text
         self._call: Optional[_Call] = None  # the call being read
         self.num_calls = 0
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
-        """The content and tool-call deltas that `text` completes."""
+        """The content and tool-call deltas that `text` completes (their order between them is `pieces`')."""
+        pieces = self.pieces(text, final)
+        return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, DeltaToolCall)]
+
+    def pieces(self, text: str, final: bool = False) -> list[Piece]:
+        """What `text` completes, in the order it was written: content, call deltas, and each call's end."""
         self._buffer += text
-        content, deltas = "", []
+        out: list[Piece] = []
         while True:
             if self._call is None:
                 start = self._buffer.find(CALL_OPEN)
                 if start == -1:
                     keep = 0 if final else _pending_prefix(self._buffer, CALL_OPEN)
-                    content += self._outside(self._buffer[:len(self._buffer) - keep])
+                    self._content(out, self._buffer[:len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
-                    return content, deltas
-                content += self._outside(self._buffer[:start])
+                    return out
+                self._content(out, self._buffer[:start])
                 self._buffer = self._buffer[start + len(CALL_OPEN):]
-                self._call = _Call(self.num_calls)
+                self._call = _Call(self.num_calls, self._names)
             end = self._buffer.find(CALL_CLOSE)
             body = self._buffer if end == -1 else self._buffer[:end]
-            new = self._call.update(body, closed=end != -1)
+            new = self._call.update(body, closed=end != -1, final=final)
             if end == -1:
-                deltas += new
-                return content, deltas  # a call cut short (max_tokens) keeps what it streamed
+                if final and self._call.arguments_start is None:  # cut before its name: the text it was
+                    self._content(out, CALL_OPEN + body)
+                    self._buffer, self._call = "", None
+                else:
+                    out += new  # a call cut short (max_tokens) keeps what it streamed
+                return out
             if new or self._call.arguments_start is not None:
-                deltas += new
+                out += new
+                out.append(CallEnd(self._call.index))
                 self.num_calls += 1
             else:
-                content += CALL_OPEN + body + CALL_CLOSE  # not a call after all
+                self._content(out, CALL_OPEN + body + CALL_CLOSE)  # not a call after all
             self._buffer = self._buffer[end + len(CALL_CLOSE):]
             self._call = None
 
-    def _outside(self, text: str) -> str:
+    def _content(self, out: list[Piece], text: str) -> None:
         """Content outside calls; once a call has been made, the whitespace that separates calls is dropped."""
-        return text if not self.num_calls or text.strip() else ""
+        if text and (not self.num_calls or text.strip()):
+            out.append(text)
 
 
 def join_tool_calls(deltas: list[DeltaToolCall]) -> list[ToolCall]:

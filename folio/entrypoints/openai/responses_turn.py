@@ -1,0 +1,177 @@
+"""One response of the Responses API while it is generated: the output items its text makes, and what each engine
+output did to them (for the stream's events).
+
+The text goes through a ToolCallParser where tool_choice is not "none": its pieces, in the order written, make the
+items. Content goes to the open message item (a new one after a call); a call's first delta opens a
+function_call item and its end closes it; a call opening closes the message before it. So a turn that writes
+"Checking.\n<tool_call>...</tool_call>" is [message, function_call], in that order, whatever tokens arrive together.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from folio.entrypoints.openai.protocol import ChatMessage, FunctionCallRequest, ToolCallRequest
+from folio.entrypoints.openai.protocol_responses import (IncompleteDetails, InputTokensDetails, OutputFunctionCall,
+                                                         OutputItem, OutputMessage, OutputText, ResponseError,
+                                                         ResponseObject, ResponsesRequest, ResponseUsage)
+from folio.entrypoints.openai.tool_parser import CallEnd, ToolCallParser
+from folio.outputs import RequestOutput
+from folio.sampling_params import SamplingParams
+
+
+@dataclass
+class MessageItem:
+    """An output message: a run of the turn's text."""
+
+    output_index: int  # its place among the turn's items
+    id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    text: str = ""
+    done: bool = False  # a tool call came after it
+
+    def item(self, turn_status: str) -> OutputMessage:
+        """The item as the response shows it while the turn has turn_status."""
+        status = "completed" if self.done else {"in_progress": "in_progress", "completed": "completed"}.get(
+            turn_status, "incomplete")
+        return OutputMessage(id=self.id, status=status, content=[OutputText(text=self.text)])
+
+    def opened(self) -> OutputMessage:
+        return OutputMessage(id=self.id, status="in_progress", content=[])  # its part is added next
+
+
+@dataclass
+class CallItem:
+    """An output function call, its arguments as they stream."""
+
+    output_index: int
+    call_id: str
+    name: str
+    id: str = field(default_factory=lambda: f"fc_{uuid.uuid4().hex}")
+    arguments: str = ""
+    done: bool = False  # its closing tag came
+
+    def item(self, turn_status: str) -> OutputFunctionCall:
+        """The item as the response shows it while the turn has turn_status (a call cut short is incomplete)."""
+        status = "completed" if self.done else "in_progress" if turn_status == "in_progress" else "incomplete"
+        return OutputFunctionCall(id=self.id, call_id=self.call_id, name=self.name, arguments=self.arguments,
+                                  status=status)
+
+    def opened(self) -> OutputFunctionCall:
+        return OutputFunctionCall(id=self.id, call_id=self.call_id, name=self.name, arguments="",
+                                  status="in_progress")
+
+
+Item = Union[MessageItem, CallItem]
+
+
+@dataclass
+class Edit:
+    """What an engine output did to one of the turn's items: "added" and "done" with the item as it was then
+    (`snapshot`: later text must not show in an earlier event), "delta" with the text or arguments it added."""
+
+    kind: Literal["added", "delta", "done"]
+    item: Item
+    delta: str = ""
+    snapshot: Optional[OutputItem] = None
+
+
+@dataclass
+class Turn:
+    """One response while it is generated, and everything its ResponseObject is made of."""
+
+    request: ResponsesRequest
+    params: SamplingParams
+    model_name: str
+    conversation: list[ChatMessage]  # without the instructions
+    prompt_tokens: int
+    parser: Optional[ToolCallParser]  # where tool_choice is not "none": tool calls are read out of the text
+    id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    items: list[Item] = field(default_factory=list)
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: Optional[str] = None
+
+    def add(self, output: RequestOutput) -> list[Edit]:
+        """Take one DELTA output."""
+        self.cached_tokens = output.num_cached_tokens
+        text = ""
+        for completion in output.outputs:
+            text += completion.text
+            self.output_tokens += len(completion.token_ids)
+            self.finish_reason = completion.finish_reason
+        pieces = [text] if self.parser is None else self.parser.pieces(text, final=self.finish_reason is not None)
+        edits: list[Edit] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                if not piece:
+                    continue
+                if not self.items or not isinstance(self.items[-1], MessageItem):
+                    edits += self._open(MessageItem(len(self.items)))
+                self.items[-1].text += piece
+                edits.append(Edit("delta", self.items[-1], piece))
+            elif isinstance(piece, CallEnd):
+                call = self._calls()[piece.index]
+                call.done = True
+                edits.append(Edit("done", call, snapshot=call.item(self.status)))
+            else:
+                if piece.id is not None:  # a call's first piece
+                    edits += self._open(CallItem(len(self.items), piece.id, piece.function.name))
+                call = self._calls()[piece.index]
+                if piece.function.arguments:
+                    call.arguments += piece.function.arguments
+                    edits.append(Edit("delta", call, piece.function.arguments))
+        return edits
+
+    def finish(self) -> list[Edit]:
+        """The items still open, ended (an empty message where the turn wrote nothing)."""
+        edits = self._open(MessageItem(0)) if not self.items else []
+        return edits + [Edit("done", item, snapshot=item.item(self.status)) for item in self.items if not item.done]
+
+    def _open(self, item: Item) -> list[Edit]:
+        edits = []
+        last = self.items[-1] if self.items else None
+        if isinstance(last, MessageItem) and not last.done:
+            last.done = True  # a call ends the text before it
+            edits.append(Edit("done", last, snapshot=last.item(self.status)))
+        self.items.append(item)
+        return edits + [Edit("added", item, snapshot=item.opened())]
+
+    def _calls(self) -> list[CallItem]:
+        return [item for item in self.items if isinstance(item, CallItem)]
+
+    @property
+    def text(self) -> str:
+        return "".join(item.text for item in self.items if isinstance(item, MessageItem))
+
+    @property
+    def status(self) -> str:
+        return {None: "in_progress", "stop": "completed", "length": "incomplete"}.get(self.finish_reason, "failed")
+
+    def assistant_message(self) -> ChatMessage:
+        """The turn as the next turn's template sees it: its text, then its calls."""
+        calls = [ToolCallRequest(id=c.call_id, function=FunctionCallRequest(name=c.name, arguments=c.arguments))
+                 for c in self._calls()]
+        return ChatMessage(role="assistant", content=self.text or (None if calls else ""), tool_calls=calls or None)
+
+    def response(self, error: Optional[ResponseError] = None) -> ResponseObject:
+        request, status = self.request, "failed" if error is not None else self.status
+        usage = ResponseUsage(input_tokens=self.prompt_tokens,
+                              input_tokens_details=InputTokensDetails(cached_tokens=self.cached_tokens),
+                              output_tokens=self.output_tokens, total_tokens=self.prompt_tokens + self.output_tokens)
+        text_format = request.text.format if request.text is not None else None
+        return ResponseObject(
+            id=self.id, created_at=self.created_at, status=status, model=self.model_name,
+            output=[] if status == "in_progress" else [item.item(status) for item in self.items],
+            usage=None if status == "in_progress" else usage,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            error=error, instructions=request.instructions, max_output_tokens=request.max_output_tokens,
+            previous_response_id=request.previous_response_id, store=request.store,
+            temperature=self.params.temperature, top_p=self.params.top_p, metadata=request.metadata or {},
+            user=request.user, parallel_tool_calls=request.parallel_tool_calls is not False,
+            tool_choice="auto" if request.tool_choice is None else request.echoed(request.tool_choice),
+            tools=[request.echoed(tool) for tool in request.tools or ()],
+            text={"format": {"type": "text"} if text_format is None else request.echoed(text_format)})
