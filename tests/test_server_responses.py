@@ -109,6 +109,25 @@ def test_stream_events_assemble_into_the_response(client):
     assert text.startswith(streamed) and events[-1].response.usage.output_tokens == 3
 
 
+def test_logprobs_equal_chat_completions_and_stream_with_the_text(client):
+    kwargs = dict(input="hello world", max_output_tokens=6, include=["message.output_text.logprobs"], top_logprobs=2,
+                  **GREEDY)
+    response = client.responses.create(**kwargs)
+    expected = client.chat.completions.create(messages=[{"role": "user", "content": "hello world"}], max_tokens=6,
+                                              logprobs=True, top_logprobs=2, **GREEDY)
+    got = response.output[0].content[0].logprobs
+    want = expected.choices[0].logprobs.content
+    assert len(got) == response.usage.output_tokens == 6
+    assert [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in got] == \
+        [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in want]
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in streamed] == [lp.token for lp in done.logprobs] == [lp.token for lp in got]
+    plain = client.responses.create(input="hello world", max_output_tokens=6, **GREEDY)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == response.output_text
+
+
 @pytest.mark.parametrize("change,status,param", [
     ({"tools": [{"type": "web_search_preview"}]}, 400, "tools"),
     ({"tools": [{"type": "function", "name": "bad name"}]}, 400, "tools"),
@@ -129,6 +148,8 @@ def test_stream_events_assemble_into_the_response(client):
     ({"reasoning": {"effort": "high"}}, 400, "reasoning"),
     ({"background": True}, 400, "background"),
     ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
+    ({"include": ["message.output_text.logprobs"], "tools": [{"type": "function", "name": "f"}]}, 400, "include"),
+    ({"top_logprobs": 21}, 400, "top_logprobs"),
     ({"truncation": "auto"}, 400, "truncation"),
     ({"conversation": "conv_1"}, 400, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, 400, "prompt"),

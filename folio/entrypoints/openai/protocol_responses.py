@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
-from folio.entrypoints.openai.protocol import (BillingAndCacheHints, ChatTool, FunctionDefinition, NamedFunction,
-                                               NamedToolChoice, RequestModel, SamplingRequest, Unsupported,
-                                               text_parts_only)
+from folio.entrypoints.openai.protocol import (BillingAndCacheHints, ChatLogProb, ChatTool, FunctionDefinition,
+                                               NamedFunction, NamedToolChoice, RequestModel, SamplingRequest,
+                                               Unsupported, text_parts_only)
 from folio.entrypoints.openai.request_limits import RequestLimits
 
 
@@ -120,6 +120,7 @@ class TextConfig(RequestModel):
 
 
 _NO_BUILT_IN = "is not supported: this server runs no built-in tools"
+LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the message's token logprobs
 _RESPONSES_UNSUPPORTED = (
     Unsupported("n", "is not a field of the Responses API: a response has one output", lambda v: v in (None, 1)),
     Unsupported("max_tokens", "is not a field of the Responses API: use max_output_tokens"),
@@ -131,8 +132,8 @@ _RESPONSES_UNSUPPORTED = (
                 lambda v: not v or all(value is None for value in v.values())),
     Unsupported("background", "is not supported: a response runs while its request is open", lambda v: not v),
     Unsupported("background_options", "is not supported: a response runs while its request is open"),
-    Unsupported("include", "is not supported: a response holds its output text only", lambda v: not v),
-    Unsupported("top_logprobs", "is not supported here (chat completions has logprobs)", lambda v: not v),
+    Unsupported("include", f"is supported for {LOGPROBS!r} only: a response holds its output text and calls",
+                lambda v: not v or set(v) <= {LOGPROBS}),
     Unsupported("conversation", "is not supported: continue a conversation with previous_response_id"),
     Unsupported("prompt", "(a stored prompt template) is not supported: send instructions and input"),
     Unsupported("context_management", "is not supported: a prompt that does not fit is refused"),
@@ -157,11 +158,11 @@ class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
     text: Optional[TextConfig] = None
     truncation: Optional[str] = None
     max_tool_calls: Optional[int] = None  # calls of built-in tools, and there are none here
-    # refused unless empty (_RESPONSES_UNSUPPORTED)
+    # refused unless empty, or asking for nothing missing (_RESPONSES_UNSUPPORTED)
     reasoning: Optional[dict[str, Any]] = None
     background: Optional[bool] = None
-    include: Optional[list[str]] = None
-    top_logprobs: Optional[int] = None
+    include: Optional[list[str]] = None  # LOGPROBS only
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None  # alternatives per token, with logprobs
     background_options: Optional[Any] = None
     conversation: Optional[Any] = None
     prompt: Optional[Any] = None
@@ -176,6 +177,14 @@ class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
 
     def chat_tools(self) -> Optional[list[ChatTool]]:
         return None if self.tools is None else [tool.as_chat_tool() for tool in self.tools]
+
+    @property
+    def logprobs(self) -> Optional[int]:
+        """The most likely tokens to return beside each of the message's (include LOGPROBS or top_logprobs ask for
+        logprobs), or None."""
+        if LOGPROBS in (self.include or ()) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
 
     @staticmethod
     def echoed(value: Union[str, BaseModel]) -> Union[str, dict[str, Any]]:
@@ -193,7 +202,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[ChatLogProb] = Field(default_factory=list)  # its tokens', where the request asked for them
 
 
 class OutputMessage(BaseModel):

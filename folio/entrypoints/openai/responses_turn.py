@@ -14,10 +14,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from folio.entrypoints.openai.protocol import ChatMessage, FunctionCallRequest, ToolCallRequest
+from folio.entrypoints.openai.protocol import ChatLogProb, ChatMessage, FunctionCallRequest, ToolCallRequest
 from folio.entrypoints.openai.protocol_responses import (IncompleteDetails, InputTokensDetails, OutputFunctionCall,
                                                          OutputItem, OutputMessage, OutputText, ResponseError,
                                                          ResponseObject, ResponsesRequest, ResponseUsage)
+from folio.entrypoints.openai.serving_chat import token_logprobs
 from folio.entrypoints.openai.tool_parser import CallEnd, ToolCallParser
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
@@ -30,13 +31,15 @@ class MessageItem:
     output_index: int  # its place among the turn's items
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     text: str = ""
+    logprobs: list[ChatLogProb] = field(default_factory=list)  # its tokens', where the request asked for them
     done: bool = False  # a tool call came after it
 
     def item(self, turn_status: str) -> OutputMessage:
         """The item as the response shows it while the turn has turn_status."""
         status = "completed" if self.done else {"in_progress": "in_progress", "completed": "completed"}.get(
             turn_status, "incomplete")
-        return OutputMessage(id=self.id, status=status, content=[OutputText(text=self.text)])
+        return OutputMessage(id=self.id, status=status,
+                             content=[OutputText(text=self.text, logprobs=list(self.logprobs))])
 
     def opened(self) -> OutputMessage:
         return OutputMessage(id=self.id, status="in_progress", content=[])  # its part is added next
@@ -75,6 +78,7 @@ class Edit:
     kind: Literal["added", "delta", "done"]
     item: Item
     delta: str = ""
+    logprobs: list[ChatLogProb] = field(default_factory=list)  # a message delta's tokens'
     snapshot: Optional[OutputItem] = None
 
 
@@ -91,6 +95,7 @@ class Turn:
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     created_at: int = field(default_factory=lambda: int(time.time()))
     items: list[Item] = field(default_factory=list)
+    pending_logprobs: list[ChatLogProb] = field(default_factory=list)  # of tokens whose text has not come yet
     output_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: Optional[str] = None
@@ -103,6 +108,9 @@ class Turn:
             text += completion.text
             self.output_tokens += len(completion.token_ids)
             self.finish_reason = completion.finish_reason
+            if completion.logprobs is not None:  # (asked for without tools only: then all text is the message's)
+                self.pending_logprobs += token_logprobs(completion.token_ids, completion.logprobs,
+                                                        self.request.logprobs or 0)
         pieces = [text] if self.parser is None else self.parser.pieces(text, final=self.finish_reason is not None)
         edits: list[Edit] = []
         for piece in pieces:
@@ -111,8 +119,11 @@ class Turn:
                     continue
                 if not self.items or not isinstance(self.items[-1], MessageItem):
                     edits += self._open(MessageItem(len(self.items)))
-                self.items[-1].text += piece
-                edits.append(Edit("delta", self.items[-1], piece))
+                message, logprobs = self.items[-1], self.pending_logprobs
+                message.text += piece
+                message.logprobs += logprobs
+                self.pending_logprobs = []
+                edits.append(Edit("delta", message, piece, logprobs))
             elif isinstance(piece, CallEnd):
                 call = self._calls()[piece.index]
                 call.done = True
@@ -127,8 +138,13 @@ class Turn:
         return edits
 
     def finish(self) -> list[Edit]:
-        """The items still open, ended (an empty message where the turn wrote nothing)."""
+        """The items still open, ended (an empty message where the turn wrote nothing, holding the logprobs of
+        tokens that wrote no text)."""
         edits = self._open(MessageItem(0)) if not self.items else []
+        if self.pending_logprobs and isinstance(self.items[-1], MessageItem):
+            edits.append(Edit("delta", self.items[-1], "", self.pending_logprobs))
+            self.items[-1].logprobs += self.pending_logprobs
+            self.pending_logprobs = []
         return edits + [Edit("done", item, snapshot=item.item(self.status)) for item in self.items if not item.done]
 
     def _open(self, item: Item) -> list[Edit]:

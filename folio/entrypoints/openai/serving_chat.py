@@ -16,7 +16,7 @@ from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, clamp_logprob
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
 from folio.entrypoints.openai.tool_parser import ToolCallParser, join_tool_calls
-from folio.outputs import Logprob
+from folio.outputs import Logprob, SampleLogprobs
 from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
 
@@ -27,6 +27,18 @@ _RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "token
 def _top_logprob(lp: Logprob) -> TopLogProb:
     token = lp.decoded_token or ""
     return TopLogProb(token=token, logprob=clamp_logprob(lp.logprob), bytes=list(token.encode("utf-8")))
+
+
+def token_logprobs(token_ids: list[int], positions: SampleLogprobs, top_n: int) -> list[ChatLogProb]:
+    """Each generated token's logprob and the top_n most likely at its position, in the shape chat completions and
+    the Responses API share."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = _top_logprob(position[token_id])
+        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top_n),
+                     key=lambda lp: lp.rank)
+        content.append(ChatLogProb(**chosen.model_dump(), top_logprobs=[_top_logprob(lp) for lp in top]))
+    return content
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[ChatMessage],
@@ -117,10 +129,4 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def _logprobs(delta: ChoiceDelta, top_n: int) -> ChatChoiceLogProbs:
-        content = []
-        for token_id, position in zip(delta.token_ids, delta.logprobs):
-            chosen = _top_logprob(position[token_id])
-            top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top_n),
-                         key=lambda lp: lp.rank)
-            content.append(ChatLogProb(**chosen.model_dump(), top_logprobs=[_top_logprob(lp) for lp in top]))
-        return ChatChoiceLogProbs(content=content)
+        return ChatChoiceLogProbs(content=token_logprobs(delta.token_ids, delta.logprobs, top_n))

@@ -79,11 +79,12 @@ def _events_of(edits: list[Edit], event: Callable[..., str]) -> list[str]:
                 texts += [event("response.output_item.added", **where, item=snapshot),
                           event("response.content_part.added", **part, part=OutputText(text="").model_dump())]
             elif edit.kind == "delta":
-                texts.append(event("response.output_text.delta", **part, delta=edit.delta, logprobs=[]))
+                texts.append(event("response.output_text.delta", **part, delta=edit.delta,
+                                   logprobs=[lp.model_dump() for lp in edit.logprobs]))
             else:
-                text = edit.snapshot.content[0].text
-                texts += [event("response.output_text.done", **part, text=text, logprobs=[]),
-                          event("response.content_part.done", **part, part=OutputText(text=text).model_dump()),
+                whole = snapshot["content"][0]
+                texts += [event("response.output_text.done", **part, text=whole["text"], logprobs=whole["logprobs"]),
+                          event("response.content_part.done", **part, part=whole),
                           event("response.output_item.done", **where, item=snapshot)]
         elif edit.kind == "added":
             texts.append(event("response.output_item.added", **where, item=snapshot))
@@ -145,7 +146,12 @@ class OpenAIServingResponses:
         elif max_tokens < 1:
             raise ValueError(f"max_output_tokens must be >= 1, got {max_tokens}")
         check_context(len(ids), max_tokens, self.max_model_len, "max_output_tokens")
-        return ids, request.to_sampling_params(max_tokens, structured_outputs=constraint), tool_choice != "none"
+        reads_calls = tool_choice != "none"
+        if reads_calls and request.logprobs is not None:  # (a call's tokens are not the message's text)
+            raise ValueError(f"{'include' if request.include else 'top_logprobs'} asks for the message's logprobs, "
+                             "which are not given beside tool calls: set tool_choice to 'none', or leave them out")
+        params = request.to_sampling_params(max_tokens, request.logprobs, structured_outputs=constraint)
+        return ids, params, reads_calls
 
     def _constraint(self, request: ResponsesRequest, tools: Optional[list[ChatTool]],
                     tool_choice: ToolChoice) -> Optional[StructuredOutputsParams]:
