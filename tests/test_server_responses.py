@@ -109,6 +109,25 @@ def test_stream_events_assemble_into_the_response(client):
     assert text.startswith(streamed) and events[-1].response.usage.output_tokens == 3
 
 
+def test_truncation_auto_drops_the_oldest_messages_until_the_input_fits(client, llama_server):
+    """The tiny model's context is 512 tokens: 30 turns do not fit; "auto" keeps the newest that do, with room for
+    max_output_tokens, and renders them as chat renders the same messages."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}: " + "the quick brown fox " * 3}
+             for i in range(30)]
+    with llama_server.http() as http:
+        refused = http.post("/v1/responses", json={"input": turns, "max_output_tokens": 8, **GREEDY})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input", refused.text
+    response = client.responses.create(input=turns, max_output_tokens=8, truncation="auto", **GREEDY)
+    assert response.truncation == "auto" and response.usage.input_tokens <= 512 - 8
+    with llama_server.http() as http:
+        def prompt_tokens(messages: list) -> int:
+            return http.post("/tokenize", json={"messages": messages}).json()["count"]
+
+        kept = next(k for k in range(1, 30) if prompt_tokens(turns[-k:]) == response.usage.input_tokens)
+        assert prompt_tokens(turns[-kept - 1:]) > 512 - 8  # one more would not have fit
+    assert 1 < kept < 30 and response.output_text == chat(client, turns[-kept:], 8).choices[0].message.content
+
+
 def test_logprobs_equal_chat_completions_and_stream_with_the_text(client):
     kwargs = dict(input="hello world", max_output_tokens=6, include=["message.output_text.logprobs"], top_logprobs=2,
                   **GREEDY)
@@ -150,7 +169,7 @@ def test_logprobs_equal_chat_completions_and_stream_with_the_text(client):
     ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
     ({"include": ["message.output_text.logprobs"], "tools": [{"type": "function", "name": "f"}]}, 400, "include"),
     ({"top_logprobs": 21}, 400, "top_logprobs"),
-    ({"truncation": "auto"}, 400, "truncation"),
+    ({"truncation": "middle"}, 400, "truncation"),
     ({"conversation": "conv_1"}, 400, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, 400, "prompt"),
     ({"background_options": {"completion_window": "2h"}}, 400, "background_options"),

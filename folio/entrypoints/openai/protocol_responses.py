@@ -126,8 +126,6 @@ _RESPONSES_UNSUPPORTED = (
     Unsupported("max_tokens", "is not a field of the Responses API: use max_output_tokens"),
     Unsupported("text.verbosity", "other than 'medium' is not supported: folio runs models without verbosity "
                                   "controls", lambda v: v in (None, "medium")),
-    Unsupported("truncation", "'auto' is not supported: a prompt that does not fit is refused",
-                lambda v: v in (None, "disabled")),
     Unsupported("reasoning", "is not supported: folio runs models without reasoning controls",
                 lambda v: not v or all(value is None for value in v.values())),
     Unsupported("background", "is not supported: a response runs while its request is open", lambda v: not v),
@@ -156,7 +154,7 @@ class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
     tool_choice: Union[Literal["none", "auto", "required"], FunctionToolChoice, None] = None  # default: auto with tools
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextConfig] = None
-    truncation: Optional[str] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None  # auto: the oldest messages go, to fit
     max_tool_calls: Optional[int] = None  # calls of built-in tools, and there are none here
     # refused unless empty, or asking for nothing missing (_RESPONSES_UNSUPPORTED)
     reasoning: Optional[dict[str, Any]] = None
@@ -275,7 +273,7 @@ class ResponseObject(BaseModel):
     tool_choice: Union[str, dict[str, Any]] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
 
 
 class DeletedResponse(BaseModel):

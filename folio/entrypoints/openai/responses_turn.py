@@ -190,4 +190,5 @@ class Turn:
             user=request.user, parallel_tool_calls=request.parallel_tool_calls is not False,
             tool_choice="auto" if request.tool_choice is None else request.echoed(request.tool_choice),
             tools=[request.echoed(tool) for tool in request.tools or ()],
-            text={"format": {"type": "text"} if text_format is None else request.echoed(text_format)})
+            text={"format": {"type": "text"} if text_format is None else request.echoed(text_format)},
+            truncation=request.truncation or "disabled")

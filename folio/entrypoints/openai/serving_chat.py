@@ -41,20 +41,25 @@ def token_logprobs(token_ids: list[int], positions: SampleLogprobs, top_n: int) 
     return content
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[ChatMessage],
-                    add_generation_prompt: bool = True, tools: Optional[list[ChatTool]] = None,
-                    template_kwargs: Optional[dict[str, Any]] = None, field: str = "messages") -> list[int]:
+def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                     tools: Optional[list[ChatTool]] = None, template_kwargs: Optional[dict[str, Any]] = None) -> str:
     """The conversation through the model's chat template, tools as Transformers passes them (a list of dicts in
-    the API's shape), the rendered text's length checked before it is tokenized; ValueError for what the
-    template rejects."""
+    the API's shape); ValueError for what the template rejects."""
     kwargs = template_kwargs or {}
     reserved = _RESERVED_TEMPLATE_ARGS & kwargs.keys()
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     if tools:
         kwargs = {**kwargs, "tools": [t.model_dump(exclude_none=True) for t in tools]}
-    text = tokenizer.apply_chat_template([m.to_template_dict() for m in messages],
+    return tokenizer.apply_chat_template([m.to_template_dict() for m in messages],
                                          add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[ChatMessage],
+                    add_generation_prompt: bool = True, tools: Optional[list[ChatTool]] = None,
+                    template_kwargs: Optional[dict[str, Any]] = None, field: str = "messages") -> list[int]:
+    """chat_prompt_text's tokens, its length checked before it is tokenized."""
+    text = chat_prompt_text(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
     limits.text(text, field)
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS the model wants
 

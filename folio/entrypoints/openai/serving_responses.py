@@ -35,7 +35,7 @@ from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.responses_store import ResponseStore
 from folio.entrypoints.openai.responses_turn import Edit, MessageItem, Turn
 from folio.entrypoints.openai.serving import cancel_on_disconnect, check_context, check_model
-from folio.entrypoints.openai.serving_chat import chat_prompt_ids
+from folio.entrypoints.openai.serving_chat import chat_prompt_text
 from folio.entrypoints.openai.tool_grammar import ToolChoice, resolve_tool_choice
 from folio.entrypoints.openai.tool_parser import ToolCallParser
 from folio.sampling_params import SamplingParams
@@ -137,14 +137,13 @@ class OpenAIServingResponses:
         tools = request.chat_tools()
         tool_choice = resolve_tool_choice(tools, request.chat_tool_choice())
         constraint = self._constraint(request, tools, tool_choice)
-        system = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
-        ids = chat_prompt_ids(self.tokenizer, self.limits, system + conversation, tools=tools, field="input")
-        check_prompt_fits(len(ids), self.max_model_len, "input")
         max_tokens = request.max_output_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_output_tokens must be >= 1, got {max_tokens}")
+        ids = self._prompt_ids(request, conversation, tools)
+        check_prompt_fits(len(ids), self.max_model_len, "input")
         if max_tokens is None:
             max_tokens = self.max_model_len - len(ids)
-        elif max_tokens < 1:
-            raise ValueError(f"max_output_tokens must be >= 1, got {max_tokens}")
         check_context(len(ids), max_tokens, self.max_model_len, "max_output_tokens")
         reads_calls = tool_choice != "none"
         if reads_calls and request.logprobs is not None:  # (a call's tokens are not the message's text)
@@ -152,6 +151,27 @@ class OpenAIServingResponses:
                              "which are not given beside tool calls: set tool_choice to 'none', or leave them out")
         params = request.to_sampling_params(max_tokens, request.logprobs, structured_outputs=constraint)
         return ids, params, reads_calls
+
+    def _prompt_ids(self, request: ResponsesRequest, conversation: list[ChatMessage],
+                    tools: Optional[list[ChatTool]]) -> list[int]:
+        """The prompt: instructions, conversation and tools through the chat template. With truncation "auto", as
+        OpenAI's: the conversation's oldest messages dropped (a dropped call's results with it) until the prompt
+        leaves room for max_output_tokens (one token where none is given); the last message stays."""
+        system = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
+        room = self.max_model_len - (request.max_output_tokens or 1)
+        while True:
+            text = chat_prompt_text(self.tokenizer, system + conversation, tools=tools)
+            if request.truncation != "auto" or len(conversation) == 1:
+                self.limits.text(text, "input")
+                return self.tokenizer.encode(text, add_special_tokens=False)
+            if len(text) <= self.limits.max_prompt_chars:  # (longer cannot fit: no need to tokenize it)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if len(ids) <= room:
+                    return ids
+            drop = 1
+            while drop < len(conversation) - 1 and conversation[drop].role == "tool":
+                drop += 1
+            conversation = conversation[drop:]
 
     def _constraint(self, request: ResponsesRequest, tools: Optional[list[ChatTool]],
                     tool_choice: ToolChoice) -> Optional[StructuredOutputsParams]:
