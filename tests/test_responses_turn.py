@@ -33,7 +33,7 @@ def test_one_output_with_text_calls_and_text_keeps_their_order():
     t = turn()
     edits = t.add(output("Before\n" + TIME + "\n" + WEATHER + "\nAfter", finish="stop")) + t.finish()
     assert [(type(i).__name__, getattr(i, "text", None) or getattr(i, "name")) for i in t.items] == [
-        ("MessageItem", "Before\n"), ("CallItem", "get_time"), ("CallItem", "get_weather"), ("MessageItem", "\nAfter")]
+        ("MessageItem", "Before\n"), ("CallItem", "get_time"), ("CallItem", "get_weather"), ("MessageItem", "After")]
     assert kinds(edits) == [
         ("added", "MessageItem", 0), ("delta", "MessageItem", 0), ("done", "MessageItem", 0),
         ("added", "CallItem", 1), ("delta", "CallItem", 1), ("done", "CallItem", 1),
@@ -67,14 +67,14 @@ def test_a_call_cut_short_is_incomplete_and_keeps_its_arguments():
     cut = turn()  # cut before the call's name: the text it was
     cut.add(output('Hm <tool_call>\n{"na', finish="length"))
     cut.finish()
-    assert [type(i).__name__ for i in cut.items] == ["MessageItem"] and cut.text == 'Hm <tool_call>\n{"na'
+    assert [type(i).__name__ for i in cut.items] == ["MessageItem"] and cut.items[0].text == 'Hm <tool_call>\n{"na'
 
 
 def test_the_stored_turn_and_its_output_sent_back_render_alike():
     t = turn()
     t.add(output("Checking.\n" + TIME, finish="stop"))
     t.finish()
-    stored = t.assistant_message()
+    (stored,) = t.assistant_messages()
     assert stored.content == "Checking.\n" and [c.function.name for c in stored.tool_calls] == ["get_time"]
     sent_back = [item.model_dump() for item in t.response().output]
     replay = chat_messages(ResponsesRequest.model_validate({"input": sent_back + [
@@ -83,3 +83,11 @@ def test_the_stored_turn_and_its_output_sent_back_render_alike():
     assert [m.role for m in replay] == ["assistant", "tool"] and replay[1].content == "12:00"
     assert [part.text for part in replay[0].content] == ["Checking.\n"]  # (the template gets them as a string)
     assert replay[0].tool_calls == stored.tool_calls
+    twice = turn()  # text, a call, then text the parser did not read as a call: two assistant turns either way
+    twice.add(output("A " + TIME + " <tool_call>oops</tool_call>", finish="stop"))
+    twice.finish()
+    sent_back = [item.model_dump() for item in twice.response().output]
+    replay = chat_messages(ResponsesRequest.model_validate({"input": sent_back}).input)
+    assert [(m.content if isinstance(m.content, str) else "".join(p.text for p in m.content), bool(m.tool_calls))
+            for m in replay] == [(m.content, bool(m.tool_calls)) for m in twice.assistant_messages()] == [
+        ("A ", True), ("<tool_call>oops</tool_call>", False)]

@@ -138,3 +138,29 @@ def test_pieces_keep_the_order_written():
     kinds = [p if isinstance(p, str) else type(p).__name__ for p in pieces]
     assert kinds == ["a", "DeltaToolCall", "DeltaToolCall", "CallEnd", "b", "DeltaToolCall", "DeltaToolCall",
                      "CallEnd"]
+
+
+@pytest.mark.parametrize("ending", ["", "\n", "\n</tool_", " \n</tool_call"])
+def test_a_whole_call_object_without_its_closing_tag_is_a_call(ending):
+    """The text stopped before </tool_call> (a stop string, end of sequence): the object is whole, so it is a call
+    like any other, its own closing brace and the tag's start not in the arguments."""
+    for piece in (1, 4, 1000):
+        parser = ToolCallParser(["f"])
+        text = '<tool_call>\n{"name": "f", "arguments": {"a": {"b": 1}}}' + ending
+        deltas = []
+        for i in range(0, len(text), piece):
+            deltas += parser.feed(text[i:i + piece], final=i + piece >= len(text))[1]
+        assert [(c.function.name, c.function.arguments) for c in join_tool_calls(deltas)] == [("f", '{"a": {"b": 1}}')]
+        assert parser.num_calls == 1
+
+
+def test_whitespace_after_a_call_is_dropped_however_the_tokens_split_it():
+    for pieces in ([TIME + "\nDone."], [TIME, "\n", "Done."], [TIME + "\n", " Done."]):
+        parser = ToolCallParser()
+        content = "".join(parser.feed(p)[0] for p in pieces) + parser.feed("", final=True)[0]
+        assert content == "Done."
+
+
+def test_a_body_nested_without_end_is_content_not_a_crash():
+    text = "<tool_call>" + "[" * 100000 + "]" * 100000 + "</tool_call>"
+    assert ToolCallParser(["f"]).feed(text, final=True) == (text, [])

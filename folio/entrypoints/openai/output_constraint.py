@@ -23,6 +23,7 @@ class MessageFormat:
     schema: Optional[dict[str, Any]]
 
     def constraint(self) -> StructuredOutputsParams:
+        """The format alone, for an output that is only the message."""
         if self.schema is None:
             return StructuredOutputsParams(json_object=True)
         return StructuredOutputsParams(json=self.schema)

@@ -4,7 +4,7 @@ Requests are strict where OpenAI is (`"stream": 0` or `"n": "2"` is a 400, not a
 reject NaN/Infinity, which Python's JSON parser accepts but no sampler can use. Value ranges are left to
 SamplingParams, so the API and the Python engine give the same error for the same bad value. OpenAI's fields
 that ask for what this server lacks (audio, legacy function calling, reasoning controls...) are declared and
-refused when set (`Unsupported`, with why); those that only hint at billing, retention or caching are declared
+refused when set (unsupported_fields, with why); those that only hint at billing, retention or caching are declared
 and accepted (`BillingAndCacheHints`: they change nothing an open model returns). Other fields are ignored, as
 vLLM does, because clients send fields of newer API versions, and the server log names them. A request body is
 refused if any of its strings holds a lone UTF-16 surrogate ("\ud800", which JSON allows): it is not text,
@@ -17,12 +17,12 @@ import functools
 import logging
 import re
 import time
-from dataclasses import dataclass
 from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from folio.entrypoints.openai.request_limits import RequestLimits
+from folio.entrypoints.openai.unsupported_fields import CHAT_UNSUPPORTED, SAMPLING_UNSUPPORTED, Unsupported
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 
@@ -54,23 +54,6 @@ def lone_surrogate_path(body: Any) -> Optional[str]:
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
     return None
-
-
-@dataclass(frozen=True)
-class Unsupported:
-    """A field (a dotted path into the request) that a request may send only as `allowed` (by default absent or
-    null: a value that asks for nothing this server lacks), and why not otherwise."""
-
-    name: str
-    why: str
-    allowed: Callable[[Any], bool] = lambda value: value is None
-
-    def check(self, request: BaseModel) -> None:
-        value: Any = request
-        for part in self.name.split("."):
-            value = getattr(value, part, None)
-        if not self.allowed(value):
-            raise ValueError(f"{self.name} {self.why}")
 
 
 _warned_unknown: set[str] = set()  # field names the log has named (each once: a client sends them every time)
@@ -110,6 +93,7 @@ class RequestBody(RequestModel):
 
 @functools.cache
 def _known_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The names a request model takes, aliases included (computed once per model)."""
     return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 
@@ -166,8 +150,7 @@ class SamplingRequest(RequestBody):
     guided_decoding_backend: Optional[str] = None  # accepted whatever it names: there is one backend, llguidance
     guided_whitespace_pattern: Optional[str] = None  # refused when set
 
-    unsupported = (Unsupported("guided_whitespace_pattern", "is not supported: JSON is written with ', ' and ': ' "
-                                                            "separators and no free whitespace"),)
+    unsupported = SAMPLING_UNSUPPORTED
 
     @model_validator(mode="after")
     def _guided_fields_are_structured_outputs(self) -> "SamplingRequest":
@@ -400,29 +383,8 @@ class BillingAndCacheHints(RequestModel):
     safety_identifier: Optional[str] = None
 
 
-_NO_REASONING = "is not supported: folio runs models without reasoning controls"
-_TEXT_ONLY = "is not supported: this server generates text only"
-# Chat fields refused when set: declared below so that the request names them.
-_CHAT_UNSUPPORTED = (
-    Unsupported("functions", "(legacy function calling) is not supported: use tools", lambda value: not value),
-    Unsupported("function_call", "(legacy function calling) is not supported: use tool_choice",
-                lambda value: value in (None, "none")),
-    Unsupported("audio", _TEXT_ONLY),
-    Unsupported("modalities", _TEXT_ONLY, lambda value: value in (None, ["text"])),
-    Unsupported("prediction", "(predicted outputs) is not supported"),
-    Unsupported("web_search_options", "is not supported: this server runs no built-in tools"),
-    Unsupported("reasoning_effort", f"{_NO_REASONING} (a chat template's own switch, such as Qwen3's "
-                                    "enable_thinking, goes in chat_template_kwargs)"),
-    Unsupported("verbosity", "other than 'medium' is not supported: folio runs models without verbosity controls",
-                lambda value: value in (None, "medium")),
-    Unsupported("store", "is not supported: chat completions are not stored (the Responses API stores responses)",
-                lambda value: not value),
-    Unsupported("moderation", "is not supported: this server runs no moderation model"),
-)
-
-
 class ChatCompletionRequest(SamplingRequest, BillingAndCacheHints):
-    unsupported = SamplingRequest.unsupported + _CHAT_UNSUPPORTED
+    unsupported = CHAT_UNSUPPORTED
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     response_format: Optional[ResponseFormat] = None
@@ -435,7 +397,7 @@ class ChatCompletionRequest(SamplingRequest, BillingAndCacheHints):
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false} for Qwen3
     metadata: Optional[dict[str, str]] = None  # kept with a stored completion, and none is stored
-    # refused when set (_CHAT_UNSUPPORTED)
+    # refused when set (unsupported_fields.CHAT_UNSUPPORTED)
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
     audio: Optional[Any] = None

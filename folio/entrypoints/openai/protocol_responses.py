@@ -15,8 +15,9 @@ from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, mode
 
 from folio.entrypoints.openai.protocol import (BillingAndCacheHints, ChatLogProb, ChatTool, FunctionDefinition,
                                                NamedFunction, NamedToolChoice, RequestModel, SamplingRequest,
-                                               Unsupported, text_parts_only)
+                                               text_parts_only)
 from folio.entrypoints.openai.request_limits import RequestLimits
+from folio.entrypoints.openai.unsupported_fields import LOGPROBS, RESPONSES_UNSUPPORTED
 
 
 class InputTextPart(RequestModel):
@@ -116,33 +117,11 @@ class TextFormat(RequestModel):
 
 class TextConfig(RequestModel):
     format: Optional[TextFormat] = None
-    verbosity: Optional[str] = None  # refused unless "medium" (_RESPONSES_UNSUPPORTED)
-
-
-_NO_BUILT_IN = "is not supported: this server runs no built-in tools"
-LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the message's token logprobs
-_RESPONSES_UNSUPPORTED = (
-    Unsupported("n", "is not a field of the Responses API: a response has one output", lambda v: v in (None, 1)),
-    Unsupported("max_tokens", "is not a field of the Responses API: use max_output_tokens"),
-    Unsupported("text.verbosity", "other than 'medium' is not supported: folio runs models without verbosity "
-                                  "controls", lambda v: v in (None, "medium")),
-    Unsupported("reasoning", "is not supported: folio runs models without reasoning controls",
-                lambda v: not v or all(value is None for value in v.values())),
-    Unsupported("background", "is not supported: a response runs while its request is open", lambda v: not v),
-    Unsupported("background_options", "is not supported: a response runs while its request is open"),
-    Unsupported("include", f"is supported for {LOGPROBS!r} only: a response holds its output text and calls",
-                lambda v: not v or set(v) <= {LOGPROBS}),
-    Unsupported("conversation", "is not supported: continue a conversation with previous_response_id"),
-    Unsupported("prompt", "(a stored prompt template) is not supported: send instructions and input"),
-    Unsupported("context_management", "is not supported: a prompt that does not fit is refused"),
-    Unsupported("image", "is not supported: this server generates text only"),
-    Unsupported("access_programs", _NO_BUILT_IN),
-    Unsupported("moderation", "is not supported: this server runs no moderation model"),
-)
+    verbosity: Optional[str] = None  # refused unless "medium" (unsupported_fields.RESPONSES_UNSUPPORTED)
 
 
 class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
-    unsupported = SamplingRequest.unsupported + _RESPONSES_UNSUPPORTED
+    unsupported = RESPONSES_UNSUPPORTED
 
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None  # a system message before the input; not carried to later turns
@@ -156,7 +135,7 @@ class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
     text: Optional[TextConfig] = None
     truncation: Optional[Literal["auto", "disabled"]] = None  # auto: the oldest messages go, to fit
     max_tool_calls: Optional[int] = None  # calls of built-in tools, and there are none here
-    # refused unless empty, or asking for nothing missing (_RESPONSES_UNSUPPORTED)
+    # refused unless empty, or asking for nothing missing (unsupported_fields.RESPONSES_UNSUPPORTED)
     reasoning: Optional[dict[str, Any]] = None
     background: Optional[bool] = None
     include: Optional[list[str]] = None  # LOGPROBS only

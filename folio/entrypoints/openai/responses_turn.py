@@ -14,11 +14,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from folio.entrypoints.openai.protocol import ChatLogProb, ChatMessage, FunctionCallRequest, ToolCallRequest
+from folio.entrypoints.openai.protocol import (ChatLogProb, ChatMessage, DeltaToolCall, FunctionCallRequest,
+                                               ToolCallRequest)
 from folio.entrypoints.openai.protocol_responses import (IncompleteDetails, InputTokensDetails, OutputFunctionCall,
                                                          OutputItem, OutputMessage, OutputText, ResponseError,
                                                          ResponseObject, ResponsesRequest, ResponseUsage)
-from folio.entrypoints.openai.serving_chat import token_logprobs
+from folio.entrypoints.openai.serving import token_logprobs
 from folio.entrypoints.openai.tool_parser import CallEnd, ToolCallParser
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
@@ -35,14 +36,18 @@ class MessageItem:
     done: bool = False  # a tool call came after it
 
     def item(self, turn_status: str) -> OutputMessage:
-        """The item as the response shows it while the turn has turn_status."""
-        status = "completed" if self.done else {"in_progress": "in_progress", "completed": "completed"}.get(
-            turn_status, "incomplete")
+        """The item as the response shows it while the turn has turn_status (a turn that failed or ran out of
+        tokens leaves its last message incomplete)."""
+        if self.done or turn_status == "completed":
+            status = "completed"
+        else:
+            status = "in_progress" if turn_status == "in_progress" else "incomplete"
         return OutputMessage(id=self.id, status=status,
                              content=[OutputText(text=self.text, logprobs=list(self.logprobs))])
 
     def opened(self) -> OutputMessage:
-        return OutputMessage(id=self.id, status="in_progress", content=[])  # its part is added next
+        """The item as output_item.added shows it: its one part is added next, empty."""
+        return OutputMessage(id=self.id, status="in_progress", content=[])
 
 
 @dataclass
@@ -63,6 +68,7 @@ class CallItem:
                                   status=status)
 
     def opened(self) -> OutputFunctionCall:
+        """The item as output_item.added shows it: the arguments come in the deltas."""
         return OutputFunctionCall(id=self.id, call_id=self.call_id, name=self.name, arguments="",
                                   status="in_progress")
 
@@ -115,26 +121,35 @@ class Turn:
         edits: list[Edit] = []
         for piece in pieces:
             if isinstance(piece, str):
-                if not piece:
-                    continue
-                if not self.items or not isinstance(self.items[-1], MessageItem):
-                    edits += self._open(MessageItem(len(self.items)))
-                message, logprobs = self.items[-1], self.pending_logprobs
-                message.text += piece
-                message.logprobs += logprobs
-                self.pending_logprobs = []
-                edits.append(Edit("delta", message, piece, logprobs))
+                edits += self._text(piece)
             elif isinstance(piece, CallEnd):
                 call = self._calls()[piece.index]
                 call.done = True
                 edits.append(Edit("done", call, snapshot=call.item(self.status)))
             else:
-                if piece.id is not None:  # a call's first piece
-                    edits += self._open(CallItem(len(self.items), piece.id, piece.function.name))
-                call = self._calls()[piece.index]
-                if piece.function.arguments:
-                    call.arguments += piece.function.arguments
-                    edits.append(Edit("delta", call, piece.function.arguments))
+                edits += self._call_piece(piece)
+        return edits
+
+    def _text(self, text: str) -> list[Edit]:
+        """Content: to the open message, or a new one (after a call), with the logprobs of the tokens so far."""
+        if not text:
+            return []
+        edits = []
+        if not self.items or not isinstance(self.items[-1], MessageItem):
+            edits += self._open(MessageItem(len(self.items)))
+        message, logprobs = self.items[-1], self.pending_logprobs
+        message.text += text
+        message.logprobs += logprobs
+        self.pending_logprobs = []
+        return edits + [Edit("delta", message, text, logprobs)]
+
+    def _call_piece(self, delta: DeltaToolCall) -> list[Edit]:
+        """A call's first piece opens its item; every piece adds to its arguments."""
+        edits = self._open(CallItem(len(self.items), delta.id, delta.function.name)) if delta.id is not None else []
+        call = self._calls()[delta.index]
+        if delta.function.arguments:
+            call.arguments += delta.function.arguments
+            edits.append(Edit("delta", call, delta.function.arguments))
         return edits
 
     def finish(self) -> list[Edit]:
@@ -148,6 +163,7 @@ class Turn:
         return edits + [Edit("done", item, snapshot=item.item(self.status)) for item in self.items if not item.done]
 
     def _open(self, item: Item) -> list[Edit]:
+        """Add an item, ending the message before it."""
         edits = []
         last = self.items[-1] if self.items else None
         if isinstance(last, MessageItem) and not last.done:
@@ -157,23 +173,33 @@ class Turn:
         return edits + [Edit("added", item, snapshot=item.opened())]
 
     def _calls(self) -> list[CallItem]:
+        """The call items, by the parser's call index."""
         return [item for item in self.items if isinstance(item, CallItem)]
 
     @property
-    def text(self) -> str:
-        return "".join(item.text for item in self.items if isinstance(item, MessageItem))
-
-    @property
     def status(self) -> str:
+        """The response's status: an output that ended for another reason than its stop or its length (an
+        abort) failed."""
         return {None: "in_progress", "stop": "completed", "length": "incomplete"}.get(self.finish_reason, "failed")
 
-    def assistant_message(self) -> ChatMessage:
-        """The turn as the next turn's template sees it: its text, then its calls."""
-        calls = [ToolCallRequest(id=c.call_id, function=FunctionCallRequest(name=c.name, arguments=c.arguments))
-                 for c in self._calls()]
-        return ChatMessage(role="assistant", content=self.text or (None if calls else ""), tool_calls=calls or None)
+    def assistant_messages(self) -> list[ChatMessage]:
+        """The turn as the next turn's template sees it: an assistant message per message item, the calls after
+        it as its tool_calls (as serving_responses.chat_messages reads the same items sent back)."""
+        messages: list[ChatMessage] = []
+        for item in self.items:
+            if isinstance(item, MessageItem):
+                messages.append(ChatMessage(role="assistant", content=item.text))
+                continue
+            call = ToolCallRequest(id=item.call_id, function=FunctionCallRequest(name=item.name,
+                                                                                 arguments=item.arguments))
+            if messages:
+                messages[-1].tool_calls = (messages[-1].tool_calls or []) + [call]
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        return messages
 
     def response(self, error: Optional[ResponseError] = None) -> ResponseObject:
+        """The response as it stands (no output while in progress), the request's settings echoed."""
         request, status = self.request, "failed" if error is not None else self.status
         usage = ResponseUsage(input_tokens=self.prompt_tokens,
                               input_tokens_details=InputTokensDetails(cached_tokens=self.cached_tokens),

@@ -26,9 +26,10 @@ from starlette.responses import Response, StreamingResponse
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
 from folio.engine.input_processor import check_prompt_fits
 from folio.entrypoints.openai.errors import OpenAIError, engine_error_status, error_body
-from folio.entrypoints.openai.protocol import DeltaToolCall, PromptTokensDetails, SamplingRequest, UsageInfo
+from folio.entrypoints.openai.protocol import (ChatLogProb, DeltaToolCall, PromptTokensDetails, SamplingRequest,
+                                               TopLogProb, UsageInfo)
 from folio.entrypoints.openai.request_limits import RequestLimits
-from folio.outputs import Logprob
+from folio.outputs import Logprob, SampleLogprobs
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 
@@ -68,6 +69,23 @@ class ChoiceDelta:
 def clamp_logprob(value: float) -> float:
     """JSON has no -Infinity; vLLM reports impossible tokens as -9999."""
     return max(value, -9999.0)
+
+
+def _top_logprob(lp: Logprob) -> TopLogProb:
+    token = lp.decoded_token or ""
+    return TopLogProb(token=token, logprob=clamp_logprob(lp.logprob), bytes=list(token.encode("utf-8")))
+
+
+def token_logprobs(token_ids: list[int], positions: SampleLogprobs, top_n: int) -> list[ChatLogProb]:
+    """Each generated token's logprob and the top_n most likely at its position, in the shape chat completions and
+    the Responses API share."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = _top_logprob(position[token_id])
+        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top_n),
+                     key=lambda lp: lp.rank)
+        content.append(ChatLogProb(**chosen.model_dump(), top_logprobs=[_top_logprob(lp) for lp in top]))
+    return content
 
 
 def _event(payload: Union[BaseModel, dict]) -> str:

@@ -9,36 +9,18 @@ from typing import Any, AsyncIterator, Optional
 from pydantic import BaseModel
 
 from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogProbs, ChatCompletionChunk,
-                                               ChatCompletionRequest, ChatCompletionResponse, ChatLogProb, ChatMessage,
-                                               ChatStreamChoice, ChatTool, DeltaMessage, TopLogProb, UsageInfo)
+                                               ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
+                                               ChatStreamChoice, ChatTool, DeltaMessage, UsageInfo)
 from folio.entrypoints.openai.output_constraint import MessageFormat, output_constraint
 from folio.entrypoints.openai.request_limits import RequestLimits
-from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, clamp_logprob
+from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, token_logprobs
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
 from folio.entrypoints.openai.tool_parser import ToolCallParser, join_tool_calls
-from folio.outputs import Logprob, SampleLogprobs
 from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
 
 # Template variables a request may not override through chat_template_kwargs.
 _RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools"})
-
-
-def _top_logprob(lp: Logprob) -> TopLogProb:
-    token = lp.decoded_token or ""
-    return TopLogProb(token=token, logprob=clamp_logprob(lp.logprob), bytes=list(token.encode("utf-8")))
-
-
-def token_logprobs(token_ids: list[int], positions: SampleLogprobs, top_n: int) -> list[ChatLogProb]:
-    """Each generated token's logprob and the top_n most likely at its position, in the shape chat completions and
-    the Responses API share."""
-    content = []
-    for token_id, position in zip(token_ids, positions):
-        chosen = _top_logprob(position[token_id])
-        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top_n),
-                     key=lambda lp: lp.rank)
-        content.append(ChatLogProb(**chosen.model_dump(), top_logprobs=[_top_logprob(lp) for lp in top]))
-    return content
 
 
 def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,

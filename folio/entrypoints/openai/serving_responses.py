@@ -38,6 +38,7 @@ from folio.entrypoints.openai.serving import cancel_on_disconnect, check_context
 from folio.entrypoints.openai.serving_chat import chat_prompt_text
 from folio.entrypoints.openai.tool_grammar import ToolChoice, resolve_tool_choice
 from folio.entrypoints.openai.tool_parser import ToolCallParser
+from folio.entrypoints.openai.unsupported_fields import LOGPROBS
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 
@@ -83,7 +84,8 @@ def _events_of(edits: list[Edit], event: Callable[..., str]) -> list[str]:
                                    logprobs=[lp.model_dump() for lp in edit.logprobs]))
             else:
                 whole = snapshot["content"][0]
-                texts += [event("response.output_text.done", **part, text=whole["text"], logprobs=whole["logprobs"]),
+                texts += [event("response.output_text.done", **part, text=whole["text"],
+                                logprobs=whole["logprobs"]),
                           event("response.content_part.done", **part, part=whole),
                           event("response.output_item.done", **where, item=snapshot)]
         elif edit.kind == "added":
@@ -147,7 +149,8 @@ class OpenAIServingResponses:
         check_context(len(ids), max_tokens, self.max_model_len, "max_output_tokens")
         reads_calls = tool_choice != "none"
         if reads_calls and request.logprobs is not None:  # (a call's tokens are not the message's text)
-            raise ValueError(f"{'include' if request.include else 'top_logprobs'} asks for the message's logprobs, "
+            asked = "include" if LOGPROBS in (request.include or ()) else "top_logprobs"
+            raise ValueError(f"{asked} asks for the message's logprobs, "
                              "which are not given beside tool calls: set tool_choice to 'none', or leave them out")
         params = request.to_sampling_params(max_tokens, request.logprobs, structured_outputs=constraint)
         return ids, params, reads_calls
@@ -210,7 +213,7 @@ class OpenAIServingResponses:
     def _finish(self, turn: Turn) -> ResponseObject:
         final = turn.response()
         if turn.request.store and final.status in ("completed", "incomplete"):
-            self.store.put(final, turn.conversation + [turn.assistant_message()])
+            self.store.put(final, turn.conversation + turn.assistant_messages())
         return final
 
     async def _collect(self, stream: RequestStream, turn: Turn) -> Response:
@@ -241,7 +244,7 @@ class OpenAIServingResponses:
             return
         finally:
             stream.close()
-        for text in _events_of(turn.finish(), event):  # (an empty message where nothing came: still a well-formed stream)
+        for text in _events_of(turn.finish(), event):  # (an empty message where nothing came: a well-formed stream)
             yield text
         final = self._finish(turn)
         yield event(f"response.{final.status}", response=final.model_dump())

@@ -1,0 +1,80 @@
+"""The OpenAI request fields folio declares but cannot honour, and why: a request that sets one (to a value that asks
+for something the server lacks) is a 400 naming the field, never a request that silently does less. The request
+models declare these fields, so that their tables here can name them (protocol.RequestBody.refuse_unsupported)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A field (a dotted path into the request) that a request may send only as `allowed` (by default absent or
+    null: a value that asks for nothing this server lacks), and why not otherwise."""
+
+    name: str
+    why: str
+    allowed: Callable[[Any], bool] = lambda value: value is None
+
+    def check(self, request: BaseModel) -> None:
+        value: Any = request
+        for part in self.name.split("."):
+            value = getattr(value, part, None)  # (a test checks every name is a field of its request)
+        if not self.allowed(value):
+            raise ValueError(f"{self.name} {self.why}")
+
+
+NO_BUILT_IN_TOOLS = "is not supported: this server runs no built-in tools"
+NO_MODERATION = "is not supported: this server runs no moderation model"
+NO_REASONING = "is not supported: folio runs models without reasoning controls"
+TEXT_ONLY = "is not supported: this server generates text only"
+NO_VERBOSITY = "other than 'medium' is not supported: folio runs models without verbosity controls"
+LOGPROBS = "message.output_text.logprobs"  # the Responses API's `include` value for the message's token logprobs
+
+
+def _medium(value: Any) -> bool:
+    return value in (None, "medium")
+
+
+# Completions, chat and responses alike.
+SAMPLING_UNSUPPORTED = (
+    Unsupported("guided_whitespace_pattern", "is not supported: JSON is written with ', ' and ': ' separators and "
+                                             "no free whitespace"),
+)
+
+CHAT_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
+    Unsupported("functions", "(legacy function calling) is not supported: use tools", lambda value: not value),
+    Unsupported("function_call", "(legacy function calling) is not supported: use tool_choice",
+                lambda value: value in (None, "none")),
+    Unsupported("audio", TEXT_ONLY),
+    Unsupported("modalities", TEXT_ONLY, lambda value: value in (None, ["text"])),
+    Unsupported("prediction", "(predicted outputs) is not supported"),
+    Unsupported("web_search_options", NO_BUILT_IN_TOOLS),
+    Unsupported("reasoning_effort", f"{NO_REASONING} (a chat template's own switch, such as Qwen3's "
+                                    "enable_thinking, goes in chat_template_kwargs)"),
+    Unsupported("verbosity", NO_VERBOSITY, _medium),
+    Unsupported("store", "is not supported: chat completions are not stored (the Responses API stores responses)",
+                lambda value: not value),
+    Unsupported("moderation", NO_MODERATION),
+)
+
+RESPONSES_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
+    Unsupported("n", "is not a field of the Responses API: a response has one output",
+                lambda value: value in (None, 1)),
+    Unsupported("max_tokens", "is not a field of the Responses API: use max_output_tokens"),
+    Unsupported("text.verbosity", NO_VERBOSITY, _medium),
+    Unsupported("reasoning", NO_REASONING, lambda value: not value or all(v is None for v in value.values())),
+    Unsupported("background", "is not supported: a response runs while its request is open", lambda value: not value),
+    Unsupported("background_options", "is not supported: a response runs while its request is open"),
+    Unsupported("include", f"is supported for {LOGPROBS!r} only: a response holds its output text and calls",
+                lambda value: not value or set(value) <= {LOGPROBS}),
+    Unsupported("conversation", "is not supported: continue a conversation with previous_response_id"),
+    Unsupported("prompt", "(a stored prompt template) is not supported: send instructions and input"),
+    Unsupported("context_management", "is not supported: truncation 'auto' drops the oldest messages to fit"),
+    Unsupported("image", TEXT_ONLY),
+    Unsupported("access_programs", NO_BUILT_IN_TOOLS),
+    Unsupported("moderation", NO_MODERATION),
+)
