@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from folio.entrypoints.openai.protocol import ChatTool, NamedToolChoice
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice, tool_choice_constraint
-from folio.entrypoints.openai.tool_parser import ToolCallParser, join_tool_calls
+from folio.entrypoints.openai.tool_parser import CallEnd, ToolCallParser, join_tool_calls
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"x": {}}]}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
@@ -164,3 +166,40 @@ def test_whitespace_after_a_call_is_dropped_however_the_tokens_split_it():
 def test_a_body_nested_without_end_is_content_not_a_crash():
     text = "<tool_call>" + "[" * 100000 + "]" * 100000 + "</tool_call>"
     assert ToolCallParser(["f"]).feed(text, final=True) == (text, [])
+
+
+_ATOMS = ["<tool_call>", "</tool_call>", "<tool_c", "all>", "</to", "\n", " ", "{", "}", '"name"', ": ", '"f"', ", ",
+          '"arguments"', '{"a": 1}', "[", "]", "text", '"a\\x"', '{"arguments": {}, "name": "f"}',
+          '{"name": "f", "arguments": {"k": "v"}}', '{"name": "f", "arguments": ', "}}", "</tool_"]
+
+
+def _normalised(parser: ToolCallParser, pieces: list[str]) -> tuple[list, int]:
+    """What a parser gives for the pieces, ids left out and runs of content and of one call's arguments joined."""
+    out: list = []
+    for i, piece in enumerate(pieces):
+        for p in parser.pieces(piece, final=i == len(pieces) - 1):
+            if isinstance(p, str):
+                key, value = ("content",), p
+            elif isinstance(p, CallEnd):
+                out.append(("end", p.index))
+                continue
+            else:
+                key, value = ("call", p.index, p.function.name), p.function.arguments or ""
+            if out and out[-1][:-1] == key:
+                out[-1] = (*key, out[-1][-1] + value)
+            else:
+                out.append((*key, value))
+    return out, parser.num_calls
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(_ATOMS), min_size=1, max_size=14).flatmap(
+    lambda atoms: st.tuples(st.just("".join(atoms)), st.lists(st.integers(1, len("".join(atoms))), max_size=6))),
+       st.sampled_from([None, ["f"]]))
+def test_any_split_of_the_text_gives_what_the_whole_text_gives(text_and_cuts, names):
+    """Content, calls and their ends do not depend on how the tokens split the text (the server feeds what each
+    step decoded: one token, several with speculative decoding)."""
+    text, cuts = text_and_cuts
+    bounds = sorted(set(cuts) | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert _normalised(ToolCallParser(names), pieces) == _normalised(ToolCallParser(names), [text])
