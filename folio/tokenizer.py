@@ -7,11 +7,12 @@ transformers renders it (sandboxed jinja2, same options and helpers), so text an
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import re
 from datetime import datetime
-from functools import cached_property
 from typing import Any, Optional
 
 import jinja2
@@ -62,6 +63,36 @@ def _raise_exception(message: str) -> None:
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str) -> jinja2.Template:
+    """A chat template compiled in the sandbox (on first use: a model with a broken template still serves
+    completions; a few callers' own templates are kept)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template does not compile: {e}") from e
+
+
+def _ending_inside_the_last_message(text: str, messages: list[dict]) -> str:
+    """The rendered text cut right after the last message's content, where the template closes the turn after it
+    (Transformers' continue_final_message: where the template trimmed the content's edges, after the trimmed
+    content)."""
+    content = messages[-1]["content"] if messages else ""
+    if isinstance(content, list):
+        content = _text_of(content)
+    core = content.strip()
+    where = text.rfind(core) if core else -1
+    if where == -1:
+        raise ValueError("continue_final_message: the last message's content does not appear in the rendered chat "
+                         "(the template rewrites it), so it cannot be continued")
+    kept = content.lstrip()
+    return text[:where + len(kept)] if text.startswith(kept, where) else text[:where + len(core)]
 
 
 def _text_of(content: list) -> str:
@@ -165,28 +196,13 @@ class Tokenizer:
         symbols to text; a token holding part of a character's UTF-8 bytes gives '\ufffd' rather than an error."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    @cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        """Compiled on first use, so a model with a broken template still serves completions."""
-        if self.chat_template is None:
-            raise ValueError("this model has no chat template; use the completions API or pass a chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        try:
-            return env.from_string(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template does not compile: {e}") from e
-
-    def _normalize(self, messages: list[dict]) -> list[dict]:
+    def _normalize(self, messages: list[dict], template: str) -> list[dict]:
         """OpenAI-shaped messages in the shape templates are written for, as vLLM passes them:
           * None values dropped, and a missing content made empty (clients send content=None next to tool_calls;
             templates would print "None" or fail on it);
           * text parts joined for templates that expect a string;
           * `developer` (OpenAI's newer name for `system`) renamed `system` unless the template knows it;
           * tool call arguments, a JSON string in the API, parsed into the dict templates serialise."""
-        template = self.chat_template or ""
         wants_parts = _LOOPS_OVER_CONTENT.search(template) is not None
         knows_developer = "developer" in template
         out = []
@@ -205,16 +221,27 @@ class Tokenizer:
         return out
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
+                            continue_final_message: bool = False, chat_template: Optional[str] = None,
                             **kwargs: Any) -> str | list[int]:
         """Render the conversation; kwargs (tools, documents, enable_thinking, ...) reach the template as variables.
 
+        continue_final_message: the text ends inside the last message (an assistant turn to be continued, a
+        "prefill"), as Transformers renders it; chat_template: a template of the caller's instead of the model's.
         The ids are encoded without special tokens: the template already wrote BOS where the model wants one.
         """
-        template = self._compiled_template
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                             "continues the last message, the second starts a new one")
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
+            raise ValueError("this model has no chat template; use the completions API or pass a chat template")
+        normalized = self._normalize(messages, source)
         variables = {**self.special_tokens, **kwargs}
         try:
-            text = template.render(messages=self._normalize(messages), add_generation_prompt=add_generation_prompt,
-                                   **variables)
+            text = _compiled(source).render(messages=normalized, add_generation_prompt=add_generation_prompt,
+                                            **variables)
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"chat template error: {e}") from e
+        if continue_final_message:
+            text = _ending_inside_the_last_message(text, normalized)
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -78,6 +78,25 @@ def test_chat_applies_template(llm):
     assert len(two) == 2 and len(two[1].prompt_token_ids) > len(two[0].prompt_token_ids)
 
 
+def test_chat_takes_vllms_tools_prefill_and_template(llm):
+    """LLM.chat as vLLM's: tools reach the template, continue_final_message continues the assistant's prefill, and
+    a chat_template of the caller's renders instead of the model's."""
+    tok, params = llm.get_tokenizer(), SamplingParams(temperature=0, max_tokens=2)
+    template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if tools %}"
+                "{{ tools | tojson }}{% endif %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    out = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, chat_template=template,
+                   tools=tools)[0]
+    expected = '[user]hi[{"type": "function", "function": {"name": "get_time"}}][assistant]'
+    assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+    prefill = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "The answer is"}]
+    out = llm.chat(prefill, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    text = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nThe answer is"
+    assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(prefill, params, use_tqdm=False, continue_final_message=True)
+
+
 def test_tokenizer_round_trip(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("The quick brown fox")

@@ -90,6 +90,26 @@ def test_every_message_shape_renders_as_transformers(server, client, coder_dir):
     assert streamed == full.choices[0].message.content
 
 
+def test_continue_final_message_continues_the_assistants_prefill(server, client, coder_dir):
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant) message, as Transformers renders
+    it; with add_generation_prompt left true, a 400 naming the field."""
+    from transformers import AutoTokenizer
+
+    prefill = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "It is"}]
+    expected = AutoTokenizer.from_pretrained(coder_dir).apply_chat_template(
+        prefill, add_generation_prompt=False, continue_final_message=True, tokenize=True, return_dict=False)
+    out = client.chat.completions.create(model=MODEL_NAME, messages=prefill, max_tokens=2, temperature=0, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})
+    assert out.usage.prompt_tokens == len(expected)
+    with server.http() as http:
+        tokenized = http.post("/tokenize", json={"messages": prefill, "add_generation_prompt": False,
+                                                 "continue_final_message": True}).json()
+        assert tokenized["tokens"] == list(expected)
+        refused = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": prefill,
+                                                          "continue_final_message": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
 def test_developer_role_kept_when_the_template_knows_it(coder_dir, tmp_path):
     folder = shutil.copytree(coder_dir, tmp_path / "dev")
     with open(folder / "tokenizer_config.json") as f:

@@ -106,6 +106,34 @@ def test_chat_template_matches_transformers(tok, hf_tok, conversation, add_gener
     assert text.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
+@pytest.mark.parametrize("last", ["Sure, here is", "  The answer:  ", "ends with a newline\n"])
+def test_continue_final_message_matches_transformers(tok, hf_tok, last):
+    """The text ends inside the last (assistant) message, its edges as Transformers keeps them; refused with a
+    generation prompt, and where the template does not show the content."""
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": last}]
+    text = tok.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True)
+    assert text == hf_tok.apply_chat_template(conversation, add_generation_prompt=False,
+                                              continue_final_message=True, tokenize=False)
+    assert text.endswith(last.rstrip()) or text.endswith(last)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tok.apply_chat_template(conversation, continue_final_message=True)
+    hiding = "{% for m in messages %}[{{ m.role }}]{% endfor %}"
+    with pytest.raises(ValueError, match="does not appear"):
+        tok.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True,
+                                chat_template=hiding)
+
+
+def test_a_chat_template_of_the_callers_replaces_the_models(tok):
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "a"}]}]
+    assert tok.apply_chat_template(conversation, chat_template="{% for m in messages %}<{{ m.content }}>"
+                                                                "{% endfor %}") == "<a>"
+    assert tok.apply_chat_template(conversation, chat_template="{% for m in messages %}{% for p in m.content %}"
+                                                                "({{ p.text }}){% endfor %}{% endfor %}") == "(a)"
+    with pytest.raises(ValueError, match="does not compile"):
+        tok.apply_chat_template(conversation, chat_template="{% for %}")
+    assert tok.apply_chat_template(conversation).startswith("<|im_start|>system")  # the model's own is kept
+
+
 def test_content_parts_join_for_string_templates(tok, hf_tok):
     parts = [{"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]}]
     joined = [{"role": "user", "content": "first\nsecond"}]

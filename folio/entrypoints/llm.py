@@ -67,14 +67,18 @@ class LLM:
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: Optional[list[dict]] = None,
              chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template (or `chat_template`) to one conversation or a list of them, then
+        generate, as vLLM's LLM.chat: `tools` (OpenAI's shape) reach the template; continue_final_message (with
+        add_generation_prompt=False) continues the last message instead of starting a new turn."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {}))}
-            for conv in conversations]
+            conv, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template,
+            continue_final_message=continue_final_message, **kwargs)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[PromptType], params: list[Params], priority: list[int],

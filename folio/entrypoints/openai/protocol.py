@@ -395,6 +395,7 @@ class ChatCompletionRequest(SamplingRequest, BillingAndCacheHints):
     top_logprobs: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the last message (add_generation_prompt false)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false} for Qwen3
     metadata: Optional[dict[str, str]] = None  # kept with a stored completion, and none is stored
     # refused when set (unsupported_fields.CHAT_UNSUPPORTED)
@@ -535,6 +536,7 @@ class TokenizeRequest(RequestBody):
     tools: Optional[list[ChatTool]] = None  # with messages: rendered by the chat template as chat does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # with messages, as chat's
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

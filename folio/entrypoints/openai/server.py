@@ -143,7 +143,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
             limits.text(request.prompt)
             return tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         limits.tools(request.tools)
-        return chat_prompt_ids(tokenizer, limits, request.messages, request.add_generation_prompt, request.tools)
+        return chat_prompt_ids(tokenizer, limits, request.messages, request.add_generation_prompt, request.tools,
+                               continue_final_message=request.continue_final_message)
 
     @app.post("/tokenize", responses=errors(400, 404, 413))
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -20,11 +20,13 @@ from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
 
 # Template variables a request may not override through chat_template_kwargs.
-_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools"})
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools", "continue_final_message",
+                                     "chat_template"})
 
 
 def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                     tools: Optional[list[ChatTool]] = None, template_kwargs: Optional[dict[str, Any]] = None) -> str:
+                     tools: Optional[list[ChatTool]] = None, template_kwargs: Optional[dict[str, Any]] = None,
+                     continue_final_message: bool = False) -> str:
     """The conversation through the model's chat template, tools as Transformers passes them (a list of dicts in
     the API's shape); ValueError for what the template rejects."""
     kwargs = template_kwargs or {}
@@ -34,14 +36,17 @@ def chat_prompt_text(tokenizer: Tokenizer, messages: list[ChatMessage], add_gene
     if tools:
         kwargs = {**kwargs, "tools": [t.model_dump(exclude_none=True) for t in tools]}
     return tokenizer.apply_chat_template([m.to_template_dict() for m in messages],
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **kwargs)
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[ChatMessage],
                     add_generation_prompt: bool = True, tools: Optional[list[ChatTool]] = None,
-                    template_kwargs: Optional[dict[str, Any]] = None, field: str = "messages") -> list[int]:
+                    template_kwargs: Optional[dict[str, Any]] = None, field: str = "messages",
+                    continue_final_message: bool = False) -> list[int]:
     """chat_prompt_text's tokens, its length checked before it is tokenized."""
-    text = chat_prompt_text(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+    text = chat_prompt_text(tokenizer, messages, add_generation_prompt, tools, template_kwargs,
+                            continue_final_message)
     limits.text(text, field)
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS the model wants
 
@@ -52,7 +57,8 @@ class OpenAIServingChat(OpenAIServing):
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
         return [Prompt(None, chat_prompt_ids(self.tokenizer, self.limits, request.messages,
                                              request.add_generation_prompt, request.tools,
-                                             request.chat_template_kwargs))]
+                                             request.chat_template_kwargs,
+                                             continue_final_message=request.continue_final_message))]
 
     def structured_outputs(self, request: ChatCompletionRequest) -> Optional[StructuredOutputsParams]:
         """structured_outputs, response_format, the grammar of tool_choice, or the last two together
