@@ -120,9 +120,21 @@ def test_bad_chat_requests(http, change, match, param):
     ({"verbosity": "low"}, "verbosity"),
     ({"store": True}, "not stored"),
     ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ({"echo": True}, "completions has it"),
+    ({"documents": [{"text": "x"}]}, "chat_template_kwargs"),
+    ({"add_special_tokens": True}, "chat template writes"),
+    ({"use_beam_search": True}, "completions has it"),
+    ({"chat_template": "{{ messages }}"}, "model's template"),
+    ({"bad_words": ["x"]}, "logit_bias"),
+    ({"allowed_token_ids": [1, 2]}, "structured_outputs"),
+    ({"prompt_logprobs": 1}, "echo"),
+    ({"return_tokens_as_token_ids": True}, "not supported"),
+    ({"truncate_prompt_tokens": 8}, "refused"),
 ])
 def test_openai_fields_this_server_cannot_honour_are_400s_naming_them(http, change, match):
     assert_error(http.post("/v1/chat/completions", json={**CHAT, **change}), 400, match, next(iter(change)))
+    if next(iter(change)) in ("bad_words", "prompt_logprobs", "truncate_prompt_tokens"):  # vLLM's, on every API
+        assert_error(http.post("/v1/completions", json={**COMPLETION, **change}), 400, match, next(iter(change)))
 
 
 def test_every_unsupported_field_is_a_field_of_its_request():
@@ -145,7 +157,8 @@ def test_fields_that_ask_for_nothing_missing_are_accepted_and_unknown_ones_logge
     asked = {"modalities": ["text"], "store": False, "verbosity": "medium", "metadata": {"k": "v"},
              "service_tier": "flex", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
              "prompt_cache_options": {"ttl": "1h"}, "safety_identifier": "u1", "reasoning_effort": None,
-             "functions": [], "function_call": "none", "some_future_field": 1}
+             "functions": [], "function_call": "none", "echo": False, "add_special_tokens": False,
+             "spaces_between_special_tokens": False, "return_token_ids": False, "some_future_field": 1}
     with caplog.at_level("WARNING"):
         for _ in range(2):
             response = http.post("/v1/chat/completions", json={**CHAT, **asked})

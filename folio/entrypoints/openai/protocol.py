@@ -138,6 +138,7 @@ class SamplingRequest(RequestBody):
     min_tokens: int = 0
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: Optional[str] = None  # keeps this request's prompt out of other tenants' prefix-cache hits
@@ -149,6 +150,16 @@ class SamplingRequest(RequestBody):
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None  # accepted whatever it names: there is one backend, llguidance
     guided_whitespace_pattern: Optional[str] = None  # refused when set
+    # vLLM's other extras: refused when set (unsupported_fields.SAMPLING_UNSUPPORTED)
+    truncate_prompt_tokens: Optional[Any] = None
+    allowed_token_ids: Optional[Any] = None
+    bad_words: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    prompt_logprobs: Optional[Any] = None
+    return_tokens_as_token_ids: Optional[Any] = None
+    return_token_ids: Optional[Any] = None
+    kv_transfer_params: Optional[Any] = None
+    vllm_xargs: Optional[Any] = None
 
     unsupported = SAMPLING_UNSUPPORTED
 
@@ -192,6 +203,7 @@ class SamplingRequest(RequestBody):
             n=n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, logit_bias=self.logit_bias,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
             **{k: v for k, v in given.items() if v is not None})
 
@@ -409,6 +421,14 @@ class ChatCompletionRequest(SamplingRequest, BillingAndCacheHints):
     verbosity: Optional[Any] = None
     store: Optional[Any] = None
     moderation: Optional[Any] = None
+    echo: Optional[Any] = None  # vLLM's chat extras
+    documents: Optional[Any] = None
+    add_special_tokens: Optional[Any] = None
+    use_beam_search: Optional[Any] = None
+    best_of: Optional[Any] = None
+    length_penalty: Optional[Any] = None
+    chat_template: Optional[Any] = None
+    mm_processor_kwargs: Optional[Any] = None
 
     def check_limits(self, limits: RequestLimits) -> None:
         super().check_limits(limits)

@@ -39,10 +39,19 @@ def _medium(value: Any) -> bool:
     return value in (None, "medium")
 
 
-# Completions, chat and responses alike.
+# Completions, chat and responses alike: vLLM's extras that folio does not implement.
 SAMPLING_UNSUPPORTED = (
     Unsupported("guided_whitespace_pattern", "is not supported: JSON is written with ', ' and ': ' separators and "
                                              "no free whitespace"),
+    Unsupported("truncate_prompt_tokens", "is not supported: a prompt that does not fit is refused"),
+    Unsupported("allowed_token_ids", "is not supported: use structured_outputs (a choice, a regex) or logit_bias"),
+    Unsupported("bad_words", "is not supported: use logit_bias (-100 bans a token) or stop"),
+    Unsupported("logits_processors", "is not supported: a request cannot load code here"),
+    Unsupported("prompt_logprobs", "is not supported here: completions' echo with logprobs gives the prompt's"),
+    Unsupported("return_tokens_as_token_ids", "is not supported", lambda value: not value),
+    Unsupported("return_token_ids", "is not supported", lambda value: not value),
+    Unsupported("kv_transfer_params", "is not supported: this server has no disaggregated prefill"),
+    Unsupported("vllm_xargs", "is not supported"),
 )
 
 CHAT_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
@@ -59,6 +68,16 @@ CHAT_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
     Unsupported("store", "is not supported: chat completions are not stored (the Responses API stores responses)",
                 lambda value: not value),
     Unsupported("moderation", NO_MODERATION),
+    Unsupported("echo", "is not supported on chat (completions has it)", lambda value: not value),
+    Unsupported("documents", "is not supported as a field: chat_template_kwargs={'documents': [...]} gives them to "
+                             "the template"),
+    Unsupported("add_special_tokens", "is not supported: the chat template writes the special tokens the model "
+                                      "wants", lambda value: not value),
+    Unsupported("use_beam_search", "is not supported on chat (completions has it)", lambda value: not value),
+    Unsupported("best_of", "is not supported on chat (completions has it, with use_beam_search)"),
+    Unsupported("length_penalty", "is not supported on chat (completions has it, with use_beam_search)"),
+    Unsupported("chat_template", "is not supported per request: the server renders with the model's template"),
+    Unsupported("mm_processor_kwargs", TEXT_ONLY),
 )
 
 RESPONSES_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
