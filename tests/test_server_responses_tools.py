@@ -12,7 +12,7 @@ import pydantic
 import pytest
 
 from server_fixture import MODEL_NAME
-from test_server_structured_output import SCHEMA, TOOLS, WEATHER, server, validate  # noqa: F401 (server: fixture)
+from test_server_structured_output import SCHEMA, TOOLS, server, validate  # noqa: F401 (server: fixture)
 
 FUNCTION_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses API's flat shape
 PARAMETERS = {tool["name"]: tool["parameters"] for tool in FUNCTION_TOOLS}

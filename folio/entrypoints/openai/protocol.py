@@ -173,6 +173,10 @@ class SamplingRequest(RequestBody):
             self.structured_outputs = StructuredOutputsRequest.model_validate(guided)
         return self
 
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The structured_outputs field (guided_* mapped into it) as the engine takes it, or None."""
+        return None if self.structured_outputs is None else self.structured_outputs.to_params()
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:

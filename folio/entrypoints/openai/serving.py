@@ -175,7 +175,7 @@ class OpenAIServing(ABC):
 
     def structured_outputs(self, request: SamplingRequest) -> Optional[StructuredOutputsParams]:
         """The constraint on the output (here the structured_outputs field), checked: ValueError naming the field."""
-        constraint = None if request.structured_outputs is None else request.structured_outputs.to_params()
+        constraint = request.structured_outputs_params()
         self.llm.engine.structured_output.validate(constraint)
         return constraint
 

@@ -67,11 +67,10 @@ class OpenAIServingChat(OpenAIServing):
         message_format = None if fmt is None or fmt.type == "text" else MessageFormat(
             "response_format", "response_format.json_schema.schema",
             fmt.json_schema.json_schema if fmt.json_schema is not None else None)
-        structured = None if request.structured_outputs is None else request.structured_outputs.to_params()
         return output_constraint(self.llm.engine.structured_output, request.tools,
                                  resolve_tool_choice(request.tools, request.tool_choice),
                                  request.parallel_tool_calls is not False, "tools[{}].function.parameters",
-                                 structured, message_format)
+                                 request.structured_outputs_params(), message_format)
 
     async def read_deltas(self, request: ChatCompletionRequest,
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:

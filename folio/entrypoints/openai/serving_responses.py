@@ -182,10 +182,9 @@ class OpenAIServingResponses:
         fmt = request.text.format if request.text is not None else None
         message_format = None if fmt is None or fmt.type == "text" else \
             MessageFormat("text.format", "text.format.schema", fmt.json_schema)
-        structured = None if request.structured_outputs is None else request.structured_outputs.to_params()
         return output_constraint(self.llm.engine.structured_output, tools, tool_choice,
-                                 request.parallel_tool_calls is not False, "tools[{}].parameters", structured,
-                                 message_format)
+                                 request.parallel_tool_calls is not False, "tools[{}].parameters",
+                                 request.structured_outputs_params(), message_format)
 
     def retrieve(self, response_id: str, query: dict[str, str]) -> ResponseObject:
         for name, value in query.items():
