@@ -166,19 +166,28 @@ class ParallelOptions:
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance",)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # folio.reasoning_parser
 
 
 @dataclass
 class StructuredOutputsOptions:
-    """How constrained outputs (JSON schema, regex, choice, grammar) are enforced."""
+    """How constrained outputs (JSON schema, regex, choice, grammar) are enforced, and where a reasoning model's
+    thinking ends: the constraint applies to the answer after it (as vLLM's structured outputs config has it)."""
 
     structured_outputs_backend: str = option("llguidance", "grammar library that builds the token masks",
                                              choices=STRUCTURED_OUTPUTS_BACKENDS)
+    reasoning_parser: Optional[str] = option(
+        None, "the reasoning model family: its <think> block becomes the server's reasoning (chat's `reasoning`, "
+              "a Responses reasoning item), and structured outputs and tool grammars start after it",
+        default_means="none: all output is content", choices=REASONING_PARSERS)
 
     def __post_init__(self) -> None:
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                              f"got {self.structured_outputs_backend!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
 
 @dataclass

@@ -9,7 +9,8 @@
   admits the ones behind it.
 - `grammar_bitmask` builds each step's token bitmask for the constrained requests that sample in it (one row per
   sampled position), which travels to the model runner in the SchedulerOutput. Unconstrained requests get no
-  row and pay nothing.
+  row and pay nothing, nor do constrained ones still reasoning (under a reasoning parser, a request whose prompt
+  leaves it reasoning is constrained from the token after the closing tag on).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from folio.config import StructuredOutputsOptions
 from folio.core.request import Request
 from folio.core.step_contract import GrammarBitmask, SchedulerOutput
+from folio.reasoning_parser import EndTagWatcher, reasoning_parser
 from folio.structured_output.backend import BitmaskFill, Grammar, StructuredOutputBackend, bitmask_width
 from folio.structured_output.params import DESCRIPTIONS, StructuredOutputsParams
 from folio.structured_output.request import StructuredOutputRequest
@@ -64,6 +66,9 @@ class StructuredOutputManager:
         # logits: the grammar's vocabulary covers both; ids past the logits are never sampled anyway.
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
         self.backend = make_backend(options.structured_outputs_backend, tokenizer, self.vocab_size, eos_token_ids)
+        self.tokenizer = tokenizer
+        self.reasoning_parser = reasoning_parser(options.reasoning_parser)
+        self._end_tag_ids = self.reasoning_parser.end_tag_ids(tokenizer) if self.reasoning_parser else ()
         # One thread: compiles are rare next to steps, and one thread makes the lazily built tokenizer safe.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="folio-grammar")
         self._cache: OrderedDict[tuple[str, str], Future[Grammar]] = OrderedDict()
@@ -96,7 +101,12 @@ class StructuredOutputManager:
         for request in requests:
             params = request.sampling_params.structured_outputs
             if params is not None:
-                request.structured_output = StructuredOutputRequest(request.request_id, self._compiled(params))
+                reasoning = None
+                if self.reasoning_parser and self.reasoning_parser.starts_in_reasoning(self.tokenizer,
+                                                                                       request.prompt_token_ids):
+                    reasoning = EndTagWatcher(self._end_tag_ids)
+                request.structured_output = StructuredOutputRequest(request.request_id, self._compiled(params),
+                                                                    reasoning)
 
     def _compiled(self, params: StructuredOutputsParams) -> "Future[Grammar]":
         key = params.key()
@@ -131,11 +141,14 @@ class StructuredOutputManager:
             so = request.structured_output
             if so is None or item.num_computed_tokens + item.num_tokens < request.num_tokens:
                 continue  # unconstrained, or a prompt chunk that does not reach the end yet
+            free = so.free_positions(item.draft_token_ids)
+            if free is None:
+                continue  # still reasoning after every draft
             grammar = so.grammar
             if grammar is None:
                 continue  # compiling failed: its first token aborts it (StructuredOutputRequest.advance)
-            rows[item.request_id] = num_rows
-            fills.append(BitmaskFill(grammar, num_rows, item.draft_token_ids))
+            rows[item.request_id] = num_rows  # the free positions' rows stay all ones
+            fills.append(BitmaskFill(grammar, num_rows + free, item.draft_token_ids[free:]))
             num_rows += 1 + len(item.draft_token_ids)
         if not fills:
             return None

@@ -3,6 +3,9 @@
 The matcher lives next to the Request in the scheduler, not in the model runner, so it survives preemption with
 nothing to rebuild: a preempted request keeps its output tokens (its KV is recomputed, its tokens are not
 resampled), and its matcher has accepted exactly those tokens. The runner only ever sees bitmask rows.
+
+Under a reasoning parser the grammar waits for the reasoning to end: the tokens up to the closing tag are free,
+and the grammar follows the tokens after it.
 """
 
 from __future__ import annotations
@@ -12,16 +15,26 @@ from concurrent.futures import Future
 from typing import Optional
 
 from folio.core.request import RequestStatus
+from folio.reasoning_parser import EndTagWatcher
 from folio.structured_output.backend import Grammar
 
 logger = logging.getLogger("folio")
 
 
 class StructuredOutputRequest:
-    def __init__(self, request_id: str, compiled: "Future[Grammar]") -> None:
+    def __init__(self, request_id: str, compiled: "Future[Grammar]",
+                 reasoning: Optional[EndTagWatcher] = None) -> None:
         self.request_id = request_id
         self._compiled = compiled  # the cache's shared grammar at its start, being compiled or done
         self._grammar: Optional[Grammar] = None
+        self.reasoning = reasoning  # while the output is reasoning (not done), the grammar waits
+
+    def free_positions(self, draft_token_ids: list[int]) -> Optional[int]:
+        """Of this step's sampled positions (the next token, then one after each draft), how many come before the
+        grammar starts: 0 once the reasoning has ended, None when it does not end within the drafts."""
+        if self.reasoning is None or self.reasoning.done:
+            return 0
+        return self.reasoning.find(draft_token_ids)
 
     @property
     def ready(self) -> bool:
@@ -38,7 +51,11 @@ class StructuredOutputRequest:
     def advance(self, token_id: int) -> Optional[RequestStatus]:
         """Follow a sampled token: FINISHED_STOPPED once the grammar accepted EOS (ignore_eos or not), and
         FINISHED_ABORTED if the token breaks the grammar (under the mask it cannot, unless compiling failed; the
-        other processors never empty a row: min_tokens, which could, is refused with structured outputs)."""
+        other processors never empty a row: min_tokens, which could, is refused with structured outputs). Tokens of
+        the reasoning pass freely."""
+        if self.reasoning is not None and not self.reasoning.done:
+            self.reasoning.feed([token_id])
+            return None
         grammar = self.grammar
         if grammar is None or not grammar.accept_tokens([token_id]):
             reason = "its grammar did not compile" if grammar is None else f"token {token_id} breaks its grammar"

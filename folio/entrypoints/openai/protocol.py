@@ -262,15 +262,36 @@ class CompletionChoice(BaseModel):
     stop_reason: Union[int, str, None] = None  # vLLM's extra: the stop string or token id that ended it
 
 
+class OmitsNullExtras(BaseModel):
+    """A response model whose fields beyond OpenAI's (`omitted_when_null`) are left out where they are null, so that
+    a response without them is OpenAI's shape exactly."""
+
+    omitted_when_null: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_null_extras(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for name in self.omitted_when_null:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
-class UsageInfo(BaseModel):
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # completion tokens up to the end of the reasoning, its closing tag included
+
+
+class UsageInfo(OmitsNullExtras):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+    completion_tokens_details: Optional[CompletionTokensDetails] = None  # with a reasoning parser only
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("completion_tokens_details",)
 
 
 class CompletionResponse(BaseModel):
@@ -329,6 +350,8 @@ class ChatMessage(RequestModel):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallRequest]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an assistant turn's reasoning, as the server gave it
+    reasoning: Optional[str] = None  # vLLM's newer name for it
 
     _only_text = field_validator("content", mode="before")(text_parts_only("text"))
 
@@ -341,10 +364,19 @@ class ChatMessage(RequestModel):
             raise ValueError("tool_calls belong to assistant messages only")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError("reasoning belongs to assistant messages only")
+        if self.reasoning_content is not None and self.reasoning is not None:
+            raise ValueError("give an assistant message's reasoning as reasoning or as reasoning_content, not both")
         return self
 
     def to_template_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)  # the tokenizer parses tool-call arguments for the template
+        """The message as chat templates read it (the tokenizer parses tool-call arguments for them). Reasoning is
+        `reasoning_content`, the name Qwen3's and DeepSeek-R1's templates read."""
+        message = self.model_dump(exclude_none=True, exclude={"reasoning"})
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
+        return message
 
 
 class FunctionDefinition(RequestModel):
@@ -413,6 +445,7 @@ class ChatCompletionRequest(SamplingRequest, BillingAndCacheHints):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the last message (add_generation_prompt false)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false} for Qwen3
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's reasoning out of the response
     metadata: Optional[dict[str, str]] = None  # kept with a stored completion, and none is stored
     # refused when set (unsupported_fields.CHAT_UNSUPPORTED)
     functions: Optional[Any] = None
@@ -489,10 +522,15 @@ class DeltaToolCall(WithoutNulls):
     function: DeltaFunctionCall
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(OmitsNullExtras):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]  # None when the model only called tools
     tool_calls: Optional[list[ToolCall]] = None
+    # A reasoning model's reasoning (with a reasoning parser): under vLLM's name, and under the older one that
+    # DeepSeek's API and many clients read. Left out when there is none.
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("reasoning", "reasoning_content")
 
 
 class ChatChoice(BaseModel):
@@ -516,6 +554,8 @@ class DeltaMessage(WithoutNulls):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
+    reasoning: Optional[str] = None  # as in AssistantMessage
+    reasoning_content: Optional[str] = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -52,6 +52,41 @@ class FunctionCallOutputItem(RequestModel):
     _only_text = field_validator("output", mode="before")(text_parts_only("input_text", "output_text"))
 
 
+class ReasoningText(RequestModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningSummaryText(RequestModel):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningInputItem(RequestModel):
+    """An earlier turn's reasoning, sent back (clients and agent frameworks send the whole output): it goes to the
+    assistant message after it as `reasoning_content`, which reasoning models' templates read."""
+
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: list[ReasoningSummaryText] = Field(default_factory=list)
+    content: Optional[list[ReasoningText]] = None
+    encrypted_content: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _no_encrypted_content(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            raise ValueError("encrypted reasoning is not supported: this server writes its reasoning as text")
+        return value
+
+    @property
+    def text(self) -> str:
+        """The reasoning text (its summary where the item has no content, as OpenAI's own items have it)."""
+        parts = self.content if self.content is not None else self.summary
+        return "\n\n".join(part.text for part in parts)
+
+
 def _item_type(value: Any) -> Optional[str]:
     if isinstance(value, dict):
         return value.get("type", "message")  # an "easy" input message has no type
@@ -60,10 +95,11 @@ def _item_type(value: Any) -> Optional[str]:
 
 InputItem = Annotated[
     Union[Annotated[InputMessage, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-          Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+          Annotated[ReasoningInputItem, Tag("reasoning")]],
     Discriminator(_item_type, custom_error_type="input_item",
-                  custom_error_message="input items must be messages, function_call or function_call_output items "
-                                       "(this server takes text only)")]
+                  custom_error_message="input items must be messages, function_call, function_call_output or "
+                                       "reasoning items (this server takes text only)")]
 
 
 class FunctionTool(RequestModel):
@@ -201,7 +237,22 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = Union[OutputMessage, OutputFunctionCall]
+class OutputReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's reasoning (with a reasoning parser), as text: no summary is written."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[OutputReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = Union[OutputReasoning, OutputMessage, OutputFunctionCall]
 
 
 class InputTokensDetails(BaseModel):

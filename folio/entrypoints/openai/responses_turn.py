@@ -1,10 +1,12 @@
 """One response of the Responses API while it is generated: the output items its text makes, and what each engine
 output did to them (for the stream's events).
 
-The text goes through a ToolCallParser where tool_choice is not "none": its pieces, in the order written, make the
-items. Content goes to the open message item (a new one after a call); a call's first delta opens a
-function_call item and its end closes it; a call opening closes the message before it. So a turn that writes
-"Checking.\n<tool_call>...</tool_call>" is [message, function_call], in that order, whatever tokens arrive together.
+With a reasoning parser, the text's reasoning is read out first (folio.reasoning_parser): it makes a reasoning
+item, ended when the answer begins. The rest goes through a ToolCallParser where tool_choice is not "none": its
+pieces, in the order written, make the items. Content goes to the open message item (a new one after a call); a
+call's first delta opens a function_call item and its end closes it; a call opening closes the message before it.
+So a turn that writes "<think>Paris.</think>Checking.\n<tool_call>...</tool_call>" is [reasoning, message,
+function_call], in that order, whatever tokens arrive together.
 """
 
 from __future__ import annotations
@@ -17,12 +19,44 @@ from typing import Literal, Optional, Union
 from folio.entrypoints.openai.protocol import (ChatLogProb, ChatMessage, DeltaToolCall, FunctionCallRequest,
                                                ToolCallRequest)
 from folio.entrypoints.openai.protocol_responses import (IncompleteDetails, InputTokensDetails, OutputFunctionCall,
-                                                         OutputItem, OutputMessage, OutputText, ResponseError,
-                                                         ResponseObject, ResponsesRequest, ResponseUsage)
+                                                         OutputItem, OutputMessage, OutputReasoning,
+                                                         OutputReasoningText, OutputText, OutputTokensDetails,
+                                                         ResponseError, ResponseObject, ResponsesRequest,
+                                                         ResponseUsage)
 from folio.entrypoints.openai.serving import token_logprobs
 from folio.entrypoints.openai.tool_parser import CallEnd, ToolCallParser
 from folio.outputs import RequestOutput
+from folio.reasoning_parser import ReasoningSplitter
 from folio.sampling_params import SamplingParams
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+def text_item_status(done: bool, turn_status: str) -> ItemStatus:
+    """A message's or reasoning's status while the turn has turn_status: an item the turn went on after is
+    complete; the last one is as complete as the turn (a turn that failed or ran out of tokens leaves it
+    incomplete)."""
+    if done or turn_status == "completed":
+        return "completed"
+    return "in_progress" if turn_status == "in_progress" else "incomplete"
+
+
+@dataclass
+class ReasoningItem:
+    """The turn's reasoning: the text before the closing tag."""
+
+    output_index: int
+    id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+    text: str = ""
+    done: bool = False  # the answer came after it
+
+    def item(self, turn_status: str) -> OutputReasoning:
+        return OutputReasoning(id=self.id, status=text_item_status(self.done, turn_status),
+                               content=[OutputReasoningText(text=self.text)])
+
+    def opened(self) -> OutputReasoning:
+        """The item as output_item.added shows it: its one part is added next, empty."""
+        return OutputReasoning(id=self.id, status="in_progress", content=[])
 
 
 @dataclass
@@ -36,13 +70,7 @@ class MessageItem:
     done: bool = False  # a tool call came after it
 
     def item(self, turn_status: str) -> OutputMessage:
-        """The item as the response shows it while the turn has turn_status (a turn that failed or ran out of
-        tokens leaves its last message incomplete)."""
-        if self.done or turn_status == "completed":
-            status = "completed"
-        else:
-            status = "in_progress" if turn_status == "in_progress" else "incomplete"
-        return OutputMessage(id=self.id, status=status,
+        return OutputMessage(id=self.id, status=text_item_status(self.done, turn_status),
                              content=[OutputText(text=self.text, logprobs=list(self.logprobs))])
 
     def opened(self) -> OutputMessage:
@@ -73,7 +101,7 @@ class CallItem:
                                   status="in_progress")
 
 
-Item = Union[MessageItem, CallItem]
+Item = Union[ReasoningItem, MessageItem, CallItem]
 
 
 @dataclass
@@ -98,37 +126,52 @@ class Turn:
     conversation: list[ChatMessage]  # without the instructions
     prompt_tokens: int
     parser: Optional[ToolCallParser]  # where tool_choice is not "none": tool calls are read out of the text
+    splitter: Optional[ReasoningSplitter] = None  # with a reasoning parser: the reasoning is read out first
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     created_at: int = field(default_factory=lambda: int(time.time()))
     items: list[Item] = field(default_factory=list)
     pending_logprobs: list[ChatLogProb] = field(default_factory=list)  # of tokens whose text has not come yet
     output_tokens: int = 0
+    reasoning_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: Optional[str] = None
 
     def add(self, output: RequestOutput) -> list[Edit]:
-        """Take one DELTA output."""
+        """Take one DELTA output (a response has one completion)."""
         self.cached_tokens = output.num_cached_tokens
-        text = ""
+        edits: list[Edit] = []
         for completion in output.outputs:
-            text += completion.text
             self.output_tokens += len(completion.token_ids)
             self.finish_reason = completion.finish_reason
-            if completion.logprobs is not None:  # (asked for without tools only: then all text is the message's)
-                self.pending_logprobs += token_logprobs(completion.token_ids, completion.logprobs,
-                                                        self.request.logprobs or 0)
-        pieces = [text] if self.parser is None else self.parser.pieces(text, final=self.finish_reason is not None)
-        edits: list[Edit] = []
-        for piece in pieces:
-            if isinstance(piece, str):
-                edits += self._text(piece)
-            elif isinstance(piece, CallEnd):
-                call = self._calls()[piece.index]
-                call.done = True
-                edits.append(Edit("done", call, snapshot=call.item(self.status)))
-            else:
-                edits += self._call_piece(piece)
+            final = self.finish_reason is not None
+            text, answer_from = completion.text, 0  # the answer's text, and where its tokens begin
+            if self.splitter is not None:
+                split = self.splitter.feed(text, completion.token_ids, final)
+                text, answer_from = split.content, split.num_reasoning_tokens
+                self.reasoning_tokens += answer_from
+                edits += self._reasoning(split.reasoning)
+            if completion.logprobs is not None:  # (asked for without tools only: then the answer is the message)
+                self.pending_logprobs += token_logprobs(completion.token_ids[answer_from:],
+                                                        completion.logprobs[answer_from:], self.request.logprobs or 0)
+            for piece in [text] if self.parser is None else self.parser.pieces(text, final=final):
+                if isinstance(piece, str):
+                    edits += self._text(piece)
+                elif isinstance(piece, CallEnd):
+                    call = self._calls()[piece.index]
+                    call.done = True
+                    edits.append(Edit("done", call, snapshot=call.item(self.status)))
+                else:
+                    edits += self._call_piece(piece)
         return edits
+
+    def _reasoning(self, text: str) -> list[Edit]:
+        """Reasoning: to the reasoning item, opened by its first text."""
+        if not text:
+            return []
+        edits = [] if self.items else self._open(ReasoningItem(0))
+        reasoning = self.items[0]
+        reasoning.text += text
+        return edits + [Edit("delta", reasoning, text)]
 
     def _text(self, text: str) -> list[Edit]:
         """Content: to the open message, or a new one (after a call), with the logprobs of the tokens so far."""
@@ -166,8 +209,8 @@ class Turn:
         """Add an item, ending the message before it."""
         edits = []
         last = self.items[-1] if self.items else None
-        if isinstance(last, MessageItem) and not last.done:
-            last.done = True  # a call ends the text before it
+        if isinstance(last, (ReasoningItem, MessageItem)) and not last.done:
+            last.done = True  # a call ends the text before it, the answer the reasoning
             edits.append(Edit("done", last, snapshot=last.item(self.status)))
         self.items.append(item)
         return edits + [Edit("added", item, snapshot=item.opened())]
@@ -184,18 +227,27 @@ class Turn:
 
     def assistant_messages(self) -> list[ChatMessage]:
         """The turn as the next turn's template sees it: an assistant message per message item, the calls after
-        it as its tool_calls (as serving_responses.chat_messages reads the same items sent back)."""
+        it as its tool_calls, the reasoning as the first one's reasoning_content (as serving_responses.chat_messages
+        reads the same items sent back)."""
         messages: list[ChatMessage] = []
+        reasoning = None
         for item in self.items:
-            if isinstance(item, MessageItem):
+            if isinstance(item, ReasoningItem):
+                reasoning = item.text
+            elif isinstance(item, MessageItem):
                 messages.append(ChatMessage(role="assistant", content=item.text))
                 continue
-            call = ToolCallRequest(id=item.call_id, function=FunctionCallRequest(name=item.name,
-                                                                                 arguments=item.arguments))
-            if messages:
-                messages[-1].tool_calls = (messages[-1].tool_calls or []) + [call]
             else:
-                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+                call = ToolCallRequest(id=item.call_id, function=FunctionCallRequest(name=item.name,
+                                                                                     arguments=item.arguments))
+                if messages:
+                    messages[-1].tool_calls = (messages[-1].tool_calls or []) + [call]
+                else:
+                    messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        if reasoning is not None:
+            if not messages:
+                messages.append(ChatMessage(role="assistant", content=""))
+            messages[0].reasoning_content = reasoning
         return messages
 
     def response(self, error: Optional[ResponseError] = None) -> ResponseObject:
@@ -203,7 +255,8 @@ class Turn:
         request, status = self.request, "failed" if error is not None else self.status
         usage = ResponseUsage(input_tokens=self.prompt_tokens,
                               input_tokens_details=InputTokensDetails(cached_tokens=self.cached_tokens),
-                              output_tokens=self.output_tokens, total_tokens=self.prompt_tokens + self.output_tokens)
+                              output_tokens=self.output_tokens, total_tokens=self.prompt_tokens + self.output_tokens,
+                              output_tokens_details=OutputTokensDetails(reasoning_tokens=self.reasoning_tokens))
         text_format = request.text.format if request.text is not None else None
         return ResponseObject(
             id=self.id, created_at=self.created_at, status=status, model=self.model_name,

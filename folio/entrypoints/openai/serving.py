@@ -26,10 +26,11 @@ from starlette.responses import Response, StreamingResponse
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
 from folio.engine.input_processor import check_prompt_fits
 from folio.entrypoints.openai.errors import OpenAIError, engine_error_status, error_body
-from folio.entrypoints.openai.protocol import (ChatLogProb, DeltaToolCall, PromptTokensDetails, SamplingRequest,
-                                               TopLogProb, UsageInfo)
+from folio.entrypoints.openai.protocol import (ChatLogProb, CompletionTokensDetails, DeltaToolCall,
+                                               PromptTokensDetails, SamplingRequest, TopLogProb, UsageInfo)
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.outputs import Logprob, SampleLogprobs
+from folio.reasoning_parser import ReasoningParser
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 
@@ -55,9 +56,13 @@ class ChoiceDelta:
     stop_reason: Union[int, str, None] = None
     text_offset: int = 0  # characters of this choice handed out before this delta
     tool_calls: list[DeltaToolCall] = field(default_factory=list)  # chat: pieces of the tool calls read in the text
+    reasoning: str = ""  # chat with a reasoning parser: the reasoning read out of the text
+    num_reasoning_tokens: int = 0
 
     def extend(self, other: "ChoiceDelta") -> None:
         self.text += other.text
+        self.reasoning += other.reasoning
+        self.num_reasoning_tokens += other.num_reasoning_tokens
         self.tool_calls += other.tool_calls
         self.token_ids += other.token_ids
         if self.logprobs is not None and other.logprobs is not None:
@@ -132,6 +137,7 @@ def check_context(prompt_len: int, max_tokens: int, max_model_len: int, field: s
 
 class OpenAIServing(ABC):
     request_id_prefix: str
+    reasoning_parser: Optional[ReasoningParser] = None  # set where the endpoint reads reasoning out of the text
 
     def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits) -> None:
         self.llm = llm
@@ -179,8 +185,9 @@ class OpenAIServing(ABC):
         self.llm.engine.structured_output.validate(constraint)
         return constraint
 
-    def read_deltas(self, request: SamplingRequest, deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
-        """The deltas as the endpoint hands them out (chat reads tool calls in them)."""
+    def read_deltas(self, request: SamplingRequest, prompts: list[Prompt],
+                    deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+        """The deltas as the endpoint hands them out (chat reads reasoning and tool calls in them)."""
         return deltas
 
     # ---- the shared flow ---------------------------------------------------------------------------
@@ -204,7 +211,7 @@ class OpenAIServing(ABC):
             raise OpenAIError.bad_request(e, fields) from e
         created = int(time.time())
         cached: dict[int, int] = {}  # prompt index -> its tokens found in the prefix cache, filled by _deltas
-        deltas = self.read_deltas(request, self._deltas(stream, request, prompts, cached))
+        deltas = self.read_deltas(request, prompts, self._deltas(stream, request, prompts, cached))
         if request.stream:
             return StreamingResponse(self._sse(stream, deltas, request_id, created, request, prompts, cached),
                                      media_type="text/event-stream")
@@ -253,15 +260,18 @@ class OpenAIServing(ABC):
                 sent[delta.index] = delta.text_offset + len(delta.text)
                 yield delta
 
-    def usage(self, prompts: list[Prompt], completion_tokens: int, cached: dict[int, int]) -> UsageInfo:
+    def usage(self, prompts: list[Prompt], completion_tokens: int, cached: dict[int, int],
+              reasoning_tokens: int = 0) -> UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        details = None if self.reasoning_parser is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
+                         completion_tokens_details=details)
 
     async def _sse(self, stream: RequestStream, deltas: AsyncIterator[ChoiceDelta], request_id: str, created: int,
                    request: SamplingRequest, prompts: list[Prompt], cached: dict[int, int]) -> AsyncIterator[str]:
-        completion_tokens = 0
+        completion_tokens = reasoning_tokens = 0
         # Held back until the first token (as vLLM does): clients time the first chunk as the first token, and a
         # chunk sent before the prefill would report the time to the headers instead.
         opening = self.opening_chunks(request_id, created, request)
@@ -271,11 +281,12 @@ class OpenAIServing(ABC):
                     yield _event(chunk)
                 opening = []
                 completion_tokens += delta.num_generated
-                if delta.text or delta.finish_reason or delta.logprobs or delta.tool_calls:
+                reasoning_tokens += delta.num_reasoning_tokens
+                if delta.text or delta.reasoning or delta.finish_reason or delta.logprobs or delta.tool_calls:
                     choice = self.choice(request, delta, stream=True)
                     yield _event(self.envelope(request_id, created, [choice], None, stream=True))
             if request.include_usage_in_stream:
-                usage = self.usage(prompts, completion_tokens, cached)
+                usage = self.usage(prompts, completion_tokens, cached, reasoning_tokens)
                 yield _event(self.envelope(request_id, created, [], usage, stream=True))
         except EngineError as e:  # the status line is long gone: report it in the stream, as vLLM does
             yield _event(error_body(engine_error_status(e), str(e)))
@@ -296,7 +307,8 @@ class OpenAIServing(ABC):
         finally:
             stream.close()
         ordered = [choices[i] for i in sorted(choices)]
-        usage = self.usage(prompts, sum(c.num_generated for c in ordered), cached)
+        usage = self.usage(prompts, sum(c.num_generated for c in ordered), cached,
+                           sum(c.num_reasoning_tokens for c in ordered))
         body = self.envelope(request_id, created, [self.choice(request, c, stream=False) for c in ordered], usage,
                              stream=False)
         return Response(body.model_dump_json(), media_type="application/json")

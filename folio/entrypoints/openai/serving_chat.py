@@ -1,12 +1,15 @@
 """POST /v1/chat/completions: messages and tools through the model's chat template, chat-shaped logprobs and
 chunks, and the output constraints chat adds: response_format, and tools (tool_grammar constrains the calls,
-tool_parser reads them back as tool_calls)."""
+tool_parser reads them back as tool_calls). With a reasoning parser, a reasoning model's thinking is read out of
+the text first (folio.reasoning_parser) and given as the message's `reasoning`; tool calls are read in the rest."""
 
 from __future__ import annotations
 
 from typing import Any, AsyncIterator, Optional
 
 from pydantic import BaseModel
+
+from folio.engine.async_llm import AsyncLLM
 
 from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogProbs, ChatCompletionChunk,
                                                ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
@@ -16,6 +19,7 @@ from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, token_logprobs
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
 from folio.entrypoints.openai.tool_parser import ToolCallParser, join_tool_calls
+from folio.reasoning_parser import ReasoningSplitter
 from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
 
@@ -54,6 +58,10 @@ def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[
 class OpenAIServingChat(OpenAIServing):
     request_id_prefix = "chatcmpl"
 
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits) -> None:
+        super().__init__(llm, model_name, limits)
+        self.reasoning_parser = llm.engine.structured_output.reasoning_parser
+
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
         return [Prompt(None, chat_prompt_ids(self.tokenizer, self.limits, request.messages,
                                              request.add_generation_prompt, request.tools,
@@ -72,17 +80,28 @@ class OpenAIServingChat(OpenAIServing):
                                  request.parallel_tool_calls is not False, "tools[{}].function.parameters",
                                  request.structured_outputs_params(), message_format)
 
-    async def read_deltas(self, request: ChatCompletionRequest,
+    async def read_deltas(self, request: ChatCompletionRequest, prompts: list[Prompt],
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
-        """With tools (and tool_choice not "none"), each choice's text goes through a ToolCallParser: calls leave
-        the content for tool_calls, and a choice that called tools finishes with "tool_calls" (OpenAI keeps
+        """With a reasoning parser, each choice's reasoning leaves its text first (dropped where include_reasoning
+        is false). With tools (and tool_choice not "none"), the text left goes through a ToolCallParser: calls
+        leave the content for tool_calls, and a choice that called tools finishes with "tool_calls" (OpenAI keeps
         "stop" when tool_choice named the function)."""
         tool_choice = resolve_tool_choice(request.tools, request.tool_choice)
         parsers: dict[int, ToolCallParser] = {}
+        splitters: dict[int, ReasoningSplitter] = {}
         async for delta in deltas:
+            final = delta.finish_reason is not None
+            if self.reasoning_parser is not None:
+                splitter = splitters.get(delta.index)
+                if splitter is None:
+                    splitter = splitters[delta.index] = self.reasoning_parser.splitter(self.tokenizer,
+                                                                                       prompts[0].token_ids)
+                split = splitter.feed(delta.text, delta.token_ids, final)
+                delta.text, delta.num_reasoning_tokens = split.content, split.num_reasoning_tokens
+                delta.reasoning = split.reasoning if request.include_reasoning else ""
             if tool_choice != "none":
                 parser = parsers.setdefault(delta.index, ToolCallParser([t.function.name for t in request.tools]))
-                delta.text, delta.tool_calls = parser.feed(delta.text, final=delta.finish_reason is not None)
+                delta.text, delta.tool_calls = parser.feed(delta.text, final=final)
                 if parser.num_calls and delta.finish_reason == "stop" and tool_choice in ("auto", "required"):
                     delta.finish_reason = "tool_calls"
             yield delta
@@ -102,12 +121,18 @@ class OpenAIServingChat(OpenAIServing):
     def choice(self, request: ChatCompletionRequest, delta: ChoiceDelta, stream: bool) -> BaseModel:
         logprobs = None if delta.logprobs is None else self._logprobs(delta, request.top_logprobs or 0)
         content = delta.text if delta.text or not delta.tool_calls else None  # null beside calls, as OpenAI's
+        reasoning = delta.reasoning or None
         if stream:
+            if not delta.text and reasoning:
+                content = None  # a reasoning chunk carries no content
             return ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=content,
-                                                                          tool_calls=delta.tool_calls or None),
+                                                                          tool_calls=delta.tool_calls or None,
+                                                                          reasoning=reasoning,
+                                                                          reasoning_content=reasoning),
                                     logprobs=logprobs, finish_reason=delta.finish_reason,
                                     stop_reason=delta.stop_reason)
-        message = AssistantMessage(content=content, tool_calls=join_tool_calls(delta.tool_calls) or None)
+        message = AssistantMessage(content=content, tool_calls=join_tool_calls(delta.tool_calls) or None,
+                                   reasoning=reasoning, reasoning_content=reasoning)
         return ChatChoice(index=delta.index, message=message, logprobs=logprobs, finish_reason=delta.finish_reason,
                           stop_reason=delta.stop_reason)
 

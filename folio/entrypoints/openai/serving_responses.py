@@ -2,15 +2,16 @@
 
 A response is one chat turn: its input items become chat messages (after the stored conversation of
 `previous_response_id`, and after `instructions` as a system message), the chat template renders them with the
-tools, and the engine generates the turn. Its output items are what the turn wrote: a message for its text, and a
-function_call item per tool call, read out of the text as chat reads them (tool_parser; tool_choice's grammar,
-text.format's JSON or vLLM's structured_outputs constrains it: output_constraint). Finished responses with `store`
-(the default) go to the ResponseStore, calls included, so that the next turn can answer them.
+tools, and the engine generates the turn. Its output items are what the turn wrote: with a reasoning parser a
+reasoning item for its reasoning, a message for its text, and a function_call item per tool call, read out of the
+text as chat reads them (tool_parser; tool_choice's grammar, text.format's JSON or vLLM's structured_outputs
+constrains it: output_constraint). Finished responses with `store` (the default) go to the ResponseStore, calls
+and reasoning included, so that the next turn can answer them.
 
 A stream is the event sequence OpenAI's clients assemble: response.created and response.in_progress at once; for
-each output item as it starts, output_item.added (and a message's content_part.added); an output_text.delta per
-piece of a message's text, a function_call_arguments.delta per piece of a call's arguments; the matching .done
-events as the item ends; and response.completed (or response.incomplete when max_output_tokens ran out,
+each output item as it starts, output_item.added (and a message's or reasoning's content_part.added); an
+output_text.delta per piece of a message's text (reasoning_text.delta for reasoning), a
+function_call_arguments.delta per piece of a call's arguments; the matching .done events as the item ends; and response.completed (or response.incomplete when max_output_tokens ran out,
 response.failed when the engine failed).
 """
 
@@ -30,10 +31,11 @@ from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.output_constraint import MessageFormat, output_constraint
 from folio.entrypoints.openai.protocol import ChatMessage, ChatTool, FunctionCallRequest, TextPart, ToolCallRequest
 from folio.entrypoints.openai.protocol_responses import (DeletedResponse, FunctionCallItem, InputItem, InputMessage,
-                                                         OutputText, ResponseError, ResponseObject, ResponsesRequest)
+                                                         OutputReasoningText, OutputText, ReasoningInputItem,
+                                                         ResponseError, ResponseObject, ResponsesRequest)
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.responses_store import ResponseStore
-from folio.entrypoints.openai.responses_turn import Edit, MessageItem, Turn
+from folio.entrypoints.openai.responses_turn import CallItem, Edit, MessageItem, Turn
 from folio.entrypoints.openai.serving import cancel_on_disconnect, check_context, check_model
 from folio.entrypoints.openai.serving_chat import chat_prompt_text
 from folio.entrypoints.openai.tool_grammar import ToolChoice, resolve_tool_choice
@@ -43,59 +45,81 @@ from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 
 
+_REASONING_UNFOLLOWED = "a reasoning item must be followed by the assistant message or function call it came before"
+
+
 def chat_messages(items: Union[str, list[InputItem]]) -> list[ChatMessage]:
     """Input items as chat messages: a string is a user message; function calls after an assistant message (an
     earlier response's output sent back: its text, then its calls) join it as its tool_calls, as the stored turn
-    has them; a function call's output is a tool message."""
+    has them; a function call's output is a tool message; a reasoning item is the reasoning_content of the
+    assistant message or call that follows it (ValueError, as OpenAI's, where none does)."""
     if isinstance(items, str):
         return [ChatMessage(role="user", content=items)]
     messages: list[ChatMessage] = []
-    for item in items:
-        if isinstance(item, InputMessage):
+    reasoning: Optional[str] = None  # of the assistant turn to come
+    for index, item in enumerate(items):
+        if reasoning is not None and not isinstance(item, (ReasoningInputItem, FunctionCallItem)) and \
+                not (isinstance(item, InputMessage) and item.role == "assistant"):
+            raise ValueError(f"input[{index - 1}]: {_REASONING_UNFOLLOWED}")
+        if isinstance(item, ReasoningInputItem):
+            reasoning = item.text if reasoning is None else f"{reasoning}\n\n{item.text}"
+        elif isinstance(item, InputMessage):
             content = item.content if isinstance(item.content, str) else \
                 [TextPart(type="text", text=part.text) for part in item.content]
-            messages.append(ChatMessage(role=item.role, content=content))
+            messages.append(ChatMessage(role=item.role, content=content, reasoning_content=reasoning))
+            reasoning = None
         elif isinstance(item, FunctionCallItem):
             call = ToolCallRequest(id=item.call_id, type="function",
                                    function=FunctionCallRequest(name=item.name, arguments=item.arguments))
-            if messages and messages[-1].role == "assistant":
+            if messages and messages[-1].role == "assistant" and reasoning is None:
                 messages[-1].tool_calls = (messages[-1].tool_calls or []) + [call]
             else:
-                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+                messages.append(ChatMessage(role="assistant", tool_calls=[call], reasoning_content=reasoning))
+            reasoning = None
         else:
             output = item.output if isinstance(item.output, str) else "".join(part.text for part in item.output)
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=output))
+    if reasoning is not None:
+        raise ValueError(f"input[{len(items) - 1}]: {_REASONING_UNFOLLOWED}")
     return messages
 
 
+def _text_item_events(edit: Edit, event: Callable[..., str]) -> list[str]:
+    """A message's or reasoning's events: each has one content part, output_text or reasoning_text (a message's
+    with its tokens' logprobs)."""
+    item, where = edit.item, {"output_index": edit.item.output_index}
+    part = {"item_id": item.id, **where, "content_index": 0}
+    kind, empty = ("output_text", OutputText(text="")) if isinstance(item, MessageItem) else \
+        ("reasoning_text", OutputReasoningText(text=""))
+    snapshot = None if edit.snapshot is None else edit.snapshot.model_dump()
+    if edit.kind == "added":
+        return [event("response.output_item.added", **where, item=snapshot),
+                event("response.content_part.added", **part, part=empty.model_dump())]
+    if edit.kind == "delta":
+        logprobs = {"logprobs": [lp.model_dump() for lp in edit.logprobs]} if kind == "output_text" else {}
+        return [event(f"response.{kind}.delta", **part, delta=edit.delta, **logprobs)]
+    whole = snapshot["content"][0]
+    logprobs = {"logprobs": whole["logprobs"]} if kind == "output_text" else {}
+    return [event(f"response.{kind}.done", **part, text=whole["text"], **logprobs),
+            event("response.content_part.done", **part, part=whole),
+            event("response.output_item.done", **where, item=snapshot)]
+
+
 def _events_of(edits: list[Edit], event: Callable[..., str]) -> list[str]:
-    """The stream's events for a turn's edits (a message has one content part)."""
+    """The stream's events for a turn's edits."""
     texts = []
     for edit in edits:
         item, where = edit.item, {"output_index": edit.item.output_index}
-        snapshot = None if edit.snapshot is None else edit.snapshot.model_dump()
-        if isinstance(item, MessageItem):
-            part = {"item_id": item.id, **where, "content_index": 0}
-            if edit.kind == "added":
-                texts += [event("response.output_item.added", **where, item=snapshot),
-                          event("response.content_part.added", **part, part=OutputText(text="").model_dump())]
-            elif edit.kind == "delta":
-                texts.append(event("response.output_text.delta", **part, delta=edit.delta,
-                                   logprobs=[lp.model_dump() for lp in edit.logprobs]))
-            else:
-                whole = snapshot["content"][0]
-                texts += [event("response.output_text.done", **part, text=whole["text"],
-                                logprobs=whole["logprobs"]),
-                          event("response.content_part.done", **part, part=whole),
-                          event("response.output_item.done", **where, item=snapshot)]
+        if not isinstance(item, CallItem):
+            texts += _text_item_events(edit, event)
         elif edit.kind == "added":
-            texts.append(event("response.output_item.added", **where, item=snapshot))
+            texts.append(event("response.output_item.added", **where, item=edit.snapshot.model_dump()))
         elif edit.kind == "delta":
             texts.append(event("response.function_call_arguments.delta", item_id=item.id, **where, delta=edit.delta))
         else:
             texts += [event("response.function_call_arguments.done", item_id=item.id, **where,
                             arguments=edit.snapshot.arguments),
-                      event("response.output_item.done", **where, item=snapshot)]
+                      event("response.output_item.done", **where, item=edit.snapshot.model_dump())]
     return texts
 
 
@@ -121,7 +145,9 @@ class OpenAIServingResponses:
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
         parser = ToolCallParser([tool.name for tool in request.tools or ()]) if reads_calls else None
-        turn = Turn(request, params, self.model_name, conversation, len(ids), parser)
+        reasoning = self.llm.engine.structured_output.reasoning_parser
+        turn = Turn(request, params, self.model_name, conversation, len(ids), parser,
+                    reasoning.splitter(self.tokenizer, ids) if reasoning is not None else None)
         try:
             stream = await self.llm.add_requests([(turn.id, {"prompt_token_ids": ids,
                                                              "cache_salt": request.cache_salt})],

@@ -1,0 +1,160 @@
+"""Reasoning parsers: where a reasoning model's thinking ends and its answer begins (vLLM's `--reasoning-parser`).
+
+Qwen3, QwQ and the DeepSeek-R1 family think between `<think>` and `</think>` before they answer. Their chat
+templates differ in where the opening tag goes: R1's and newer Qwen3 templates write `<think>` at the end of the
+prompt, older Qwen3 templates let the model write it, and a template with thinking switched off (Qwen3's
+`enable_thinking: false`) writes a whole empty block, `<think>\\n\\n</think>\\n\\n`, into the prompt. One rule covers
+them all: the output starts in reasoning unless the prompt already closed it (`starts_in_reasoning`); an opening
+tag the model writes first is dropped; the output up to the closing tag is reasoning, the rest content. An output
+cut off before the closing tag is all reasoning (as vLLM's parsers have it).
+
+Two parts of folio read it:
+- the server splits each choice's text (`ReasoningSplitter`: `reasoning` beside `content` in chat, a reasoning
+  item before the message in the Responses API; tool calls are read in the content only);
+- the engine's structured outputs start their grammar after the closing tag (`EndTagWatcher` on token ids), so a
+  constrained answer (a JSON schema, a tool call) still lets the model think first.
+
+Whitespace at the seams is dropped: around the reasoning, and before the content. A streamed choice holds back
+only what could still be the start of a tag or whitespace before one, so its pieces join to the full response's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from folio.config import REASONING_PARSERS as PARSER_NAMES
+from folio.tokenizer import Tokenizer
+
+# Prompt tokens decoded to see whether the prompt closed the reasoning (the tag and the whitespace after it).
+_PROMPT_TAIL_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """The tags that delimit a model family's reasoning."""
+
+    name: str
+    start_tag: str = "<think>"
+    end_tag: str = "</think>"
+
+    def starts_in_reasoning(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> bool:
+        """False when the prompt ends with the closing tag (thinking switched off, or the reasoning given)."""
+        tail = tokenizer.decode(list(prompt_token_ids[-_PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+        return not tail.rstrip().endswith(self.end_tag)
+
+    def end_tag_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
+        """The closing tag's tokens (one added token in the families above)."""
+        return tuple(tokenizer.encode(self.end_tag, add_special_tokens=False))
+
+    def splitter(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> "ReasoningSplitter":
+        """A splitter for one choice of a request with this prompt."""
+        opened = self.starts_in_reasoning(tokenizer, prompt_token_ids)
+        return ReasoningSplitter(self, opened, self.end_tag_ids(tokenizer) if opened else ())
+
+
+# vLLM's names. The families differ only in their templates, which starts_in_reasoning reads.
+REASONING_PARSERS = {name: ReasoningParser(name) for name in PARSER_NAMES}
+
+
+def reasoning_parser(name: Optional[str]) -> Optional[ReasoningParser]:
+    """The parser an engine option names (folio.config checks the name), None for none."""
+    return None if name is None else REASONING_PARSERS[name]
+
+
+class EndTagWatcher:
+    """Finds where the closing tag's token ids first complete in a stream of output tokens."""
+
+    def __init__(self, end_tag_ids: tuple[int, ...]) -> None:
+        self.end_tag_ids = end_tag_ids
+        self._recent: tuple[int, ...] = ()  # the last tokens seen, fewer than the tag's
+        self.done = not end_tag_ids
+
+    def find(self, token_ids: Sequence[int]) -> Optional[int]:
+        """How many of `token_ids`, coming next, the reasoning would take, tag included, when the tag completes
+        among them; None while it would not (and always once it has)."""
+        if self.done:
+            return None
+        recent, width = self._recent, len(self.end_tag_ids)
+        for i, token_id in enumerate(token_ids):
+            recent = (recent + (token_id,))[-width:]
+            if recent == self.end_tag_ids:
+                return i + 1
+        return None
+
+    def feed(self, token_ids: Sequence[int]) -> Optional[int]:
+        """find(), then follow the tokens."""
+        taken = self.find(token_ids)
+        if taken is not None:
+            self.done = True
+        elif not self.done:
+            joined, keep = self._recent + tuple(token_ids), len(self.end_tag_ids) - 1
+            self._recent = joined[max(0, len(joined) - keep):] if keep else ()
+        return taken
+
+
+@dataclass
+class ReasoningSplit:
+    """What a piece of one choice's output adds to its reasoning and to its content."""
+
+    reasoning: str = ""
+    content: str = ""
+    num_reasoning_tokens: int = 0  # the piece's first tokens that are reasoning (up to the closing tag's, included)
+
+
+class ReasoningSplitter:
+    """One choice's output, fed as it is generated, split into reasoning and content: its text, and its tokens
+    (reasoning tokens are counted for usage, and kept out of the message's logprobs in the Responses API)."""
+
+    def __init__(self, parser: ReasoningParser, in_reasoning: bool, end_tag_ids: tuple[int, ...] = ()) -> None:
+        self.parser = parser
+        self.in_reasoning = in_reasoning
+        self._section_start = True  # nothing of the current section handed out yet: its leading whitespace goes
+        self._held = ""  # text that may still turn out to be (the start of) a tag
+        self._tokens = EndTagWatcher(end_tag_ids if in_reasoning else ())
+
+    def feed(self, text: str, token_ids: Sequence[int] = (), final: bool = False) -> ReasoningSplit:
+        """The reasoning and content that `text` and its tokens (after what was fed before) let out; with `final`,
+        everything."""
+        out = ReasoningSplit()
+        if not self._tokens.done:
+            taken = self._tokens.feed(token_ids)
+            out.num_reasoning_tokens = len(token_ids) if taken is None else taken
+        text, self._held = self._held + text, ""
+        start, end = self.parser.start_tag, self.parser.end_tag
+        while text:
+            if not self.in_reasoning:
+                if self._section_start:
+                    text = text.lstrip()
+                    self._section_start = not text
+                out.content += text
+                break
+            if self._section_start:
+                text = text.lstrip()
+                if text.startswith(start):  # the model opened the block itself
+                    text = text[len(start):]
+                    continue
+                if text and start.startswith(text) and not final:
+                    self._held = text
+                    break
+            at = text.find(end)
+            if at >= 0:
+                self._add_reasoning(out, text[:at].rstrip())
+                self.in_reasoning, self._section_start = False, True
+                text = text[at + len(end):]
+                continue
+            if final:
+                self._add_reasoning(out, text.rstrip())
+                break
+            kept = next((k for k in range(min(len(end) - 1, len(text)), 0, -1) if text.endswith(end[:k])), 0)
+            head = text[:len(text) - kept]
+            sent = head.rstrip()
+            self._held = head[len(sent):] + text[len(head):]
+            self._add_reasoning(out, sent)
+            break
+        return out
+
+    def _add_reasoning(self, out: ReasoningSplit, text: str) -> None:
+        if text:
+            out.reasoning += text
+            self._section_start = False

@@ -1,0 +1,186 @@
+"""A reasoning model through the server with `--reasoning-parser qwen3`, and the openai client: chat's `reasoning`
+(and `reasoning_content`) beside the content, streamed as it is plain; the reasoning tokens counted; thinking
+switched off in the template; include_reasoning; a JSON format and tool calls that start after the reasoning;
+reasoning sent back in the history; and the Responses API's reasoning items, plain, streamed and sent back.
+
+The model is the tiny random one of reasoning_fixture: a bias on `</think>` makes it end its (random) reasoning
+within a few tokens; what follows is constrained where the request asks, which shows the grammar waited.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from reasoning_fixture import build_reasoning_model, end_tag_id
+from server_fixture import MODEL_NAME, running_server
+from test_server_errors import assert_error
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+          "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+    "additionalProperties": False}}}]
+MESSAGES = [{"role": "user", "content": "What time is it?"}]
+SEEDS = range(4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_reasoning_model(str(tmp_path_factory.mktemp("reasoning-server")))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(model_dir, reasoning_parser="qwen3") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def sampling(model_dir) -> dict:
+    """Random sampling with the closing tag made likely: the reasoning ends within a few tokens."""
+    return dict(model=MODEL_NAME, temperature=1.0, extra_body={"logit_bias": {str(end_tag_id(model_dir)): 4.0}})
+
+
+def _with(sampling: dict, seed: int, **extra_body) -> dict:
+    return {**sampling, "extra_body": {**sampling["extra_body"], "seed": seed, **extra_body}}
+
+
+def test_reasoning_and_a_json_answer(client, sampling):
+    """The JSON format holds after the reasoning, which it leaves free; the tokens up to the closing tag (its own
+    included) are the reasoning tokens."""
+    answered = 0
+    for seed in SEEDS:
+        response = client.chat.completions.create(
+            messages=MESSAGES, max_tokens=60, logprobs=True, **_with(sampling, seed),
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}})
+        message, usage = response.choices[0].message, response.usage
+        tokens = [lp.token for lp in response.choices[0].logprobs.content]
+        if "</think>" not in tokens:
+            assert not message.content and usage.completion_tokens_details.reasoning_tokens == len(tokens)
+            continue
+        answered += 1
+        jsonschema.validate(json.loads(message.content), SCHEMA)
+        assert message.reasoning == message.reasoning_content == ("".join(tokens[:tokens.index("</think>")]).strip()
+                                                                  or None)
+        assert usage.completion_tokens_details.reasoning_tokens == tokens.index("</think>") + 1
+    assert answered >= 2
+
+
+def test_a_stream_gives_what_the_response_gives(client, sampling):
+    for seed in SEEDS:
+        kwargs = dict(messages=MESSAGES, max_tokens=30, **_with(sampling, seed))
+        whole = client.chat.completions.create(**kwargs)
+        reasoning = content = ""
+        for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+            if chunk.usage is not None:
+                assert chunk.usage.completion_tokens_details == whole.usage.completion_tokens_details
+            for choice in chunk.choices:
+                delta = choice.delta
+                assert getattr(delta, "reasoning", None) == getattr(delta, "reasoning_content", None)
+                reasoning += getattr(delta, "reasoning", None) or ""
+                content += delta.content or ""
+        message = whole.choices[0].message
+        assert (reasoning or None, content) == (message.reasoning, message.content)
+
+
+def test_thinking_switched_off_in_the_template(client, sampling):
+    response = client.chat.completions.create(messages=MESSAGES, max_tokens=12, **_with(
+        sampling, 0, logit_bias={}, chat_template_kwargs={"enable_thinking": False}))
+    message = response.choices[0].message
+    assert message.content and "reasoning" not in message.model_extra
+    assert response.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_include_reasoning_false(client, sampling):
+    kwargs = dict(messages=MESSAGES, max_tokens=30)
+    shown = client.chat.completions.create(**kwargs, **_with(sampling, 1))
+    hidden = client.chat.completions.create(**kwargs, **_with(sampling, 1, include_reasoning=False))
+    assert shown.choices[0].message.reasoning and "reasoning" not in hidden.choices[0].message.model_extra
+    assert hidden.choices[0].message.content == shown.choices[0].message.content
+    assert hidden.usage.completion_tokens_details == shown.usage.completion_tokens_details
+
+
+def test_tool_calls_come_after_the_reasoning(client, sampling):
+    called = 0
+    for seed in SEEDS:
+        response = client.chat.completions.create(messages=MESSAGES, max_tokens=120, tools=TOOLS,
+                                                  tool_choice="required", parallel_tool_calls=False,
+                                                  **_with(sampling, seed))
+        choice = response.choices[0]
+        if choice.message.tool_calls:
+            called += 1
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "get_time" and json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
+            assert choice.finish_reason == "tool_calls" and "<tool_call>" not in (choice.message.reasoning or "")
+    assert called >= 2
+
+
+def test_reasoning_sent_back_renders_in_the_template(server):
+    def prompt(assistant: dict) -> str:
+        with server.http() as http:
+            body = {"model": MODEL_NAME, "messages": [*MESSAGES, {"role": "assistant", "content": "Noon.", **assistant},
+                                                      {"role": "user", "content": "Thanks"}]}
+            tokens = http.post("/tokenize", json=body).json()["tokens"]
+            return http.post("/detokenize", json={"model": MODEL_NAME, "tokens": tokens}).json()["prompt"]
+
+    assert "<think>\nthe clock\n</think>\n\nNoon." in prompt({"reasoning_content": "the clock"})
+    assert prompt({"reasoning": "the clock"}) == prompt({"reasoning_content": "the clock"})
+    with server.http() as http:
+        bad = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": [
+            {"role": "user", "content": "hi", "reasoning_content": "no"}]})
+        assert_error(bad, 400, "reasoning belongs to assistant messages")
+
+
+def test_responses_give_a_reasoning_item_first(client, sampling):
+    seen = 0
+    for seed in SEEDS:
+        kwargs = dict(input="What time is it?", max_output_tokens=30, **_with(sampling, seed))
+        plain = client.responses.create(**kwargs)
+        with client.responses.stream(**kwargs) as stream:
+            events = list(stream)
+        final = events[-1].response  # completed, or incomplete where the tokens ran out
+        assert events[-1].type == f"response.{plain.status}"
+        kinds = [item.type for item in plain.output]
+        assert [item.type for item in final.output] == kinds and kinds in (["reasoning", "message"], ["reasoning"],
+                                                                             ["message"])
+        if kinds[0] != "reasoning":
+            continue
+        seen += 1
+        reasoning = plain.output[0]
+        assert reasoning.id.startswith("rs_") and reasoning.summary == [] and reasoning.content[0].text
+        assert final.output[0].content[0].text == reasoning.content[0].text and final.output_text == plain.output_text
+        deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+        done = [e for e in events if e.type == "response.reasoning_text.done"]
+        assert "".join(deltas) == done[0].text == reasoning.content[0].text
+        added = [e for e in events if e.type == "response.content_part.added"]
+        assert added[0].part.type == "reasoning_text" and added[0].output_index == 0
+        details = plain.usage.output_tokens_details
+        assert 0 < details.reasoning_tokens <= plain.usage.output_tokens
+        assert final.usage.output_tokens_details == details
+    assert seen >= 2
+
+
+def test_responses_take_their_reasoning_back(client, sampling):
+    """The next turn renders the reasoning whether the client sends the output back (as agent frameworks do) or
+    names the stored response: the prompts are the same."""
+    first = client.responses.create(input="What time is it?", max_output_tokens=30, **_with(sampling, 0))
+    assert first.output[0].type == "reasoning"
+    follow_up = {"role": "user", "content": "And now?"}
+    kwargs = dict(max_output_tokens=4, **_with(sampling, 1))
+    sent_back = client.responses.create(
+        input=[{"role": "user", "content": "What time is it?"}, *[item.model_dump(exclude_none=True)
+                                                                  for item in first.output], follow_up], **kwargs)
+    chained = client.responses.create(input=[follow_up], previous_response_id=first.id, **kwargs)
+    assert sent_back.usage.input_tokens == chained.usage.input_tokens
+    without = client.responses.create(input=[{"role": "user", "content": "What time is it?"},
+                                             *[item.model_dump(exclude_none=True) for item in first.output[1:]],
+                                             follow_up], **kwargs)
+    assert without.usage.input_tokens < sent_back.usage.input_tokens
