@@ -44,8 +44,13 @@ class ReasoningParser:
         return not tail.rstrip().endswith(self.end_tag)
 
     def end_tag_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
-        """The closing tag's tokens (one added token in the families above)."""
-        return tuple(tokenizer.encode(self.end_tag, add_special_tokens=False))
+        """The closing tag's tokens (one added token in the families above); ValueError where the tokenizer makes
+        it a special token, which decoding leaves out of the text (the answer would be read as reasoning)."""
+        ids = tuple(tokenizer.encode(self.end_tag, add_special_tokens=False))
+        if tokenizer.decode(list(ids)) != self.end_tag:
+            raise ValueError(f"reasoning_parser {self.name!r} reads {self.end_tag!r} in the text, and this model's "
+                             "tokenizer makes it a special token, which decoding leaves out")
+        return ids
 
     def splitter(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> "ReasoningSplitter":
         """A splitter for one choice of a request with this prompt."""

@@ -167,3 +167,24 @@ def test_drafts_past_the_closing_tag_are_constrained(reasoning_dir):
         SchedulerOutput(scheduled=[ScheduledRequestData("thinking", 0, requests["thinking"].num_tokens,
                                                         draft_token_ids=[y, y])]), requests) is None
     np.testing.assert_array_equal(mask.bitmask[mask.rows["thinking"]], -1)
+
+
+def test_a_tokenizer_that_hides_the_tag_is_refused(tmp_path):
+    """A tokenizer whose closing tag is a special token decodes without it: the parser could never see the answer
+    begin, so the engine refuses to start with it."""
+    import json
+    import os
+
+    from tokenizers import AddedToken, Tokenizer
+
+    folder = build_reasoning_model(str(tmp_path))
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path) as f:
+        data = json.load(f)
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in ("<think>", "</think>")]
+    tokenizer = Tokenizer.from_str(json.dumps(data))
+    tokenizer.add_special_tokens([AddedToken("<think>"), AddedToken("</think>")])
+    tokenizer.save(path)
+    with pytest.raises(ValueError, match="special token"):
+        LLM(folder, reasoning_parser="deepseek_r1", **ENGINE)
+    LLM(folder, **ENGINE)  # without a reasoning parser the model runs as before

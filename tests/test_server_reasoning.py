@@ -9,7 +9,9 @@ within a few tokens; what follows is constrained where the request asks, which s
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Literal
 
 import jsonschema
 import pytest
@@ -184,3 +186,42 @@ def test_responses_take_their_reasoning_back(client, sampling):
                                              *[item.model_dump(exclude_none=True) for item in first.output[1:]],
                                              follow_up], **kwargs)
     assert without.usage.input_tokens < sent_back.usage.input_tokens
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_the_agents_sdk_reads_and_sends_back_the_reasoning(server, sampling, api):
+    """The OpenAI Agents SDK makes a reasoning item of either API's reasoning, and sends it back on the next run
+    (as a reasoning input item, or a message's reasoning_content): the server takes it."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_time(tz: Literal["UTC", "CET"]) -> str:
+        """The time in a timezone."""
+        return "12:00"
+
+    async def go(seed: int) -> list:
+        client = AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        model = agents.OpenAIResponsesModel(MODEL_NAME, client) if api == "responses" else \
+            agents.OpenAIChatCompletionsModel(MODEL_NAME, client)
+        settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=250,
+                                        temperature=1.0, extra_body=_with(sampling, seed)["extra_body"])
+        agent = agents.Agent(name="clock", instructions="Tell the time.", model=model, model_settings=settings,
+                             tools=[get_time], tool_use_behavior="stop_on_first_tool")
+        first = await agents.Runner.run(agent, "What time is it in Paris?", max_turns=2)
+        again = await agents.Runner.run(agent, first.to_input_list() + [{"role": "user", "content": "And now?"}],
+                                        max_turns=2)
+        return [first.new_items, again.new_items]
+
+    for seed in SEEDS:  # a random model may run out of tokens before its call ends: the SDK raises on that
+        try:
+            runs = asyncio.run(go(seed))
+        except agents.exceptions.ModelBehaviorError:
+            continue
+        for items in runs:
+            assert [item.type for item in items][-2:] == ["tool_call_item", "tool_call_output_item"]
+            assert "reasoning_item" in [item.type for item in items]
+        return
+    pytest.fail("no seed ended its calls within max_tokens")
