@@ -4,8 +4,8 @@ Qwen3, QwQ and the DeepSeek-R1 family think between `<think>` and `</think>` bef
 templates differ in where the opening tag goes: R1's and newer Qwen3 templates write `<think>` at the end of the
 prompt, older Qwen3 templates let the model write it, and a template with thinking switched off (Qwen3's
 `enable_thinking: false`) writes a whole empty block, `<think>\\n\\n</think>\\n\\n`, into the prompt. One rule covers
-them all: the output starts in reasoning unless the prompt already closed it (`starts_in_reasoning`); an opening
-tag the model writes first is dropped; the output up to the closing tag is reasoning, the rest content. An output
+them all: the output starts in reasoning unless the prompt's last turn already closed it (`starts_in_reasoning`);
+an opening tag the model writes first is dropped; the output up to the closing tag is reasoning, the rest content. An output
 cut off before the closing tag is all reasoning (as vLLM's parsers have it).
 
 Two parts of folio read it:
@@ -26,8 +26,13 @@ from typing import Optional, Sequence
 from folio.config import REASONING_PARSERS as PARSER_NAMES
 from folio.tokenizer import Tokenizer
 
-# Prompt tokens decoded to see whether the prompt closed the reasoning (the tag and the whitespace after it).
-_PROMPT_TAIL_TOKENS = 16
+# The most prompt tokens read back to see whether the prompt closed the reasoning.
+_PROMPT_SCAN_TOKENS = 4096
+
+
+def _ends_with(ids: list[int], end: int, tag: tuple[int, ...]) -> bool:
+    """Whether ids[:end] ends with the tag's tokens."""
+    return end >= len(tag) and tuple(ids[end - len(tag):end]) == tag
 
 
 @dataclass(frozen=True)
@@ -39,9 +44,18 @@ class ReasoningParser:
     end_tag: str = "</think>"
 
     def starts_in_reasoning(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> bool:
-        """False when the prompt ends with the closing tag (thinking switched off, or the reasoning given)."""
-        tail = tokenizer.decode(list(prompt_token_ids[-_PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
-        return not tail.rstrip().endswith(self.end_tag)
+        """Whether the output starts inside the think block. Read back from the prompt's end: the closing tag
+        first means the last turn closed it (thinking switched off, or an assistant prefill after the block); the
+        opening tag, or a special token (where a turn starts: an earlier turn's tags are not this one's), means
+        it is open."""
+        end, start = self.end_tag_ids(tokenizer), tuple(tokenizer.encode(self.start_tag, add_special_tokens=False))
+        ids = list(prompt_token_ids[-_PROMPT_SCAN_TOKENS:])
+        for i in range(len(ids), 0, -1):
+            if ids[i - 1] in tokenizer.all_special_ids or _ends_with(ids, i, start):
+                return True
+            if _ends_with(ids, i, end):
+                return False
+        return True
 
     def end_tag_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
         """The closing tag's tokens (one added token in the families above); ValueError where the tokenizer makes

@@ -110,6 +110,12 @@ def test_the_prompt_decides_where_the_output_starts(llm):
     assert PARSER.starts_in_reasoning(tokenizer, tokenizer.encode(OPEN_PROMPT + "<think>\n",
                                                                   add_special_tokens=False))
     assert not PARSER.starts_in_reasoning(tokenizer, tokenizer.encode(CLOSED_PROMPT, add_special_tokens=False))
+    # an assistant prefill after the block (continue_final_message) continues the answer
+    assert not PARSER.starts_in_reasoning(tokenizer, tokenizer.encode(CLOSED_PROMPT + "The answer",
+                                                                      add_special_tokens=False))
+    # an earlier turn's block is not this one's: the turn's start comes after it
+    earlier = "<|im_start|>assistant\n<think>\nx\n</think>\n\nok<|im_end|>\n"
+    assert PARSER.starts_in_reasoning(tokenizer, tokenizer.encode(earlier + OPEN_PROMPT, add_special_tokens=False))
 
 
 def _choice(seed: int, bias: dict[int, float]) -> SamplingParams:
