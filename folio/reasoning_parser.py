@@ -5,8 +5,8 @@ templates differ in where the opening tag goes: R1's and newer Qwen3 templates w
 prompt, older Qwen3 templates let the model write it, and a template with thinking switched off (Qwen3's
 `enable_thinking: false`) writes a whole empty block, `<think>\\n\\n</think>\\n\\n`, into the prompt. One rule covers
 them all: the output starts in reasoning unless the prompt's last turn already closed it (`starts_in_reasoning`);
-an opening tag the model writes first is dropped; the output up to the closing tag is reasoning, the rest content. An output
-cut off before the closing tag is all reasoning (as vLLM's parsers have it).
+an opening tag the model writes first is dropped; the output up to the closing tag is reasoning, the rest
+content. An output cut off before the closing tag is all reasoning (as vLLM's parsers have it).
 
 Two parts of folio read it:
 - the server splits each choice's text (`ReasoningSplitter`: `reasoning` beside `content` in chat, a reasoning
@@ -20,19 +20,28 @@ only what could still be the start of a tag or whitespace before one, so its pie
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from folio.config import REASONING_PARSERS as PARSER_NAMES
 from folio.tokenizer import Tokenizer
 
+logger = logging.getLogger("folio")
+
 # The most prompt tokens read back to see whether the prompt closed the reasoning.
 _PROMPT_SCAN_TOKENS = 4096
 
 
+@functools.lru_cache(maxsize=16)
+def _tag_ids(tokenizer: Tokenizer, tag: str) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(tag, add_special_tokens=False))
+
+
 def _ends_with(ids: list[int], end: int, tag: tuple[int, ...]) -> bool:
     """Whether ids[:end] ends with the tag's tokens."""
-    return end >= len(tag) and tuple(ids[end - len(tag):end]) == tag
+    return end >= len(tag) and ids[end - 1] == tag[-1] and tuple(ids[end - len(tag):end]) == tag
 
 
 @dataclass(frozen=True)
@@ -43,12 +52,28 @@ class ReasoningParser:
     start_tag: str = "<think>"
     end_tag: str = "</think>"
 
+    def check(self, tokenizer: Tokenizer) -> None:
+        """At start: ValueError where the tokenizer makes the closing tag a special token, which decoding leaves
+        out of the text (the answer would be read as reasoning); a warning where the tag is several tokens (the
+        model may spell it otherwise, and then the text ends the reasoning where the grammars do not see it)."""
+        ids = self.end_tag_ids(tokenizer)
+        if tokenizer.decode(list(ids)) != self.end_tag:
+            raise ValueError(f"reasoning_parser {self.name!r} reads {self.end_tag!r} in the text, and this model's "
+                             "tokenizer makes it a special token, which decoding leaves out")
+        if len(ids) > 1:
+            logger.warning("reasoning_parser %r: %r is %d tokens in this tokenizer, not one; structured outputs "
+                           "start after these tokens only", self.name, self.end_tag, len(ids))
+
+    def end_tag_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
+        """The closing tag's tokens (one added token in the families above)."""
+        return _tag_ids(tokenizer, self.end_tag)
+
     def starts_in_reasoning(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> bool:
         """Whether the output starts inside the think block. Read back from the prompt's end: the closing tag
         first means the last turn closed it (thinking switched off, or an assistant prefill after the block); the
         opening tag, or a special token (where a turn starts: an earlier turn's tags are not this one's), means
         it is open."""
-        end, start = self.end_tag_ids(tokenizer), tuple(tokenizer.encode(self.start_tag, add_special_tokens=False))
+        end, start = self.end_tag_ids(tokenizer), _tag_ids(tokenizer, self.start_tag)
         ids = list(prompt_token_ids[-_PROMPT_SCAN_TOKENS:])
         for i in range(len(ids), 0, -1):
             if ids[i - 1] in tokenizer.all_special_ids or _ends_with(ids, i, start):
@@ -56,15 +81,6 @@ class ReasoningParser:
             if _ends_with(ids, i, end):
                 return False
         return True
-
-    def end_tag_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
-        """The closing tag's tokens (one added token in the families above); ValueError where the tokenizer makes
-        it a special token, which decoding leaves out of the text (the answer would be read as reasoning)."""
-        ids = tuple(tokenizer.encode(self.end_tag, add_special_tokens=False))
-        if tokenizer.decode(list(ids)) != self.end_tag:
-            raise ValueError(f"reasoning_parser {self.name!r} reads {self.end_tag!r} in the text, and this model's "
-                             "tokenizer makes it a special token, which decoding leaves out")
-        return ids
 
     def splitter(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> "ReasoningSplitter":
         """A splitter for one choice of a request with this prompt."""
@@ -123,7 +139,8 @@ class ReasoningSplit:
 
 class ReasoningSplitter:
     """One choice's output, fed as it is generated, split into reasoning and content: its text, and its tokens
-    (reasoning tokens are counted for usage, and kept out of the message's logprobs in the Responses API)."""
+    (reasoning tokens are counted for usage, and kept out of the message's logprobs in the Responses API; without
+    the closing tag's ids, none are counted)."""
 
     def __init__(self, parser: ReasoningParser, in_reasoning: bool, end_tag_ids: tuple[int, ...] = ()) -> None:
         self.parser = parser

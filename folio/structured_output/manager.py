@@ -68,7 +68,8 @@ class StructuredOutputManager:
         self.backend = make_backend(options.structured_outputs_backend, tokenizer, self.vocab_size, eos_token_ids)
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser(options.reasoning_parser)
-        self._end_tag_ids = self.reasoning_parser.end_tag_ids(tokenizer) if self.reasoning_parser else ()
+        if self.reasoning_parser is not None:
+            self.reasoning_parser.check(tokenizer)
         # One thread: compiles are rare next to steps, and one thread makes the lazily built tokenizer safe.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="folio-grammar")
         self._cache: OrderedDict[tuple[str, str], Future[Grammar]] = OrderedDict()
@@ -104,7 +105,7 @@ class StructuredOutputManager:
                 reasoning = None
                 if self.reasoning_parser and self.reasoning_parser.starts_in_reasoning(self.tokenizer,
                                                                                        request.prompt_token_ids):
-                    reasoning = EndTagWatcher(self._end_tag_ids)
+                    reasoning = EndTagWatcher(self.reasoning_parser.end_tag_ids(self.tokenizer))
                 request.structured_output = StructuredOutputRequest(request.request_id, self._compiled(params),
                                                                     reasoning)
 

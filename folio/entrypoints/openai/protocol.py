@@ -366,8 +366,9 @@ class ChatMessage(RequestModel):
             raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
         if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
             raise ValueError("reasoning belongs to assistant messages only")
-        if self.reasoning_content is not None and self.reasoning is not None:
-            raise ValueError("give an assistant message's reasoning as reasoning or as reasoning_content, not both")
+        if None not in (self.reasoning_content, self.reasoning) and self.reasoning_content != self.reasoning:
+            raise ValueError("reasoning and reasoning_content differ: an assistant message has one reasoning (this "
+                             "server gives it under both names)")
         return self
 
     def to_template_dict(self) -> dict[str, Any]:

@@ -196,9 +196,10 @@ class Turn:
         return edits
 
     def finish(self) -> list[Edit]:
-        """The items still open, ended (an empty message where the turn wrote nothing, holding the logprobs of
-        tokens that wrote no text)."""
-        edits = self._open(MessageItem(0)) if not self.items else []
+        """The items still open, ended (an empty message where the turn wrote no message or call, holding the
+        logprobs of tokens that wrote no text)."""
+        answered = any(isinstance(item, (MessageItem, CallItem)) for item in self.items)
+        edits = [] if answered else self._open(MessageItem(len(self.items)))
         if self.pending_logprobs and isinstance(self.items[-1], MessageItem):
             edits.append(Edit("delta", self.items[-1], "", self.pending_logprobs))
             self.items[-1].logprobs += self.pending_logprobs
@@ -244,9 +245,7 @@ class Turn:
                     messages[-1].tool_calls = (messages[-1].tool_calls or []) + [call]
                 else:
                     messages.append(ChatMessage(role="assistant", tool_calls=[call]))
-        if reasoning is not None:
-            if not messages:
-                messages.append(ChatMessage(role="assistant", content=""))
+        if reasoning is not None:  # (finish() made an answer: a message where there was nothing else)
             messages[0].reasoning_content = reasoning
         return messages
 

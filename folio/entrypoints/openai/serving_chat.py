@@ -10,7 +10,6 @@ from typing import Any, AsyncIterator, Optional
 from pydantic import BaseModel
 
 from folio.engine.async_llm import AsyncLLM
-
 from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogProbs, ChatCompletionChunk,
                                                ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
                                                ChatStreamChoice, ChatTool, DeltaMessage, UsageInfo)
@@ -98,7 +97,11 @@ class OpenAIServingChat(OpenAIServing):
                                                                                        prompts[0].token_ids)
                 split = splitter.feed(delta.text, delta.token_ids, final)
                 delta.text, delta.num_reasoning_tokens = split.content, split.num_reasoning_tokens
-                delta.reasoning = split.reasoning if request.include_reasoning else ""
+                if request.include_reasoning:
+                    delta.reasoning = split.reasoning
+                elif delta.logprobs is not None:  # nor its tokens' logprobs
+                    delta.token_ids = delta.token_ids[split.num_reasoning_tokens:]
+                    delta.logprobs = delta.logprobs[split.num_reasoning_tokens:]
             if tool_choice != "none":
                 parser = parsers.setdefault(delta.index, ToolCallParser([t.function.name for t in request.tools]))
                 delta.text, delta.tool_calls = parser.feed(delta.text, final=final)
@@ -120,11 +123,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def choice(self, request: ChatCompletionRequest, delta: ChoiceDelta, stream: bool) -> BaseModel:
         logprobs = None if delta.logprobs is None else self._logprobs(delta, request.top_logprobs or 0)
-        content = delta.text if delta.text or not delta.tool_calls else None  # null beside calls, as OpenAI's
         reasoning = delta.reasoning or None
+        # null beside calls, as OpenAI's, and beside reasoning (a reasoning chunk, an output cut off in reasoning)
+        content = delta.text if delta.text or not (delta.tool_calls or reasoning) else None
         if stream:
-            if not delta.text and reasoning:
-                content = None  # a reasoning chunk carries no content
             return ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=content,
                                                                           tool_calls=delta.tool_calls or None,
                                                                           reasoning=reasoning,

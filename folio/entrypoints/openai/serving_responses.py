@@ -11,8 +11,8 @@ and reasoning included, so that the next turn can answer them.
 A stream is the event sequence OpenAI's clients assemble: response.created and response.in_progress at once; for
 each output item as it starts, output_item.added (and a message's or reasoning's content_part.added); an
 output_text.delta per piece of a message's text (reasoning_text.delta for reasoning), a
-function_call_arguments.delta per piece of a call's arguments; the matching .done events as the item ends; and response.completed (or response.incomplete when max_output_tokens ran out,
-response.failed when the engine failed).
+function_call_arguments.delta per piece of a call's arguments; the matching .done events as the item ends; and
+response.completed (or response.incomplete when max_output_tokens ran out, response.failed when the engine failed).
 """
 
 from __future__ import annotations
