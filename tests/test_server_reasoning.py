@@ -266,3 +266,16 @@ def test_a_turn_cut_off_in_its_reasoning(client, sampling):
     again = client.responses.create(input=[{"role": "user", "content": "What time is it?"},
                                            *[item.model_dump(exclude_none=True) for item in cut.output]], **kwargs)
     assert again.status == "incomplete"
+
+
+def test_bench_serve_times_reasoning_as_output(server, tmp_path):
+    """`folio bench serve` on chat counts a reasoning model's reasoning chunks: the first token is the first
+    reasoning token, not the first of the answer (these random outputs are all reasoning)."""
+    from test_bench import _run, _write_conversations
+
+    conversations, result = str(tmp_path / "chat.jsonl"), str(tmp_path / "serve.json")
+    _write_conversations(conversations)
+    report = _run(["bench", "serve", "--base-url", server.base_url, "--model", MODEL_NAME, "--endpoint", "chat",
+                   "--dataset", conversations, "--num-prompts", "3", "--result-file", result], result)
+    assert report["completed"] == 3 and report["output_tokens"] == 9
+    assert all(r["ttft_s"] is not None for r in report["requests"])

@@ -86,8 +86,10 @@ def _body(request: BenchRequest, args: argparse.Namespace, model: str, max_token
 
 
 def _chunk_text(choice: dict) -> str:
-    """Text a streamed choice carries, for completions ('text') and chat ('delta.content') alike."""
-    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    """Text a streamed choice carries, for completions ('text') and chat ('delta.content') alike; a reasoning
+    model's reasoning ('delta.reasoning', or 'delta.reasoning_content' from older servers) is output too."""
+    delta = choice.get("delta") or {}
+    return choice.get("text") or delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or ""
 
 
 async def _send(client: httpx.AsyncClient, path: str, body: dict, record: RequestRecord) -> None:
