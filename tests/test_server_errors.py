@@ -150,6 +150,20 @@ def test_every_unsupported_field_is_a_field_of_its_request():
                 assert rest[0] in annotation.model_fields, (model.__name__, field.name)
 
 
+def test_every_field_declared_only_to_be_refused_is_in_a_table():
+    """The twin of the test above: a field declared as Any (kept only so that its table can name it) that no
+    table names would be accepted and do nothing. Billing and caching hints are the ones meant to do nothing."""
+    from typing import Any, Optional
+
+    from folio.entrypoints.openai.protocol_responses import ResponsesRequest
+
+    hints = set(protocol.BillingAndCacheHints.model_fields)
+    for model in (protocol.ChatCompletionRequest, protocol.CompletionRequest, ResponsesRequest):
+        tabled = {field.name.split(".")[0] for field in model.unsupported}
+        declared = {name for name, field in model.model_fields.items() if field.annotation == Optional[Any]}
+        assert declared - hints <= tabled, (model.__name__, sorted(declared - hints - tabled))
+
+
 def test_fields_that_ask_for_nothing_missing_are_accepted_and_unknown_ones_logged(server, http, caplog, monkeypatch):
     """Hints at billing, retention and caching change nothing here; values that ask for what the server does
     (text, no storing, medium verbosity) are fine; a field of no API is ignored, and the log names it once."""

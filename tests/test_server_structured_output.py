@@ -156,6 +156,17 @@ def test_vllms_earlier_guided_fields_are_structured_outputs(client, server):
         spaced = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES,
                                                          "guided_json": SCHEMA, "guided_whitespace_pattern": " "})
         assert_error(spaced, 400, "guided_whitespace_pattern is not supported", "guided_whitespace_pattern")
+        # a bad constraint is named as the client sent it
+        bad_regex = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "guided_regex": "(a"})
+        assert_error(bad_regex, 400, "guided_regex is not a valid regular expression", "guided_regex")
+        bad_json = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES,
+                                                           "guided_json": {"type": "nope"}})
+        assert_error(bad_json, 400, "guided_json is not a valid JSON schema", "guided_json")
+        empty = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "guided_choice": []})
+        assert_error(empty, 400, "guided_choice must be a list of non-empty strings", "guided_choice")
+        named = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi",
+                                                   "structured_outputs": {"regex": "(a"}})
+        assert_error(named, 400, "structured_outputs.regex is not a valid", "structured_outputs")
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -32,9 +32,11 @@ class MessageFormat:
 def output_constraint(manager: StructuredOutputManager, tools: Optional[list[ChatTool]], tool_choice: ToolChoice,
                       parallel_tool_calls: bool, parameters_field: str,
                       structured_outputs: Optional[StructuredOutputsParams] = None,
-                      message_format: Optional[MessageFormat] = None) -> Optional[StructuredOutputsParams]:
+                      message_format: Optional[MessageFormat] = None,
+                      structured_outputs_field: Optional[str] = None) -> Optional[StructuredOutputsParams]:
     """The constraint for a resolved tool_choice (tool_grammar.resolve_tool_choice). parameters_field: where tool
-    i's schema is, with {} for i.
+    i's schema is, with {} for i; structured_outputs_field: the field structured_outputs came in, where it was
+    not structured_outputs (vLLM's guided_*).
 
     A message format applies to the text the model writes, as OpenAI's does: with "auto" the output is either a
     message in the format or tool calls; with "required" or a named function the output is calls, and the format
@@ -42,7 +44,7 @@ def output_constraint(manager: StructuredOutputManager, tools: Optional[list[Cha
     replaces the tools' grammar (calls are still read from the output); a tool_choice that makes the output tool
     calls cannot be combined with it."""
     if structured_outputs is not None:
-        manager.validate(structured_outputs)
+        manager.validate(structured_outputs, structured_outputs_field)
     if message_format is not None:
         manager.validate(message_format.constraint(), message_format.schema_field)
         if structured_outputs is not None:

@@ -19,7 +19,7 @@ import re
 import time
 from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer, model_validator
 
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.unsupported_fields import CHAT_UNSUPPORTED, SAMPLING_UNSUPPORTED, Unsupported
@@ -162,6 +162,7 @@ class SamplingRequest(RequestBody):
     vllm_xargs: Optional[Any] = None
 
     unsupported = SAMPLING_UNSUPPORTED
+    _guided_field: Optional[str] = PrivateAttr(None)  # the guided_* field mapped into structured_outputs
 
     @model_validator(mode="after")
     def _guided_fields_are_structured_outputs(self) -> "SamplingRequest":
@@ -171,11 +172,26 @@ class SamplingRequest(RequestBody):
             if self.structured_outputs is not None:
                 raise ValueError("guided_* and structured_outputs both constrain the output: give one of them")
             self.structured_outputs = StructuredOutputsRequest.model_validate(guided)
+            self._guided_field = f"guided_{next(iter(guided))}"
         return self
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
-        """The structured_outputs field (guided_* mapped into it) as the engine takes it, or None."""
-        return None if self.structured_outputs is None else self.structured_outputs.to_params()
+        """The structured_outputs field (guided_* mapped into it) as the engine takes it, or None; ValueError
+        naming the field the client sent."""
+        if self.structured_outputs is None:
+            return None
+        try:
+            return self.structured_outputs.to_params()
+        except ValueError as e:
+            if self._guided_field is None:
+                raise
+            kind = self._guided_field.removeprefix("guided_")  # (the params name their own field)
+            raise ValueError(str(e).replace(f"structured_outputs.{kind}", self._guided_field, 1)) from None
+
+    @property
+    def structured_outputs_field(self) -> Optional[str]:
+        """Where the constraint came from, for errors: a guided_* field, or None for structured_outputs."""
+        return self._guided_field
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":

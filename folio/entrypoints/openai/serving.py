@@ -182,7 +182,7 @@ class OpenAIServing(ABC):
     def structured_outputs(self, request: SamplingRequest) -> Optional[StructuredOutputsParams]:
         """The constraint on the output (here the structured_outputs field), checked: ValueError naming the field."""
         constraint = request.structured_outputs_params()
-        self.llm.engine.structured_output.validate(constraint)
+        self.llm.engine.structured_output.validate(constraint, request.structured_outputs_field)
         return constraint
 
     def read_deltas(self, request: SamplingRequest, prompts: list[Prompt],

@@ -77,7 +77,8 @@ class OpenAIServingChat(OpenAIServing):
         return output_constraint(self.llm.engine.structured_output, request.tools,
                                  resolve_tool_choice(request.tools, request.tool_choice),
                                  request.parallel_tool_calls is not False, "tools[{}].function.parameters",
-                                 request.structured_outputs_params(), message_format)
+                                 request.structured_outputs_params(), message_format,
+                                 request.structured_outputs_field)
 
     async def read_deltas(self, request: ChatCompletionRequest, prompts: list[Prompt],
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:

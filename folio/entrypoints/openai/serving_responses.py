@@ -210,7 +210,8 @@ class OpenAIServingResponses:
             MessageFormat("text.format", "text.format.schema", fmt.json_schema)
         return output_constraint(self.llm.engine.structured_output, tools, tool_choice,
                                  request.parallel_tool_calls is not False, "tools[{}].parameters",
-                                 request.structured_outputs_params(), message_format)
+                                 request.structured_outputs_params(), message_format,
+                                 request.structured_outputs_field)
 
     def retrieve(self, response_id: str, query: dict[str, str]) -> ResponseObject:
         for name, value in query.items():
