@@ -103,8 +103,8 @@ class StructuredOutputManager:
             params = request.sampling_params.structured_outputs
             if params is not None:
                 reasoning = None
-                if self.reasoning_parser and self.reasoning_parser.starts_in_reasoning(self.tokenizer,
-                                                                                       request.prompt_token_ids):
+                if self.reasoning_parser is not None and self.reasoning_parser.starts_in_reasoning(
+                        self.tokenizer, request.prompt_token_ids):
                     reasoning = EndTagWatcher(self.reasoning_parser.end_tag_ids(self.tokenizer))
                 request.structured_output = StructuredOutputRequest(request.request_id, self._compiled(params),
                                                                     reasoning)
