@@ -279,3 +279,30 @@ def test_bench_serve_times_reasoning_as_output(server, tmp_path):
                    "--dataset", conversations, "--num-prompts", "3", "--result-file", result], result)
     assert report["completed"] == 3 and report["output_tokens"] == 9
     assert all(r["ttft_s"] is not None for r in report["requests"])
+
+
+R1_STYLE_TEMPLATE = ("{% for message in messages %}{% if message.role == 'user' %}<|im_start|>User: {{ message.content }}"
+                     "{% else %}<|im_start|>Assistant: {{ message.content }}<|im_end|>{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>Assistant: <think>\n{% endif %}")
+
+
+def test_a_template_that_opens_the_block(model_dir, sampling, tmp_path):
+    """DeepSeek-R1's templates write the opening tag into the prompt: the model's first token is reasoning."""
+    import shutil
+
+    folder = str(tmp_path / "r1-style")
+    shutil.copytree(model_dir, folder)
+    with open(f"{folder}/tokenizer_config.json") as f:
+        config = json.load(f)
+    with open(f"{folder}/tokenizer_config.json", "w") as f:
+        json.dump({**config, "chat_template": R1_STYLE_TEMPLATE}, f)
+    with running_server(folder, reasoning_parser="deepseek_r1") as server:
+        client = server.openai()
+        _, response = first_seed(lambda seed: client.chat.completions.create(
+            messages=MESSAGES, max_tokens=30, logprobs=True, **_with(sampling, seed)),
+            lambda response: response.choices[0].message.content and not any(
+                lp.token == "<think>" for lp in response.choices[0].logprobs.content))
+        tokens = [lp.token for lp in response.choices[0].logprobs.content]
+        thought = tokens.index("</think>")  # the reasoning is all the model wrote before it (nothing opened it)
+        assert response.choices[0].message.reasoning == ("".join(tokens[:thought]).strip() or None)
+        assert response.usage.completion_tokens_details.reasoning_tokens == thought + 1
