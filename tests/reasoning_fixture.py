@@ -1,7 +1,7 @@
 """A tiny reasoning model: the tiny random Qwen3 with `<think>` and `</think>` as added tokens (as Qwen3's and
 DeepSeek-R1's tokenizers have them) and a Qwen3-style chat template: the model opens its think block itself,
 `enable_thinking: false` writes an empty block into the prompt, and an assistant turn's reasoning_content is
-rendered inside its block."""
+rendered inside its block (tools and tool turns are not rendered: the tests read calls, not the model's view)."""
 
 from __future__ import annotations
 
@@ -20,16 +20,7 @@ QWEN3_STYLE_TEMPLATE = """{%- for message in messages %}
 {{ message.reasoning_content }}
 </think>
 
-{% endif %}{{ message.content or '' }}
-{%- for call in message.tool_calls or [] %}
-<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
+{% endif %}{{ message.content or '' }}<|im_end|>
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
