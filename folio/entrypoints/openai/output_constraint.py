@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool, NamedToolChoice
-from folio.entrypoints.openai.tool_grammar import ToolChoice, tool_choice_constraint
+from folio.entrypoints.openai.tool_call_format import ToolCallFormat
+from folio.entrypoints.openai.tool_grammar import ToolChoice
 from folio.structured_output.manager import StructuredOutputManager
 from folio.structured_output.params import StructuredOutputsParams
 
@@ -29,12 +30,13 @@ class MessageFormat:
         return StructuredOutputsParams(json=self.schema)
 
 
-def output_constraint(manager: StructuredOutputManager, tools: Optional[list[ChatTool]], tool_choice: ToolChoice,
-                      parallel_tool_calls: bool, parameters_field: str,
+def output_constraint(manager: StructuredOutputManager, tool_format: ToolCallFormat, tools: Optional[list[ChatTool]],
+                      tool_choice: ToolChoice, parallel_tool_calls: bool, parameters_field: str,
                       structured_outputs: Optional[StructuredOutputsParams] = None,
                       message_format: Optional[MessageFormat] = None,
                       structured_outputs_field: Optional[str] = None) -> Optional[StructuredOutputsParams]:
-    """The constraint for a resolved tool_choice (tool_grammar.resolve_tool_choice). parameters_field: where tool
+    """The constraint for a resolved tool_choice (tool_grammar.resolve_tool_choice), tool calls written in the
+    server's tool_format. parameters_field: where tool
     i's schema is, with {} for i; structured_outputs_field: the field structured_outputs came in, where it was
     not structured_outputs (vLLM's guided_*).
 
@@ -63,6 +65,6 @@ def output_constraint(manager: StructuredOutputManager, tools: Optional[list[Cha
     message_schema = None
     if message_format is not None and tool_choice == "auto":
         message_schema = message_format.schema if message_format.schema is not None else {"type": "object"}
-    constraint = tool_choice_constraint(tools, tool_choice, parallel_tool_calls, message_schema)
+    constraint = tool_format.constraint(tools, tool_choice, parallel_tool_calls, message_schema)
     manager.validate(constraint, "tools")
     return constraint

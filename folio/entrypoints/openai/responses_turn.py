@@ -2,7 +2,7 @@
 output did to them (for the stream's events).
 
 With a reasoning parser, the text's reasoning is read out first (folio.reasoning_parser): it makes a reasoning
-item, ended when the answer begins. The rest goes through a ToolCallParser where tool_choice is not "none": its
+item, ended when the answer begins. The rest goes through a tool-call reader where tool_choice is not "none": its
 pieces, in the order written, make the items. Content goes to the open message item (a new one after a call); a
 call's first delta opens a function_call item and its end closes it; a call opening closes the message before it.
 So a turn that writes "<think>Paris.</think>Checking.\n<tool_call>...</tool_call>" is [reasoning, message,
@@ -24,7 +24,7 @@ from folio.entrypoints.openai.protocol_responses import (IncompleteDetails, Inpu
                                                          ResponseError, ResponseObject, ResponsesRequest,
                                                          ResponseUsage)
 from folio.entrypoints.openai.serving import token_logprobs
-from folio.entrypoints.openai.tool_parser import CallEnd, ToolCallParser
+from folio.entrypoints.openai.tool_parser import CallEnd, ToolCallReader
 from folio.outputs import RequestOutput
 from folio.reasoning_parser import ReasoningSplitter
 from folio.sampling_params import SamplingParams
@@ -125,7 +125,7 @@ class Turn:
     model_name: str
     conversation: list[ChatMessage]  # without the instructions
     prompt_tokens: int
-    parser: Optional[ToolCallParser]  # where tool_choice is not "none": tool calls are read out of the text
+    parser: Optional[ToolCallReader]  # where tool_choice is not "none": tool calls are read out of the text
     splitter: Optional[ReasoningSplitter] = None  # with a reasoning parser: the reasoning is read out first
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     created_at: int = field(default_factory=lambda: int(time.time()))

@@ -43,6 +43,7 @@ from folio.entrypoints.openai.protocol_responses import DeletedResponse, Respons
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.responses_store import ResponseStore
 from folio.entrypoints.openai.server_options import ServerOptions
+from folio.entrypoints.openai.tool_call_format import TOOL_CALL_FORMATS
 from folio.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from folio.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
 from folio.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -73,9 +74,10 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     max_model_len = llm.engine.max_model_len
     limits = RequestLimits.build(options, tokenizer, max_model_len, llm.engine.input_processor.vocab_size)
     completions = OpenAIServingCompletion(llm, model_name, limits)
-    chat = OpenAIServingChat(llm, model_name, limits)
+    tool_format = TOOL_CALL_FORMATS[options.tool_call_parser]
+    chat = OpenAIServingChat(llm, model_name, limits, tool_format)
     embeddings = OpenAIServingEmbedding(llm, model_name, limits)
-    responses = OpenAIServingResponses(llm, model_name, limits, responses_store or ResponseStore())
+    responses = OpenAIServingResponses(llm, model_name, limits, responses_store or ResponseStore(), tool_format)
 
     app = FastAPI(title="folio", version=__version__)
     install_error_handlers(app)

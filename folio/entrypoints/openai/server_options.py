@@ -15,6 +15,9 @@ from folio.config import option
 from folio.engine.admission import AdmissionPolicy
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # folio.entrypoints.openai.tool_call_format
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     # What one request may ask for: each is checked before any tokenizing, with a 400 naming the field.
@@ -24,6 +27,11 @@ class ServerOptions:
     max_stop_string_chars: int = option(1024, "longest stop string, in characters")
     max_logit_bias: int = option(300, "most logit_bias entries in one request (OpenAI's limit)")
     max_tools: int = option(128, "most tools in one chat request (OpenAI's limit)")
+    # How the model writes tool calls (folio.entrypoints.openai.tool_call_format).
+    tool_call_parser: str = option("hermes", "the format the model writes tool calls in, which the tool grammars "
+                                             "make it write and the server reads back: hermes (Qwen2.5, Qwen3, "
+                                             "Hermes: <tool_call> blocks) or llama3_json (Llama 3.1-3.3: a JSON "
+                                             "object of name and parameters)", choices=TOOL_CALL_PARSERS)
     # Backpressure and deadlines (folio.engine.admission).
     max_waiting_requests: int = option(
         1024, "refuse new requests with 503 and Retry-After while this many sequences wait for the batch "
@@ -52,6 +60,9 @@ class ServerOptions:
                 raise ValueError(f"{f.name} must be >= 0, got {value}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
     def admission(self) -> AdmissionPolicy:
         return AdmissionPolicy(self.max_waiting_requests or None, self.max_waiting_tokens or None,

@@ -17,7 +17,8 @@ from folio.entrypoints.openai.output_constraint import MessageFormat, output_con
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, token_logprobs
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
-from folio.entrypoints.openai.tool_parser import ToolCallParser, join_tool_calls
+from folio.entrypoints.openai.tool_call_format import ToolCallFormat
+from folio.entrypoints.openai.tool_parser import ToolCallReader, join_tool_calls
 from folio.reasoning_parser import ReasoningSplitter
 from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
@@ -57,9 +58,10 @@ def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[
 class OpenAIServingChat(OpenAIServing):
     request_id_prefix = "chatcmpl"
 
-    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits, tool_format: ToolCallFormat) -> None:
         super().__init__(llm, model_name, limits)
         self.reasoning_parser = llm.engine.structured_output.reasoning_parser
+        self.tool_format = tool_format
 
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
         return [Prompt(None, chat_prompt_ids(self.tokenizer, self.limits, request.messages,
@@ -74,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
         message_format = None if fmt is None or fmt.type == "text" else MessageFormat(
             "response_format", "response_format.json_schema.schema",
             fmt.json_schema.json_schema if fmt.json_schema is not None else None)
-        return output_constraint(self.llm.engine.structured_output, request.tools,
+        return output_constraint(self.llm.engine.structured_output, self.tool_format, request.tools,
                                  resolve_tool_choice(request.tools, request.tool_choice),
                                  request.parallel_tool_calls is not False, "tools[{}].function.parameters",
                                  request.structured_outputs_params(), message_format,
@@ -83,11 +85,11 @@ class OpenAIServingChat(OpenAIServing):
     async def read_deltas(self, request: ChatCompletionRequest, prompts: list[Prompt],
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
         """With a reasoning parser, each choice's reasoning leaves its text first (dropped where include_reasoning
-        is false). With tools (and tool_choice not "none"), the text left goes through a ToolCallParser: calls
+        is false). With tools (and tool_choice not "none"), the text left goes through the tool format's reader: calls
         leave the content for tool_calls, and a choice that called tools finishes with "tool_calls" (OpenAI keeps
         "stop" when tool_choice named the function)."""
         tool_choice = resolve_tool_choice(request.tools, request.tool_choice)
-        parsers: dict[int, ToolCallParser] = {}
+        parsers: dict[int, ToolCallReader] = {}
         splitters: dict[int, ReasoningSplitter] = {}
         async for delta in deltas:
             final = delta.finish_reason is not None
@@ -104,7 +106,9 @@ class OpenAIServingChat(OpenAIServing):
                     delta.token_ids = delta.token_ids[split.num_reasoning_tokens:]
                     delta.logprobs = delta.logprobs[split.num_reasoning_tokens:]
             if tool_choice != "none":
-                parser = parsers.setdefault(delta.index, ToolCallParser([t.function.name for t in request.tools]))
+                parser = parsers.get(delta.index)
+                if parser is None:
+                    parser = parsers[delta.index] = self.tool_format.reader([t.function.name for t in request.tools])
                 delta.text, delta.tool_calls = parser.feed(delta.text, final=final)
                 if parser.num_calls and delta.finish_reason == "stop" and tool_choice in ("auto", "required"):
                     delta.finish_reason = "tool_calls"

@@ -39,7 +39,7 @@ from folio.entrypoints.openai.responses_turn import CallItem, Edit, MessageItem,
 from folio.entrypoints.openai.serving import cancel_on_disconnect, check_context, check_model
 from folio.entrypoints.openai.serving_chat import chat_prompt_text
 from folio.entrypoints.openai.tool_grammar import ToolChoice, resolve_tool_choice
-from folio.entrypoints.openai.tool_parser import ToolCallParser
+from folio.entrypoints.openai.tool_call_format import ToolCallFormat
 from folio.entrypoints.openai.unsupported_fields import LOGPROBS
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
@@ -124,8 +124,10 @@ def _events_of(edits: list[Edit], event: Callable[..., str]) -> list[str]:
 
 
 class OpenAIServingResponses:
-    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits, store: ResponseStore) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits, store: ResponseStore,
+                 tool_format: ToolCallFormat) -> None:
         self.llm = llm
+        self.tool_format = tool_format
         self.model_name = model_name
         self.limits = limits
         self.store = store
@@ -144,7 +146,7 @@ class OpenAIServingResponses:
             ids, params, reads_calls = await asyncio.to_thread(self._prompt_and_params, request, conversation)
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
-        parser = ToolCallParser([tool.name for tool in request.tools or ()]) if reads_calls else None
+        parser = self.tool_format.reader([tool.name for tool in request.tools or ()]) if reads_calls else None
         reasoning = self.llm.engine.structured_output.reasoning_parser
         turn = Turn(request, params, self.model_name, conversation, len(ids), parser,
                     reasoning.splitter(self.tokenizer, ids) if reasoning is not None else None)
@@ -208,7 +210,7 @@ class OpenAIServingResponses:
         fmt = request.text.format if request.text is not None else None
         message_format = None if fmt is None or fmt.type == "text" else \
             MessageFormat("text.format", "text.format.schema", fmt.json_schema)
-        return output_constraint(self.llm.engine.structured_output, tools, tool_choice,
+        return output_constraint(self.llm.engine.structured_output, self.tool_format, tools, tool_choice,
                                  request.parallel_tool_calls is not False, "tools[{}].parameters",
                                  request.structured_outputs_params(), message_format,
                                  request.structured_outputs_field)

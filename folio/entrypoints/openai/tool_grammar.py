@@ -33,11 +33,11 @@ ANY_ARGUMENTS = {"type": "object"}
 ToolChoice = Union[str, NamedToolChoice]
 
 
-def _literal(text: str) -> str:
+def grammar_literal(text: str) -> str:
     return json.dumps(text)  # a Lark string literal with JSON escapes
 
 
-def _json(schema: dict) -> str:
+def grammar_json(schema: dict) -> str:
     """A JSON schema's documents as a grammar rule's body, written as the structured_output backend writes JSON."""
     return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
@@ -46,7 +46,8 @@ def _call_rule(tool: ChatTool) -> str:
     """One call's text after CALL_OPEN: the name forced, the arguments constrained by the tool's schema."""
     begin = '\n{"name": ' + json.dumps(tool.function.name) + ', "arguments": '
     end = "}\n" + CALL_CLOSE
-    return f"{_literal(begin)} {_json(tool.function.parameters or ANY_ARGUMENTS)} {_literal(end)}"
+    arguments = grammar_json(tool.function.parameters or ANY_ARGUMENTS)
+    return f"{grammar_literal(begin)} {arguments} {grammar_literal(end)}"
 
 
 def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
@@ -59,14 +60,15 @@ def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice, paral
     if named:
         tools = [t for t in tools if t.function.name == tool_choice.function.name]
     rules = [f"call_{i}: {_call_rule(tool)}" for i, tool in enumerate(tools)]
-    more = f" ({_literal(chr(10) + CALL_OPEN)} call)*" if parallel_tool_calls and not named else ""
+    more = f" ({grammar_literal(chr(10) + CALL_OPEN)} call)*" if parallel_tool_calls and not named else ""
     if tool_choice == "auto" and message_schema is not None:
-        start = [f"start: message | {_literal(CALL_OPEN)} call{more}", f"message: {_json(message_schema)}"]
+        start = [f"start: message | {grammar_literal(CALL_OPEN)} call{more}",
+                 f"message: {grammar_json(message_schema)}"]
     elif tool_choice == "auto":
-        start = [f"start: TEXT | text_then_open call{more}", f"text_then_open[lazy]: TEXT {_literal(CALL_OPEN)}",
-                 r"TEXT: /(.|\n)*/"]
+        start = [f"start: TEXT | text_then_open call{more}",
+                 f"text_then_open[lazy]: TEXT {grammar_literal(CALL_OPEN)}", r"TEXT: /(.|\n)*/"]
     else:
-        start = [f"start: {_literal(CALL_OPEN)} call{more}"]
+        start = [f"start: {grammar_literal(CALL_OPEN)} call{more}"]
     lines = ["%llguidance {}", *start, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))), *rules]
     return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
 

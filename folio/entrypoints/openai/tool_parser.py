@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Collection, Optional, Union
 
@@ -49,7 +50,7 @@ def _pending_prefix(text: str, tag: str) -> int:
     return 0
 
 
-def _is_text(value: object) -> bool:
+def is_text(value: object) -> bool:
     """A str that is valid Unicode text (a JSON escape can decode to a lone surrogate, which no response holds)."""
     if not isinstance(value, str):
         return False
@@ -189,7 +190,7 @@ class _Call:
         return name if self._may_name(name) else None
 
     def _may_name(self, name: object) -> bool:
-        return _is_text(name) and (self.names is None or name in self.names)
+        return is_text(name) and (self.names is None or name in self.names)
 
     def _opening(self, name: str) -> DeltaToolCall:
         return DeltaToolCall(index=self.index, id=self.id, type="function",
@@ -202,32 +203,43 @@ class _Call:
             return []
         arguments = call.get("arguments", {})
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        if not _is_text(text):
+        if not is_text(text):
             text = json.dumps(arguments)  # escaped: the same value, in ASCII
         opening = self._opening(call["name"])
         opening.function.arguments = text
         return [opening]
 
 
-class ToolCallParser:
-    """One choice's parser: feed it each new piece of text; `final` on the last one flushes what waits.
+class ToolCallReader(ABC):
+    """What reads one choice's tool calls, whatever their format: feed it each new piece of text; `final` on the
+    last one flushes what waits."""
 
-    names: the functions of the request's tools; a call naming another is content (None: any name)."""
-
-    def __init__(self, names: Optional[Collection[str]] = None) -> None:
-        self._names = None if names is None else frozenset(names)
-        self._outside = ""  # text outside calls not handed out yet: a possible start of <tool_call>
-        self._call: Optional[_Call] = None  # the call being read
-        self._after_call = False  # whether the content so far since the last call's end is whitespace
+    def __init__(self) -> None:
         self.num_calls = 0
+
+    @abstractmethod
+    def pieces(self, text: str, final: bool = False) -> list[Piece]:
+        """What `text` completes, in the order it was written: content, call deltas, and each call's end."""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
         """The content and tool-call deltas that `text` completes (their order between them is `pieces`')."""
         pieces = self.pieces(text, final)
         return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, DeltaToolCall)]
 
+
+class ToolCallParser(ToolCallReader):
+    """The Hermes format's reader.
+
+    names: the functions of the request's tools; a call naming another is content (None: any name)."""
+
+    def __init__(self, names: Optional[Collection[str]] = None) -> None:
+        super().__init__()
+        self._names = None if names is None else frozenset(names)
+        self._outside = ""  # text outside calls not handed out yet: a possible start of <tool_call>
+        self._call: Optional[_Call] = None  # the call being read
+        self._after_call = False  # whether the content so far since the last call's end is whitespace
+
     def pieces(self, text: str, final: bool = False) -> list[Piece]:
-        """What `text` completes, in the order it was written: content, call deltas, and each call's end."""
         out: list[Piece] = []
         while True:
             if self._call is None:

@@ -1,0 +1,154 @@
+"""Llama 3's JSON tool calls (`--tool-call-parser llama3_json`): the reader on any split of the text, and through the
+server with a Llama-3-style template: tool_choice's grammars make the tiny random model write calls that the
+reader gives back as tool_calls (chat, streamed and not) and function_call items (responses); an answer that is
+not calls is content."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from folio.entrypoints.openai.server_options import ServerOptions
+from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolParser
+from folio.entrypoints.openai.tool_parser import CallEnd, join_tool_calls
+from server_fixture import MODEL_NAME, running_server
+
+NAMES = ["get_time", "get_weather"]
+
+
+def read(pieces: list[str], names=NAMES) -> tuple[str, list[tuple[str, dict]], list]:
+    """The content and the calls (name, arguments) a choice's pieces give, and every piece read."""
+    parser = Llama3JsonToolParser(names)
+    out = []
+    for i, piece in enumerate(pieces):
+        out += parser.pieces(piece, final=i == len(pieces) - 1)
+    content = "".join(p for p in out if isinstance(p, str))
+    calls = join_tool_calls([p for p in out if not isinstance(p, (str, CallEnd))])
+    assert sum(isinstance(p, CallEnd) for p in out) == len(calls) == parser.num_calls
+    return content, [(c.function.name, json.loads(c.function.arguments)) for c in calls], out
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('{"name": "get_time", "parameters": {"tz": "UTC"}}', "", [("get_time", {"tz": "UTC"})]),
+    (' {"name": "get_time", "parameters": {"tz": "UTC"}}; {"name": "get_weather", "arguments": {"city": "Oslo"}}',
+     "", [("get_time", {"tz": "UTC"}), ("get_weather", {"city": "Oslo"})]),  # "arguments" is read too
+    ("It is noon.", "It is noon.", []),
+    ('{"name": "launch", "parameters": {}}', '{"name": "launch", "parameters": {}}', []),  # not one of the tools
+    ('{"name": "get_time", "parameters": "UTC"}', '{"name": "get_time", "parameters": "UTC"}', []),
+    ('{"name": "get_time", "parameters": {"tz": "U', '{"name": "get_time", "parameters": {"tz": "U', []),  # cut off
+    ('{"name": "get_time", "parameters": {}} and then', "and then", [("get_time", {})]),
+    ("", "", []),
+])
+def test_reads(text, content, calls):
+    assert read([text])[:2] == (content, calls)
+
+
+BITS = st.sampled_from(['{"name": "get_time", "parameters": {"tz": "UTC"}}', '{"name": "get_weather", ',
+                        '"parameters": {"city": "a}b"}}', "; ", " ", "\n", "{", "}", "text", '"'])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(BITS, max_size=8), st.lists(st.integers(0, 200), max_size=5))
+def test_any_pieces_read_as_the_whole(bits, cuts):
+    text = "".join(bits)
+    cuts = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+    assert read(pieces)[:2] == read([text])[:2]
+
+
+def test_calls_go_out_as_each_completes():
+    parser = Llama3JsonToolParser(NAMES)
+    assert parser.pieces('{"name": "get_time", "parameters": {"tz": ') == []
+    first = parser.pieces('"UTC"}}; {"name": "get_weather"')
+    assert [type(p).__name__ for p in first] == ["DeltaToolCall", "CallEnd"] and first[0].function.name == "get_time"
+    assert parser.pieces("plain", final=False) == [] and parser.pieces("", final=True) == \
+        ['; {"name": "get_weather"plain']
+
+
+LLAMA_STYLE_TEMPLATE = """{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.role == 'user' and tools %}Call a function by answering with {"name": ..., "parameters": ...}:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}{% endif %}
+{%- if message.tool_calls %}{% for call in message.tool_calls %}{% if not loop.first %}; {% endif %}
+{{- {"name": call.function.name, "parameters": call.function.arguments} | tojson }}{% endfor %}
+{%- else %}{{ message.content }}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+             "additionalProperties": False}}}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=120)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("llama3-style"))
+    shutil.copytree(llama_dir, folder, dirs_exist_ok=True)
+    for name, changes in (("config.json", {"max_position_embeddings": 2048}),
+                          ("tokenizer_config.json", {"chat_template": LLAMA_STYLE_TEMPLATE})):
+        with open(os.path.join(folder, name)) as f:
+            content = json.load(f)
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump({**content, **changes}, f)
+    with running_server(folder, options=ServerOptions(tool_call_parser="llama3_json")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+def _valid(call) -> None:
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_required_calls_stream_as_they_are_plain(client, seed):
+    kwargs = dict(messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=seed, **SAMPLING)
+    plain = client.chat.completions.create(**kwargs)
+    choice = plain.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _valid(call)
+    streamed: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            entry = streamed.setdefault(delta.index, {"name": delta.function.name, "arguments": ""})
+            entry["arguments"] += delta.function.arguments or ""
+    assert [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_a_named_function_and_auto(client):
+    named = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, seed=3, parallel_tool_calls=False,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           **SAMPLING)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and named.choices[0].finish_reason == "stop"
+    _valid(call)
+    auto = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, seed=4, **{**SAMPLING, "max_tokens": 8})
+    message = auto.choices[0].message  # the random model's text rarely starts with "{": then it is content
+    assert (message.content and not message.content.startswith("{")) or message.tool_calls
+
+
+def test_responses_give_function_call_items(client):
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    response = client.responses.create(model=MODEL_NAME, input="Weather?", tools=tools, tool_choice="required",
+                                       parallel_tool_calls=False, max_output_tokens=120, temperature=1.0,
+                                       extra_body={"seed": 5})
+    (call,) = response.output
+    assert call.type == "function_call" and call.status == "completed" and response.status == "completed"
+    schema = next(t["parameters"] for t in tools if t["name"] == call.name)
+    jsonschema.validate(json.loads(call.arguments), schema)
