@@ -1,6 +1,7 @@
 """The one constraint on the output of a chat-shaped request (chat completions and responses): vLLM's
 structured_outputs, a JSON format for the message (chat's response_format, the Responses API's text.format), the
-grammar tool_choice imposes on tool calls (folio.entrypoints.openai.tool_grammar), or the last two together.
+grammar tool_choice imposes on tool calls (in the server's tool-call format, tool_call_format), or the last two
+together.
 Each is validated before the request is queued; ValueError naming the field."""
 
 from __future__ import annotations

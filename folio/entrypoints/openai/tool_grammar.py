@@ -1,7 +1,8 @@
 """Tool calling's grammars: what tool_choice allows the model to write, enforced token by token.
 
-Every tool call is written in the Hermes format that Qwen2.5 (and Hermes, and many fine-tunes) were trained on,
-and that folio.entrypoints.openai.tool_parser reads back:
+Here, the Hermes format's, the default tool-call format (folio.entrypoints.openai.tool_call_format has the
+others), which Qwen2.5 and Qwen3 (and Hermes, and many fine-tunes) were trained on, and that
+folio.entrypoints.openai.tool_parser reads back:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -20,7 +21,7 @@ The grammar is in llguidance's Lark dialect (`%json` embeds a JSON schema), the 
 from __future__ import annotations
 
 import json
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from folio.entrypoints.openai.protocol import ChatTool, NamedToolChoice
 from folio.structured_output.llguidance_backend import JSON_OPTIONS
@@ -50,17 +51,29 @@ def _call_rule(tool: ChatTool) -> str:
     return f"{grammar_literal(begin)} {arguments} {grammar_literal(end)}"
 
 
+def chosen_tools(tools: list[ChatTool], tool_choice: ToolChoice,
+                 parallel_tool_calls: bool) -> tuple[list[ChatTool], bool]:
+    """The tools a call may be of (the named one only, for a named function), and whether several calls may
+    come."""
+    if isinstance(tool_choice, NamedToolChoice):
+        return [t for t in tools if t.function.name == tool_choice.function.name], False
+    return tools, parallel_tool_calls
+
+
+def call_alternatives(tools: list[ChatTool], call_rule: Callable[[ChatTool], str]) -> list[str]:
+    """The grammar's `call` rule: a call of any of the tools, each written by call_rule."""
+    return ["call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
+            *(f"call_{i}: {call_rule(tool)}" for i, tool in enumerate(tools))]
+
+
 def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
                            message_schema: Optional[dict] = None) -> Optional[StructuredOutputsParams]:
     """The grammar for a validated tool_choice (see `resolve_tool_choice`), or None for "none". message_schema
     (with "auto" only): the JSON a message must be, instead of free text."""
     if tool_choice == "none":
         return None
-    named = isinstance(tool_choice, NamedToolChoice)
-    if named:
-        tools = [t for t in tools if t.function.name == tool_choice.function.name]
-    rules = [f"call_{i}: {_call_rule(tool)}" for i, tool in enumerate(tools)]
-    more = f" ({grammar_literal(chr(10) + CALL_OPEN)} call)*" if parallel_tool_calls and not named else ""
+    tools, several = chosen_tools(tools, tool_choice, parallel_tool_calls)
+    more = f" ({grammar_literal(chr(10) + CALL_OPEN)} call)*" if several else ""
     if tool_choice == "auto" and message_schema is not None:
         start = [f"start: message | {grammar_literal(CALL_OPEN)} call{more}",
                  f"message: {grammar_json(message_schema)}"]
@@ -69,7 +82,7 @@ def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice, paral
                  f"text_then_open[lazy]: TEXT {grammar_literal(CALL_OPEN)}", r"TEXT: /(.|\n)*/"]
     else:
         start = [f"start: {grammar_literal(CALL_OPEN)} call{more}"]
-    lines = ["%llguidance {}", *start, "call: " + " | ".join(f"call_{i}" for i in range(len(tools))), *rules]
+    lines = ["%llguidance {}", *start, *call_alternatives(tools, _call_rule)]
     return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
 
 

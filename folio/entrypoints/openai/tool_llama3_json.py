@@ -1,36 +1,47 @@
 """Llama 3's JSON tool calls (vLLM's `--tool-call-parser llama3_json`): the grammar that makes a model write them, and
-the parser that reads them back.
+the reader that reads them back.
 
 Llama 3.1-3.3 Instruct call a function by answering with its JSON object alone, parameters under "parameters":
 
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 
-and several calls with "; " between them. An answer that starts with "{" is calls; any other is text. By
-tool_choice, the grammar (llguidance's Lark dialect, as tool_grammar's) allows:
+and several calls with ";" between them. An answer whose first character is "{" is read as calls; any other is
+text. By tool_choice, the grammar (llguidance's Lark dialect, as tool_grammar's) allows:
   * "required": calls only (one, or several with parallel_tool_calls), their parameters following each function's
     schema;
   * a named function: one call of it;
   * "auto": calls, or text that does not start with "{"; with a JSON format for the message, that message or calls.
+Each call is a JSON document of its own schema (name constant, parameters the function's), so a message in the
+JSON format and a call share their first characters without the grammar choosing early.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Collection, Optional
 
-from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall, NamedToolChoice
-from folio.entrypoints.openai.tool_grammar import ANY_ARGUMENTS, ToolChoice, grammar_json, grammar_literal
-from folio.entrypoints.openai.tool_parser import CallEnd, Piece, ToolCallReader, is_text
+from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
+from folio.entrypoints.openai.tool_grammar import (ANY_ARGUMENTS, ToolChoice, call_alternatives, chosen_tools,
+                                                   grammar_json, grammar_literal)
+from folio.entrypoints.openai.tool_parser import CallEnd, Piece, ToolCallReader, arguments_text, may_name
 from folio.structured_output.params import StructuredOutputsParams
 
 SEPARATOR = "; "
+_JSON_SPACE = " \t\r\n"  # (str.strip() would also take Unicode spaces, which JSON does not allow)
+_SIGNIFICANT = re.compile(r'[{}"\\]')
+_GAP = re.compile(r"[ \t\r\n]*(;[ \t\r\n]*)?")  # what may come between two calls
 
 
 def _call_rule(tool: ChatTool) -> str:
-    begin = '{"name": ' + json.dumps(tool.function.name) + ', "parameters": '
-    parameters = grammar_json(tool.function.parameters or ANY_ARGUMENTS)
-    return f"{grammar_literal(begin)} {parameters} {grammar_literal('}')}"
+    """One call as a JSON document: {"name": the function's, "parameters": its schema's}. The function's $defs move
+    to the document's root, where its $refs point."""
+    parameters = dict(tool.function.parameters or ANY_ARGUMENTS)
+    definitions = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
+    return grammar_json({"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                          "parameters": parameters},
+                         "required": ["name", "parameters"], "additionalProperties": False, **definitions})
 
 
 def llama3_json_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
@@ -39,83 +50,114 @@ def llama3_json_constraint(tools: list[ChatTool], tool_choice: ToolChoice, paral
     contract, in Llama 3's format)."""
     if tool_choice == "none":
         return None
-    named = isinstance(tool_choice, NamedToolChoice)
-    if named:
-        tools = [t for t in tools if t.function.name == tool_choice.function.name]
-    more = f" ({grammar_literal(SEPARATOR)} call)*" if parallel_tool_calls and not named else ""
-    lines = ["%llguidance {}", f"calls: call{more}"]
+    tools, several = chosen_tools(tools, tool_choice, parallel_tool_calls)
+    lines = ["%llguidance {}", "calls: call" + (f" ({grammar_literal(SEPARATOR)} call)*" if several else "")]
     if tool_choice == "auto" and message_schema is not None:
         lines += ["start: calls | message", f"message: {grammar_json(message_schema)}"]
     elif tool_choice == "auto":
         lines += ["start: calls | TEXT | EMPTY", r"TEXT: /[^{](.|\n)*/", 'EMPTY: ""']
     else:
         lines += ["start: calls"]
-    lines += ["call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
-              *(f"call_{i}: {_call_rule(tool)}" for i, tool in enumerate(tools))]
+    lines += call_alternatives(tools, _call_rule)
     return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
 
 
 class Llama3JsonToolParser(ToolCallReader):
-    """One choice's parser. The choice's first characters decide: "{" (after any whitespace) makes it calls, held
-    back and sent whole, each as soon as its object is complete; anything else makes it content, streamed as it
-    comes. A call object that does not parse, names no function of the request's tools or has no parameters
-    object is content, from there to the end (so is a call cut off by the end of the text)."""
+    """One choice's reader. Its first character decides: "{" makes it calls, each sent whole as soon as its object
+    closes; anything else makes it content, streamed as it comes. An object that is not a call of the request's
+    functions (names, a "parameters" object, no other key; "arguments" is read for "parameters" too), or text
+    between calls other than ";" and whitespace, makes the rest content from there (so does a call cut off by
+    the end of the text). Work per piece is the piece's length: the braces and strings of the object being read
+    are followed as they come, and the object is parsed once, when it closes."""
 
     def __init__(self, names: Optional[Collection[str]] = None) -> None:
         super().__init__()
         self._names = None if names is None else frozenset(names)
-        self._text = ""  # the choice's text while it may be calls
-        self._read = 0  # characters of it read as calls
-        self._mode: Optional[str] = None  # "calls" or "content", once known
-        self._decoder = json.JSONDecoder()
+        self._mode: Optional[str] = None  # "calls" or "content", once the first character came
+        self._gap = ""  # text since the last call, before the next object opens
+        self._object: list[str] = []  # the open object's text, in parts
+        self._depth = 0  # of braces in the open object, outside its strings
+        self._in_string = False
+        self._escaped = False  # a backslash in a string ended the last piece: the next character is escaped
 
     def pieces(self, text: str, final: bool = False) -> list[Piece]:
-        if self._mode == "content":
-            return [text] if text else []
-        self._text += text
-        if self._mode is None:
-            start = self._text.lstrip()
-            if not start and not final:
-                return []
-            self._mode = "calls" if start.startswith("{") else "content"
-            if self._mode == "content":
-                return [self._text] if self._text else []
         out: list[Piece] = []
-        while "}" in text or final:
-            call = self._next_call()
-            if call is None:
-                break
-            out += call
-        if final and self._read < len(self._text):  # what did not make a call: content
-            rest = self._text[self._read:].strip() if self.num_calls else self._text
-            self._read = len(self._text)
-            if rest:
-                out.append(rest)
+        if self._mode is None and text:
+            self._mode = "calls" if text.startswith("{") else "content"
+        while text and self._mode == "calls":
+            text = self._read_object(text, out) if self._depth else self._read_gap(text, out)
+        if text and self._mode == "content":
+            out.append(text)
+        if final and self._mode == "calls":
+            self._to_content(out, "".join(self._object) if self._depth else self._gap.strip(_JSON_SPACE + ";"))
         return out
 
-    def _next_call(self) -> Optional[list[Piece]]:
-        """The next whole call's pieces, or None when none is complete yet (or what follows is not a call: then the
-        text's end makes it content)."""
-        at = len(self._text) - len(self._text[self._read:].lstrip())
-        if self.num_calls:
-            if not self._text.startswith(SEPARATOR.strip(), at):
-                return None
-            at = len(self._text) - len(self._text[at + 1:].lstrip())
+    def _read_gap(self, text: str, out: list[Piece]) -> str:
+        """Text before the next object: what is left after the object opens (its "{" included)."""
+        start = text.find("{")
+        self._gap += text if start == -1 else text[:start]
+        gap_ok = _GAP.fullmatch(self._gap) is not None and (self.num_calls == 0 or start == -1 or ";" in self._gap)
+        if not gap_ok:
+            self._to_content(out, self._gap.lstrip(_JSON_SPACE) + (text[start:] if start != -1 else ""))
+            return ""
+        if start == -1:
+            return ""
+        self._gap, self._object, self._depth = "", [], 0
+        return self._read_object(text[start:], out)
+
+    def _read_object(self, text: str, out: list[Piece]) -> str:
+        """Follow the open object through text: what is left after it closes."""
+        end = self._scan(text)
+        self._object.append(text if end == -1 else text[:end])
+        if end == -1:
+            return ""
+        body, self._object = "".join(self._object), []
+        call = self._call(body)
+        if call is None:
+            self._to_content(out, body + text[end:])
+            return ""
+        out += call
+        return text[end:]
+
+    def _scan(self, text: str) -> int:
+        """The index just past the open object's closing brace in text, or -1 while it stays open."""
+        i = 0
+        if self._escaped:
+            self._escaped, i = False, 1
+        while (match := _SIGNIFICANT.search(text, i)) is not None:
+            i, char = match.end(), match.group()
+            if self._in_string:
+                if char == "\\":
+                    self._escaped = i == len(text)
+                    i += 1
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            else:
+                self._depth += 1 if char == "{" else -1
+                if self._depth == 0:
+                    return i
+        return -1
+
+    def _call(self, body: str) -> Optional[list[Piece]]:
+        """A closed object's call pieces, or None where it is not a call of the request's functions."""
         try:
-            call, end = self._decoder.raw_decode(self._text, at)
-        except (ValueError, RecursionError):  # incomplete, or not JSON
+            call = json.loads(body)
+        except (ValueError, RecursionError):
             return None
-        if not isinstance(call, dict) or not self._may_name(call.get("name")):
+        parameters = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
+        if not isinstance(parameters, dict) or not may_name(self._names, call.get("name")) or \
+                set(call) - {"name", "parameters", "arguments"}:
             return None
-        parameters = call.get("parameters", call.get("arguments"))
-        if not isinstance(parameters, dict) or set(call) - {"name", "parameters", "arguments"}:
-            return None
-        self._read = end
         index = self.num_calls
         self.num_calls += 1
-        arguments = json.dumps(parameters, ensure_ascii=False)
         return [DeltaToolCall(index=index, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
-                              function=DeltaFunctionCall(name=call["name"], arguments=arguments)), CallEnd(index)]
+                              function=DeltaFunctionCall(name=call["name"], arguments=arguments_text(parameters))),
+                CallEnd(index)]
 
-    def _may_name(self, name: object) -> bool:
-        return is_text(name) and (self._names is None or name in self._names)
+    def _to_content(self, out: list[Piece], text: str) -> None:
+        """The rest of the choice is content, starting with text."""
+        self._mode, self._object, self._depth, self._gap = "content", [], 0, ""
+        if text:
+            out.append(text)

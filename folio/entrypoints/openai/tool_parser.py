@@ -61,6 +61,18 @@ def is_text(value: object) -> bool:
     return True
 
 
+def may_name(names: Optional[Collection[str]], name: object) -> bool:
+    """Whether a call may name `name`: text, and one of the request's functions (names None: any)."""
+    return is_text(name) and (names is None or name in names)
+
+
+def arguments_text(arguments: object) -> str:
+    """Parsed arguments as the JSON text a call carries (escaped to ASCII where the text would not be valid
+    Unicode: a JSON escape can decode to a lone surrogate)."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    return text if is_text(text) else json.dumps(arguments)
+
+
 def _call_object(text: str) -> Optional[dict]:
     """text as a call's JSON object ({"name": ..., "arguments": ...}), or None."""
     try:
@@ -187,10 +199,7 @@ class _Call:
             name = json.loads(literal)
         except ValueError:
             return None
-        return name if self._may_name(name) else None
-
-    def _may_name(self, name: object) -> bool:
-        return is_text(name) and (self.names is None or name in self.names)
+        return name if may_name(self.names, name) else None
 
     def _opening(self, name: str) -> DeltaToolCall:
         return DeltaToolCall(index=self.index, id=self.id, type="function",
@@ -199,14 +208,12 @@ class _Call:
     def _whole(self, body: str) -> list[DeltaToolCall]:
         """A call the header did not match (another key order), sent whole once it closed."""
         call = _call_object(body)
-        if call is None or not self._may_name(call["name"]):
+        if call is None or not may_name(self.names, call["name"]):
             return []
         arguments = call.get("arguments", {})
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        if not is_text(text):
-            text = json.dumps(arguments)  # escaped: the same value, in ASCII
         opening = self._opening(call["name"])
-        opening.function.arguments = text
+        opening.function.arguments = arguments if isinstance(arguments, str) and is_text(arguments) else \
+            arguments_text(arguments)
         return [opening]
 
 
