@@ -66,6 +66,13 @@ def test_any_pieces_read_as_the_whole(bits, cuts):
     assert read(pieces)[:2] == read([text])[:2]
 
 
+def test_every_tool_call_parser_flag_has_its_format():
+    from folio.entrypoints.openai.server_options import TOOL_CALL_PARSERS
+    from folio.entrypoints.openai.tool_call_format import TOOL_CALL_FORMATS
+
+    assert tuple(TOOL_CALL_FORMATS) == TOOL_CALL_PARSERS
+
+
 def test_calls_go_out_as_each_completes():
     parser = Llama3JsonToolParser(NAMES)
     assert parser.pieces('{"name": "get_time", "parameters": {"tz": ') == []

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool
-from folio.entrypoints.openai.server_options import TOOL_CALL_PARSERS
 from folio.entrypoints.openai.tool_grammar import ToolChoice, tool_choice_constraint
 from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolParser, llama3_json_constraint
 from folio.entrypoints.openai.tool_parser import ToolCallParser, ToolCallReader
@@ -26,8 +25,8 @@ class ToolCallFormat:
     reader: Callable[[Optional[Collection[str]]], ToolCallReader]  # the names of the request's functions -> a reader
 
 
+# The names are ServerOptions.tool_call_parser's choices (server_options.TOOL_CALL_PARSERS).
 TOOL_CALL_FORMATS = {format.name: format for format in (
     ToolCallFormat("hermes", tool_choice_constraint, ToolCallParser),  # Qwen2.5, Qwen3, Hermes: <tool_call> blocks
     ToolCallFormat("llama3_json", llama3_json_constraint, Llama3JsonToolParser),  # Llama 3.1-3.3: JSON objects
 )}
-assert tuple(TOOL_CALL_FORMATS) == TOOL_CALL_PARSERS
