@@ -166,7 +166,7 @@ class ParallelOptions:
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance",)
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # folio.reasoning_parser
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")  # folio.reasoning_parser
 
 
 @dataclass
@@ -179,14 +179,14 @@ class StructuredOutputsOptions:
     reasoning_parser: Optional[str] = option(
         None, "the reasoning model family: its <think> block becomes the server's reasoning (chat's `reasoning`, "
               "a Responses reasoning item), and structured outputs and tool grammars start after it",
-        default_means="none: all output is content", choices=REASONING_PARSERS)
+        default_means="none: all output is content", choices=REASONING_PARSER_NAMES)
 
     def __post_init__(self) -> None:
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                              f"got {self.structured_outputs_backend!r}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "
                              f"got {self.reasoning_parser!r}")
 
 

@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from folio.config import REASONING_PARSERS as PARSER_NAMES
+from folio.config import REASONING_PARSER_NAMES
 from folio.tokenizer import Tokenizer
 
 logger = logging.getLogger("folio")
@@ -89,7 +89,7 @@ class ReasoningParser:
 
 
 # vLLM's names. The families differ only in their templates, which starts_in_reasoning reads.
-REASONING_PARSERS = {name: ReasoningParser(name) for name in PARSER_NAMES}
+REASONING_PARSERS = {name: ReasoningParser(name) for name in REASONING_PARSER_NAMES}
 
 
 def reasoning_parser(name: Optional[str]) -> Optional[ReasoningParser]:

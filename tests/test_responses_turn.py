@@ -7,7 +7,7 @@ from __future__ import annotations
 from folio.entrypoints.openai.protocol_responses import ResponsesRequest
 from folio.entrypoints.openai.responses_turn import CallItem, MessageItem, Turn
 from folio.entrypoints.openai.serving_responses import chat_messages
-from folio.entrypoints.openai.tool_parser import ToolCallParser
+from folio.entrypoints.openai.tool_parser import HermesToolCallReader
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
@@ -18,7 +18,7 @@ WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\
 def turn() -> Turn:
     request = ResponsesRequest.model_validate({"input": "hi", "tools": [
         {"type": "function", "name": "get_time"}, {"type": "function", "name": "get_weather"}]})
-    return Turn(request, SamplingParams(), "m", [], 3, ToolCallParser(["get_time", "get_weather"]))
+    return Turn(request, SamplingParams(), "m", [], 3, HermesToolCallReader(["get_time", "get_weather"]))
 
 
 def output(text: str, finish: str = None) -> RequestOutput:

@@ -247,3 +247,14 @@ def test_models_tokenize_detokenize_health_version(server, client, tokenizer):
 def test_all_finished_and_freed(server):
     server.wait_idle()
     assert math.isclose(server.llm.scheduler_stats.kv_cache_usage, 0.0)
+
+
+def test_openapi_describes_the_response_fields(server):
+    """Response models that leave out their null extras still document every field (a serializer's return type
+    would replace them with a bare object)."""
+    with server.http() as http:
+        schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    message = next(schema for name, schema in schemas.items() if name.startswith("AssistantMessage"))
+    usage = next(schema for name, schema in schemas.items() if name.startswith("UsageInfo"))
+    assert {"content", "tool_calls", "reasoning", "reasoning_content"} <= set(message["properties"])
+    assert {"prompt_tokens", "completion_tokens", "completion_tokens_details"} <= set(usage["properties"])

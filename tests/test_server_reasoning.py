@@ -89,6 +89,7 @@ def test_reasoning_and_a_json_answer(client, sampling):
 
 
 def test_a_stream_gives_what_the_response_gives(client, sampling):
+    reasoned = 0
     for seed in SEEDS:
         kwargs = dict(messages=MESSAGES, max_tokens=30, **_with(sampling, seed))
         whole = client.chat.completions.create(**kwargs)
@@ -103,6 +104,8 @@ def test_a_stream_gives_what_the_response_gives(client, sampling):
                 content += delta.content or ""
         message = whole.choices[0].message
         assert (reasoning or None, content or None) == (message.reasoning, message.content)
+        reasoned += message.reasoning is not None
+    assert reasoned
 
 
 def test_thinking_switched_off_in_the_template(client, sampling):
@@ -262,6 +265,7 @@ def test_a_turn_cut_off_in_its_reasoning(client, sampling):
     kwargs = dict(max_output_tokens=3, **_with(sampling, 0, logit_bias={}))
     cut = client.responses.create(input="What time is it?", **kwargs)
     assert cut.status == "incomplete" and [item.type for item in cut.output] == ["reasoning", "message"]
+    assert [item.status for item in cut.output] == ["incomplete", "incomplete"]  # the reasoning was cut off
     assert cut.output[1].content[0].text == "" and cut.usage.output_tokens_details.reasoning_tokens == 3
     again = client.responses.create(input=[{"role": "user", "content": "What time is it?"},
                                            *[item.model_dump(exclude_none=True) for item in cut.output]], **kwargs)
@@ -306,3 +310,37 @@ def test_a_template_that_opens_the_block(model_dir, sampling, tmp_path):
         thought = tokens.index("</think>")  # the reasoning is all the model wrote before it (nothing opened it)
         assert response.choices[0].message.reasoning == ("".join(tokens[:thought]).strip() or None)
         assert response.usage.completion_tokens_details.reasoning_tokens == thought + 1
+
+
+def _items(*items: dict) -> list:
+    from folio.entrypoints.openai.protocol_responses import ResponsesRequest
+
+    return ResponsesRequest.model_validate({"input": list(items)}).input
+
+
+def test_reasoning_input_items_go_to_the_assistant_turn_after_them():
+    from folio.entrypoints.openai.serving_responses import chat_messages
+
+    user = {"role": "user", "content": "hi"}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"}
+    summary_only = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "short"}]}
+    full = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "long"}]}
+    messages = chat_messages(_items(user, summary_only, full, {"role": "assistant", "content": "Noon."}, user,
+                                    full, call))
+    assert [(m.role, m.reasoning_content) for m in messages] == [
+        ("user", None), ("assistant", "short\n\nlong"), ("user", None), ("assistant", "long")]
+    assert messages[3].tool_calls[0].id == "c1"
+    for unfollowed in ([user, full, user], [user, full]):
+        with pytest.raises(ValueError, match="must be followed by the assistant message or function call"):
+            chat_messages(_items(*unfollowed))
+
+
+def test_responses_refuse_what_they_cannot_take_back(server):
+    with server.http() as http:
+        unfollowed = http.post("/v1/responses", json={"model": MODEL_NAME, "input": [
+            {"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}, {"role": "user", "content": "?"}]})
+        assert_error(unfollowed, 400, "input[1]: a reasoning item must be followed", "input")
+        encrypted = http.post("/v1/responses", json={"model": MODEL_NAME, "input": [
+            {"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"},
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "?"}]})
+        assert_error(encrypted, 400, "encrypted reasoning is not supported")

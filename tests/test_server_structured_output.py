@@ -152,7 +152,14 @@ def test_vllms_earlier_guided_fields_are_structured_outputs(client, server):
     with server.http() as http:
         both = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "guided_regex": "a",
                                                   "structured_outputs": {"regex": "b"}})
-        assert_error(both, 400, "give one of them")
+        assert_error(both, 400, "guided_regex and structured_outputs each constrain the output")
+        two = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "guided_regex": "a",
+                                                 "guided_choice": ["b"]})
+        assert_error(two, 400, "guided_regex and guided_choice each constrain the output")
+        with_format = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES,
+                                                              "guided_regex": "a",
+                                                              "response_format": {"type": "json_object"}})
+        assert_error(with_format, 400, "guided_regex and response_format both constrain", "guided_regex")
         spaced = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES,
                                                          "guided_json": SCHEMA, "guided_whitespace_pattern": " "})
         assert_error(spaced, 400, "guided_whitespace_pattern is not supported", "guided_whitespace_pattern")

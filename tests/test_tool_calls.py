@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.entrypoints.openai.protocol import ChatTool, NamedToolChoice
-from folio.entrypoints.openai.tool_grammar import resolve_tool_choice, tool_choice_constraint
-from folio.entrypoints.openai.tool_parser import CallEnd, ToolCallParser, join_tool_calls
+from folio.entrypoints.openai.tool_grammar import resolve_tool_choice, hermes_constraint
+from folio.entrypoints.openai.tool_parser import CallEnd, HermesToolCallReader, join_tool_calls
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"x": {}}]}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
@@ -22,7 +22,7 @@ TOOLS = [ChatTool.model_validate({"type": "function", "function": {"name": name,
 
 def parse(text: str, piece: int) -> tuple[str, list, list]:
     """Feed text in pieces of `piece` characters; returns the content, the joined calls and the raw deltas."""
-    parser = ToolCallParser()
+    parser = HermesToolCallReader()
     content, deltas = "", []
     pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
     for i, chunk in enumerate(pieces):
@@ -76,15 +76,15 @@ def test_tool_choice_is_checked_against_the_tools():
 
 
 def test_grammars_by_tool_choice():
-    assert tool_choice_constraint(TOOLS, "none", True) is None
-    required = tool_choice_constraint(TOOLS, "required", True).grammar
+    assert hermes_constraint(TOOLS, "none", True) is None
+    required = hermes_constraint(TOOLS, "required", True).grammar
     assert required.startswith("%llguidance {}\nstart: \"<tool_call>\" call (\"\\n<tool_call>\" call)*")
     assert "call_0" in required and "call_1" in required and '"x-guidance"' in required
-    assert "TEXT" not in tool_choice_constraint(TOOLS, "required", False).grammar.split("call:")[0].split("*")[-1]
-    named = tool_choice_constraint(TOOLS, NamedToolChoice.model_validate(
+    assert "TEXT" not in hermes_constraint(TOOLS, "required", False).grammar.split("call:")[0].split("*")[-1]
+    named = hermes_constraint(TOOLS, NamedToolChoice.model_validate(
         {"type": "function", "function": {"name": "get_time"}}), True).grammar
     assert "get_time" in named and "get_weather" not in named and ")*" not in named
-    auto = tool_choice_constraint(TOOLS, "auto", False).grammar
+    auto = hermes_constraint(TOOLS, "auto", False).grammar
     assert "start: TEXT | text_then_open call\n" in auto and "[lazy]" in auto
 
 
@@ -94,10 +94,10 @@ def test_auto_with_a_message_format_writes_the_format_or_calls(llama_dir):
 
     engine = LLMEngine.from_kwargs(llama_dir, dtype="float32", kv_cache_memory=1 << 22, num_threads=1)
     tokenizer, backend = engine.get_tokenizer(), engine.structured_output.backend
-    eos = min(backend.compile(tool_choice_constraint(TOOLS, "auto", True)).eos_token_ids)
+    eos = min(backend.compile(hermes_constraint(TOOLS, "auto", True)).eos_token_ids)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
-    constraint = tool_choice_constraint(TOOLS, "auto", True, message_schema=schema)
+    constraint = hermes_constraint(TOOLS, "auto", True, message_schema=schema)
 
     def accepted(text: str) -> bool:
         grammar = backend.compile(constraint)
@@ -106,8 +106,8 @@ def test_auto_with_a_message_format_writes_the_format_or_calls(llama_dir):
 
     assert accepted('{"a": 1}') and accepted(TIME) and accepted(TIME + "\n" + TIME)
     assert not accepted("hello") and not accepted('{"b": 1}') and not accepted("Let me check.\n" + TIME)
-    assert tool_choice_constraint(TOOLS, "required", True, message_schema=None).grammar == \
-        tool_choice_constraint(TOOLS, "required", True).grammar
+    assert hermes_constraint(TOOLS, "required", True, message_schema=None).grammar == \
+        hermes_constraint(TOOLS, "required", True).grammar
 
 
 @pytest.mark.parametrize("name", ['a\\x', 'a\\ud800', "rm_rf"])
@@ -115,28 +115,28 @@ def test_a_call_of_a_name_that_is_no_tool_stays_content(name):
     """A bad JSON escape, a lone surrogate, or a function the request has no tool for: the text is content."""
     text = '<tool_call>\n{"name": "' + name + '", "arguments": {}}\n</tool_call>'
     for piece in (1, 5, 1000):
-        parser = ToolCallParser(["get_time"])
+        parser = HermesToolCallReader(["get_time"])
         content, deltas = "", []
         for i in range(0, len(text), piece):
             c, d = parser.feed(text[i:i + piece], final=i + piece >= len(text))
             content, deltas = content + c, deltas + d
         assert (content, deltas, parser.num_calls) == (text, [], 0)
     whole = '<tool_call>{"arguments": {"s": "\\ud800"}, "name": "get_time"}</tool_call>'  # another key order
-    (call,) = join_tool_calls(ToolCallParser(["get_time"]).feed(whole, final=True)[1])
+    (call,) = join_tool_calls(HermesToolCallReader(["get_time"]).feed(whole, final=True)[1])
     assert json.loads(call.function.arguments) == {"s": "\ud800"} and call.function.arguments.isascii()
 
 
 def test_the_end_of_the_text_releases_what_was_held_back():
-    parser = ToolCallParser()
+    parser = HermesToolCallReader()
     _, deltas = parser.feed('<tool_call>\n{"name": "f", "arguments": {"x": {"y": 1}}')
     assert "".join(d.function.arguments for d in deltas) == '{"x": {"y": 1'  # the braces may close the call
     _, more = parser.feed("", final=True)  # cut there (max_tokens): they were the arguments'
     assert "".join(d.function.arguments for d in deltas + more) == '{"x": {"y": 1}}'
-    assert ToolCallParser().feed('ok <tool_call>\n{"na', final=True) == ('ok <tool_call>\n{"na', [])
+    assert HermesToolCallReader().feed('ok <tool_call>\n{"na', final=True) == ('ok <tool_call>\n{"na', [])
 
 
 def test_pieces_keep_the_order_written():
-    pieces = ToolCallParser().pieces("a" + TIME + "b" + TIME, final=True)
+    pieces = HermesToolCallReader().pieces("a" + TIME + "b" + TIME, final=True)
     kinds = [p if isinstance(p, str) else type(p).__name__ for p in pieces]
     assert kinds == ["a", "DeltaToolCall", "DeltaToolCall", "CallEnd", "b", "DeltaToolCall", "DeltaToolCall",
                      "CallEnd"]
@@ -147,7 +147,7 @@ def test_a_whole_call_object_without_its_closing_tag_is_a_call(ending):
     """The text stopped before </tool_call> (a stop string, end of sequence): the object is whole, so it is a call
     like any other, its own closing brace and the tag's start not in the arguments."""
     for piece in (1, 4, 1000):
-        parser = ToolCallParser(["f"])
+        parser = HermesToolCallReader(["f"])
         text = '<tool_call>\n{"name": "f", "arguments": {"a": {"b": 1}}}' + ending
         deltas = []
         for i in range(0, len(text), piece):
@@ -158,14 +158,14 @@ def test_a_whole_call_object_without_its_closing_tag_is_a_call(ending):
 
 def test_whitespace_after_a_call_is_dropped_however_the_tokens_split_it():
     for pieces in ([TIME + "\nDone."], [TIME, "\n", "Done."], [TIME + "\n", " Done."]):
-        parser = ToolCallParser()
+        parser = HermesToolCallReader()
         content = "".join(parser.feed(p)[0] for p in pieces) + parser.feed("", final=True)[0]
         assert content == "Done."
 
 
 def test_a_body_nested_without_end_is_content_not_a_crash():
     text = "<tool_call>" + "[" * 100000 + "]" * 100000 + "</tool_call>"
-    assert ToolCallParser(["f"]).feed(text, final=True) == (text, [])
+    assert HermesToolCallReader(["f"]).feed(text, final=True) == (text, [])
 
 
 _ATOMS = ["<tool_call>", "</tool_call>", "<tool_c", "all>", "</to", "\n", " ", "{", "}", '"name"', ": ", '"f"', ", ",
@@ -173,7 +173,7 @@ _ATOMS = ["<tool_call>", "</tool_call>", "<tool_c", "all>", "</to", "\n", " ", "
           '{"name": "f", "arguments": {"k": "v"}}', '{"name": "f", "arguments": ', "}}", "</tool_"]
 
 
-def _normalised(parser: ToolCallParser, pieces: list[str]) -> tuple[list, int]:
+def _normalised(parser: HermesToolCallReader, pieces: list[str]) -> tuple[list, int]:
     """What a parser gives for the pieces, ids left out and runs of content and of one call's arguments joined."""
     out: list = []
     for i, piece in enumerate(pieces):
@@ -202,4 +202,4 @@ def test_any_split_of_the_text_gives_what_the_whole_text_gives(text_and_cuts, na
     text, cuts = text_and_cuts
     bounds = sorted(set(cuts) | {0, len(text)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    assert _normalised(ToolCallParser(names), pieces) == _normalised(ToolCallParser(names), [text])
+    assert _normalised(HermesToolCallReader(names), pieces) == _normalised(HermesToolCallReader(names), [text])

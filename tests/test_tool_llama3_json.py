@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.entrypoints.openai.server_options import ServerOptions
-from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolParser
+from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolCallReader
 from folio.entrypoints.openai.tool_parser import CallEnd, join_tool_calls
 from server_fixture import MODEL_NAME, running_server
 
@@ -24,7 +24,7 @@ NAMES = ["get_time", "get_weather"]
 
 def read(pieces: list[str], names=NAMES) -> tuple[str, list[tuple[str, dict]], list]:
     """The content and the calls (name, arguments) a choice's pieces give, and every piece read."""
-    parser = Llama3JsonToolParser(names)
+    parser = Llama3JsonToolCallReader(names)
     out = []
     for i, piece in enumerate(pieces):
         out += parser.pieces(piece, final=i == len(pieces) - 1)
@@ -74,7 +74,7 @@ def test_every_tool_call_parser_flag_has_its_format():
 
 
 def test_calls_go_out_as_each_completes():
-    parser = Llama3JsonToolParser(NAMES)
+    parser = Llama3JsonToolCallReader(NAMES)
     assert parser.pieces('{"name": "get_time", "parameters": {"tz": ') == []
     first = parser.pieces('"UTC"}}; {"name": "get_weather"')
     assert [type(p).__name__ for p in first] == ["DeltaToolCall", "CallEnd"] and first[0].function.name == "get_time"

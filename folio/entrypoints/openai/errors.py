@@ -67,13 +67,18 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if errors and errors[0].get("type") == "json_invalid":
         detail = errors[0].get("ctx", {}).get("error", "")
         return error_response(400, f"the request body is not valid JSON: {detail}".rstrip(": "))
-    parts: dict[object, str] = {}  # the first error of each top-level field (a union field fails once per member)
+    # One error per top-level field: a union field fails once per member, and the member that got furthest into
+    # the value (a list of items, not the string it could also have been) says what is wrong.
+    deepest: dict[object, tuple[int, str]] = {}
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        loc = [p for p in err.get("loc", ()) if p != "body"]
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.setdefault(loc[0] if loc else None, f"{'.'.join(loc)}: {msg}" if loc else msg)
-    param = next(iter(parts), None)
-    return error_response(400, "; ".join(parts.values()) or "invalid request", param)
+        path = ".".join(str(p) for p in loc if not (isinstance(p, str) and "[" in p))  # (less union members' types)
+        field = loc[0] if loc else None
+        if field not in deepest or len(loc) > deepest[field][0]:
+            deepest[field] = len(loc), f"{path}: {msg}" if loc else msg
+    param = next(iter(deepest), None)
+    return error_response(400, "; ".join(text for _, text in deepest.values()) or "invalid request", param)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

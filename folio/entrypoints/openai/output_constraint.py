@@ -37,22 +37,21 @@ def output_constraint(manager: StructuredOutputManager, tool_format: ToolCallFor
                       message_format: Optional[MessageFormat] = None,
                       structured_outputs_field: Optional[str] = None) -> Optional[StructuredOutputsParams]:
     """The constraint for a resolved tool_choice (tool_grammar.resolve_tool_choice), tool calls written in the
-    server's tool_format. parameters_field: where tool
-    i's schema is, with {} for i; structured_outputs_field: the field structured_outputs came in, where it was
-    not structured_outputs (vLLM's guided_*).
+    server's tool_format. parameters_field: where tool i's schema is, with {} for i; structured_outputs_field: the
+    field structured_outputs came in, where it was not structured_outputs (vLLM's guided_*).
 
     A message format applies to the text the model writes, as OpenAI's does: with "auto" the output is either a
     message in the format or tool calls; with "required" or a named function the output is calls, and the format
     waits for a later turn's message. vLLM's structured_outputs constrains the whole output: with "auto" it
     replaces the tools' grammar (calls are still read from the output); a tool_choice that makes the output tool
     calls cannot be combined with it."""
+    named = structured_outputs_field or "structured_outputs"
     if structured_outputs is not None:
         manager.validate(structured_outputs, structured_outputs_field)
     if message_format is not None:
         manager.validate(message_format.constraint(), message_format.schema_field)
         if structured_outputs is not None:
-            raise ValueError(f"structured_outputs and {message_format.field} both constrain the output: give one of "
-                             "them")
+            raise ValueError(f"{named} and {message_format.field} both constrain the output: give one of them")
     for i, tool in enumerate(tools or ()):  # (under "none" too: the template shows them to the model)
         if tool.function.parameters is not None:
             manager.validate(StructuredOutputsParams(json=tool.function.parameters), parameters_field.format(i))
@@ -61,7 +60,7 @@ def output_constraint(manager: StructuredOutputManager, tool_format: ToolCallFor
     if structured_outputs is not None:
         if tool_choice != "auto":
             raise ValueError(f"tool_choice {'named' if isinstance(tool_choice, NamedToolChoice) else tool_choice!r}"
-                             " makes the output tool calls; it cannot be combined with structured_outputs")
+                             f" makes the output tool calls; it cannot be combined with {named}")
         return structured_outputs
     message_schema = None
     if message_format is not None and tool_choice == "auto":

@@ -169,8 +169,11 @@ class SamplingRequest(RequestBody):
         guided = {kind: getattr(self, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
         guided = {kind: value for kind, value in guided.items() if value is not None}
         if guided:
+            sent = [f"guided_{kind}" for kind in guided]
             if self.structured_outputs is not None:
-                raise ValueError("guided_* and structured_outputs both constrain the output: give one of them")
+                sent.append("structured_outputs")
+            if len(sent) > 1:
+                raise ValueError(f"{' and '.join(sent)} each constrain the output: give one of them")
             self.structured_outputs = StructuredOutputsRequest.model_validate(guided)
             self._guided_field = f"guided_{next(iter(guided))}"
         return self
@@ -279,13 +282,13 @@ class CompletionChoice(BaseModel):
 
 
 class OmitsNullExtras(BaseModel):
-    """A response model whose fields beyond OpenAI's (`omitted_when_null`) are left out where they are null, so that
-    a response without them is OpenAI's shape exactly."""
+    """A response model whose optional fields `omitted_when_null` are left out where they are null (rather than
+    sent as null), so that a response without them has the shape OpenAI's has."""
 
     omitted_when_null: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")
-    def _without_null_extras(self, handler: Any) -> dict[str, Any]:
+    def _without_null_extras(self, handler: Any):  # (no return type: the schema stays the fields')
         data = handler(self)
         for name in self.omitted_when_null:
             if data.get(name, 0) is None:

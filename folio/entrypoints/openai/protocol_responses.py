@@ -64,7 +64,7 @@ class ReasoningSummaryText(RequestModel):
 
 class ReasoningInputItem(RequestModel):
     """An earlier turn's reasoning, sent back (clients and agent frameworks send the whole output): it goes to the
-    assistant message after it as `reasoning_content`, which reasoning models' templates read."""
+    assistant message or function call after it as `reasoning_content`, which reasoning models' templates read."""
 
     type: Literal["reasoning"]
     id: Optional[str] = None

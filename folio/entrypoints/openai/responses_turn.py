@@ -174,7 +174,8 @@ class Turn:
         return edits + [Edit("delta", reasoning, text)]
 
     def _text(self, text: str) -> list[Edit]:
-        """Content: to the open message, or a new one (after a call), with the logprobs of the tokens so far."""
+        """Content: to the open message, or a new one (after a call or the reasoning), with the logprobs of the
+        tokens so far."""
         if not text:
             return []
         edits = []
@@ -199,18 +200,19 @@ class Turn:
         """The items still open, ended (an empty message where the turn wrote no message or call, holding the
         logprobs of tokens that wrote no text)."""
         answered = any(isinstance(item, (MessageItem, CallItem)) for item in self.items)
-        edits = [] if answered else self._open(MessageItem(len(self.items)))
+        # (a reasoning cut off stays as complete as the turn: the empty message does not end it)
+        edits = [] if answered else self._open(MessageItem(len(self.items)), end_last=False)
         if self.pending_logprobs and isinstance(self.items[-1], MessageItem):
             edits.append(Edit("delta", self.items[-1], "", self.pending_logprobs))
             self.items[-1].logprobs += self.pending_logprobs
             self.pending_logprobs = []
         return edits + [Edit("done", item, snapshot=item.item(self.status)) for item in self.items if not item.done]
 
-    def _open(self, item: Item) -> list[Edit]:
-        """Add an item, ending the message before it."""
+    def _open(self, item: Item, end_last: bool = True) -> list[Edit]:
+        """Add an item, ending the message or reasoning before it (unless end_last is false)."""
         edits = []
         last = self.items[-1] if self.items else None
-        if isinstance(last, (ReasoningItem, MessageItem)) and not last.done:
+        if end_last and isinstance(last, (ReasoningItem, MessageItem)) and not last.done:
             last.done = True  # a call ends the text before it, the answer the reasoning
             edits.append(Edit("done", last, snapshot=last.item(self.status)))
         self.items.append(item)
@@ -237,7 +239,6 @@ class Turn:
                 reasoning = item.text
             elif isinstance(item, MessageItem):
                 messages.append(ChatMessage(role="assistant", content=item.text))
-                continue
             else:
                 call = ToolCallRequest(id=item.call_id, function=FunctionCallRequest(name=item.name,
                                                                                      arguments=item.arguments))

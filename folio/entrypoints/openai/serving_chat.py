@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages and tools through the model's chat template, chat-shaped logprobs and
-chunks, and the output constraints chat adds: response_format, and tools (tool_grammar constrains the calls,
-tool_parser reads them back as tool_calls). With a reasoning parser, a reasoning model's thinking is read out of
-the text first (folio.reasoning_parser) and given as the message's `reasoning`; tool calls are read in the rest."""
+chunks, and the output constraints chat adds: response_format, and tools (the server's tool-call format,
+tool_call_format, constrains the calls and reads them back as tool_calls). With a reasoning parser, a reasoning
+model's thinking is read out of the text first (folio.reasoning_parser) and given as the message's `reasoning`;
+tool calls are read in the rest."""
 
 from __future__ import annotations
 

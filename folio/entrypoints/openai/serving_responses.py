@@ -4,9 +4,9 @@ A response is one chat turn: its input items become chat messages (after the sto
 `previous_response_id`, and after `instructions` as a system message), the chat template renders them with the
 tools, and the engine generates the turn. Its output items are what the turn wrote: with a reasoning parser a
 reasoning item for its reasoning, a message for its text, and a function_call item per tool call, read out of the
-text as chat reads them (tool_parser; tool_choice's grammar, text.format's JSON or vLLM's structured_outputs
-constrains it: output_constraint). Finished responses with `store` (the default) go to the ResponseStore, calls
-and reasoning included, so that the next turn can answer them.
+text as chat reads them (the server's tool_call_format; tool_choice's grammar, text.format's JSON or vLLM's
+structured_outputs constrains it: output_constraint). Finished responses with `store` (the default) go to the
+ResponseStore, calls and reasoning included, so that the next turn can answer them.
 
 A stream is the event sequence OpenAI's clients assemble: response.created and response.in_progress at once; for
 each output item as it starts, output_item.added (and a message's or reasoning's content_part.added); an

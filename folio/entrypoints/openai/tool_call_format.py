@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool
-from folio.entrypoints.openai.tool_grammar import ToolChoice, tool_choice_constraint
-from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolParser, llama3_json_constraint
-from folio.entrypoints.openai.tool_parser import ToolCallParser, ToolCallReader
+from folio.entrypoints.openai.tool_grammar import ToolChoice, hermes_constraint
+from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolCallReader, llama3_json_constraint
+from folio.entrypoints.openai.tool_parser import HermesToolCallReader, ToolCallReader
 from folio.structured_output.params import StructuredOutputsParams
 
 # (tools, tool_choice resolved, parallel_tool_calls, the JSON a message must be with "auto") -> the grammar
@@ -26,7 +26,7 @@ class ToolCallFormat:
 
 
 # The names are ServerOptions.tool_call_parser's choices (server_options.TOOL_CALL_PARSERS).
-TOOL_CALL_FORMATS = {format.name: format for format in (
-    ToolCallFormat("hermes", tool_choice_constraint, ToolCallParser),  # Qwen2.5, Qwen3, Hermes: <tool_call> blocks
-    ToolCallFormat("llama3_json", llama3_json_constraint, Llama3JsonToolParser),  # Llama 3.1-3.3: JSON objects
+TOOL_CALL_FORMATS = {tool_format.name: tool_format for tool_format in (
+    ToolCallFormat("hermes", hermes_constraint, HermesToolCallReader),  # Qwen2.5, Qwen3, Hermes: <tool_call> blocks
+    ToolCallFormat("llama3_json", llama3_json_constraint, Llama3JsonToolCallReader),  # Llama 3.1-3.3: JSON objects
 )}

@@ -1,8 +1,9 @@
 """Tool calling's grammars: what tool_choice allows the model to write, enforced token by token.
 
-Here, the Hermes format's, the default tool-call format (folio.entrypoints.openai.tool_call_format has the
-others), which Qwen2.5 and Qwen3 (and Hermes, and many fine-tunes) were trained on, and that
-folio.entrypoints.openai.tool_parser reads back:
+This module writes the grammars of the Hermes format, the default of folio.entrypoints.openai.tool_call_format,
+and holds what every format's grammars share (the tools a tool_choice allows, the `call` rule, Lark literals and
+JSON). Qwen2.5 and Qwen3 (and Hermes, and many fine-tunes) were trained on the format, and
+folio.entrypoints.openai.tool_parser reads it back:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -66,7 +67,7 @@ def call_alternatives(tools: list[ChatTool], call_rule: Callable[[ChatTool], str
             *(f"call_{i}: {call_rule(tool)}" for i, tool in enumerate(tools))]
 
 
-def tool_choice_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
+def hermes_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
                            message_schema: Optional[dict] = None) -> Optional[StructuredOutputsParams]:
     """The grammar for a validated tool_choice (see `resolve_tool_choice`), or None for "none". message_schema
     (with "auto" only): the JSON a message must be, instead of free text."""

@@ -46,7 +46,7 @@ def _call_rule(tool: ChatTool) -> str:
 
 def llama3_json_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
                            message_schema: Optional[dict] = None) -> Optional[StructuredOutputsParams]:
-    """The grammar for a validated tool_choice, or None for "none" (tool_grammar.tool_choice_constraint's
+    """The grammar for a validated tool_choice, or None for "none" (tool_grammar.hermes_constraint's
     contract, in Llama 3's format)."""
     if tool_choice == "none":
         return None
@@ -62,7 +62,7 @@ def llama3_json_constraint(tools: list[ChatTool], tool_choice: ToolChoice, paral
     return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
 
 
-class Llama3JsonToolParser(ToolCallReader):
+class Llama3JsonToolCallReader(ToolCallReader):
     """One choice's reader. Its first character decides: "{" makes it calls, each sent whole as soon as its object
     closes; anything else makes it content, streamed as it comes. An object that is not a call of the request's
     functions (names, a "parameters" object, no other key; "arguments" is read for "parameters" too), or text

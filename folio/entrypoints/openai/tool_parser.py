@@ -1,5 +1,6 @@
-"""ToolCallParser: reads Hermes-format tool calls (folio.entrypoints.openai.tool_grammar) out of a choice's text as
-it streams, turning them into OpenAI's tool-call deltas.
+"""Reading tool calls out of a choice's text as it streams, as OpenAI's tool-call deltas: ToolCallReader, what
+every tool-call format's reader is (with the pieces and helpers they share), and HermesToolCallReader, the Hermes
+format's (folio.entrypoints.openai.tool_grammar writes its grammars).
 
 Text outside `<tool_call>...</tool_call>` is content (a trailing "<tool_c" waits until it is known not to open a
 call; whitespace after a call is dropped). Inside a call, the first delta carries the call's id, type and name
@@ -50,7 +51,7 @@ def _pending_prefix(text: str, tag: str) -> int:
     return 0
 
 
-def is_text(value: object) -> bool:
+def _is_text(value: object) -> bool:
     """A str that is valid Unicode text (a JSON escape can decode to a lone surrogate, which no response holds)."""
     if not isinstance(value, str):
         return False
@@ -63,14 +64,14 @@ def is_text(value: object) -> bool:
 
 def may_name(names: Optional[Collection[str]], name: object) -> bool:
     """Whether a call may name `name`: text, and one of the request's functions (names None: any)."""
-    return is_text(name) and (names is None or name in names)
+    return _is_text(name) and (names is None or name in names)
 
 
 def arguments_text(arguments: object) -> str:
     """Parsed arguments as the JSON text a call carries (escaped to ASCII where the text would not be valid
     Unicode: a JSON escape can decode to a lone surrogate)."""
     text = json.dumps(arguments, ensure_ascii=False)
-    return text if is_text(text) else json.dumps(arguments)
+    return text if _is_text(text) else json.dumps(arguments)
 
 
 def _call_object(text: str) -> Optional[dict]:
@@ -212,7 +213,7 @@ class _Call:
             return []
         arguments = call.get("arguments", {})
         opening = self._opening(call["name"])
-        opening.function.arguments = arguments if isinstance(arguments, str) and is_text(arguments) else \
+        opening.function.arguments = arguments if isinstance(arguments, str) and _is_text(arguments) else \
             arguments_text(arguments)
         return [opening]
 
@@ -234,7 +235,7 @@ class ToolCallReader(ABC):
         return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, DeltaToolCall)]
 
 
-class ToolCallParser(ToolCallReader):
+class HermesToolCallReader(ToolCallReader):
     """The Hermes format's reader.
 
     names: the functions of the request's tools; a call naming another is content (None: any name)."""

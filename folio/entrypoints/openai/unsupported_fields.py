@@ -88,7 +88,7 @@ RESPONSES_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
     Unsupported("reasoning", NO_REASONING, lambda value: not value or all(v is None for v in value.values())),
     Unsupported("background", "is not supported: a response runs while its request is open", lambda value: not value),
     Unsupported("background_options", "is not supported: a response runs while its request is open"),
-    Unsupported("include", f"is supported for {LOGPROBS!r} only: a response holds its output text and calls",
+    Unsupported("include", f"is supported for {LOGPROBS!r} only: a response holds its output text, reasoning and calls",
                 lambda value: not value or set(value) <= {LOGPROBS}),
     Unsupported("conversation", "is not supported: continue a conversation with previous_response_id"),
     Unsupported("prompt", "(a stored prompt template) is not supported: send instructions and input"),
