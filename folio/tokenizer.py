@@ -79,6 +79,11 @@ def _compiled(template: str) -> jinja2.Template:
         raise ValueError(f"chat template does not compile: {e}") from e
 
 
+def check_chat_template(template: str) -> None:
+    """ValueError if the template does not compile (a server checks its --chat-template before it loads a model)."""
+    _compiled(template)
+
+
 def _ending_inside_the_last_message(text: str, messages: list[dict]) -> str:
     """The rendered text cut right after the last message's content, where the template closes the turn after it
     (Transformers' continue_final_message: where the template trimmed the content's edges, after the trimmed
@@ -219,6 +224,11 @@ class Tokenizer:
                 message["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
             out.append(message)
         return out
+
+    def replace_chat_template(self, template: str) -> None:
+        """Render with `template` from now on (a server's --chat-template); ValueError if it does not compile."""
+        check_chat_template(template)
+        self.chat_template = template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
                             continue_final_message: bool = False, chat_template: Optional[str] = None,

@@ -42,7 +42,7 @@ from folio.entrypoints.openai.protocol_embeddings import EmbeddingRequest, Embed
 from folio.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.responses_store import ResponseStore
-from folio.entrypoints.openai.server_options import ServerOptions
+from folio.entrypoints.openai.server_options import ServerOptions, read_chat_template
 from folio.entrypoints.openai.tool_call_format import TOOL_CALL_FORMATS
 from folio.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from folio.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
@@ -74,10 +74,13 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     max_model_len = llm.engine.max_model_len
     limits = RequestLimits.build(options, tokenizer, max_model_len, llm.engine.input_processor.vocab_size)
     completions = OpenAIServingCompletion(llm, model_name, limits)
+    if options.chat_template is not None:
+        tokenizer.replace_chat_template(read_chat_template(options.chat_template))
     tool_format = TOOL_CALL_FORMATS[options.tool_call_parser]
-    chat = OpenAIServingChat(llm, model_name, limits, tool_format)
+    chat = OpenAIServingChat(llm, model_name, limits, tool_format, options.enable_auto_tool_choice)
     embeddings = OpenAIServingEmbedding(llm, model_name, limits)
-    responses = OpenAIServingResponses(llm, model_name, limits, responses_store or ResponseStore(), tool_format)
+    responses = OpenAIServingResponses(llm, model_name, limits, responses_store or ResponseStore(), tool_format,
+                                       options.enable_auto_tool_choice)
 
     app = FastAPI(title="folio", version=__version__)
     install_error_handlers(app)

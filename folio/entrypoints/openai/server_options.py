@@ -8,11 +8,13 @@ that `folio serve`'s flags are made from these definitions (folio.cli) and their
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 from folio.config import option
 from folio.engine.admission import AdmissionPolicy
+from folio.tokenizer import check_chat_template
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # folio.entrypoints.openai.tool_call_format
@@ -27,7 +29,13 @@ class ServerOptions:
     max_stop_string_chars: int = option(1024, "longest stop string, in characters")
     max_logit_bias: int = option(300, "most logit_bias entries in one request (OpenAI's limit)")
     max_tools: int = option(128, "most tools in one chat request (OpenAI's limit)")
-    # How the model writes tool calls (folio.entrypoints.openai.tool_call_format).
+    # How chat requests are rendered and how their tool calls are read (vLLM's flags).
+    chat_template: Optional[str] = option(
+        None, "the chat template of every chat request (chat completions, responses, /tokenize) instead of the "
+              "model's: a file's path, or the template itself", default_means="the model's")
+    enable_auto_tool_choice: bool = option(
+        True, "serve tool_choice 'auto', the default beside tools (vLLM leaves it off unless this flag is given; "
+              "off, 'auto' is a 400 and clients must ask for 'required', a named function or 'none')")
     tool_call_parser: str = option("hermes", "the format the model writes tool calls in, which the tool grammars "
                                              "make it write and the server reads back: hermes (Qwen2.5, Qwen3, "
                                              "Hermes: <tool_call> blocks) or llama3_json (Llama 3.1-3.3: a JSON "
@@ -60,6 +68,8 @@ class ServerOptions:
                 raise ValueError(f"{f.name} must be >= 0, got {value}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if self.chat_template is not None:
+            check_chat_template(read_chat_template(self.chat_template))
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
@@ -67,3 +77,14 @@ class ServerOptions:
     def admission(self) -> AdmissionPolicy:
         return AdmissionPolicy(self.max_waiting_requests or None, self.max_waiting_tokens or None,
                                self.request_timeout)
+
+
+def read_chat_template(option: str) -> str:
+    """The chat_template option's template: the file it names, or the option itself where it is a template (as
+    vLLM's --chat-template reads it); ValueError where it is neither."""
+    if os.path.isfile(option):
+        with open(option, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in option or "{%" in option:
+        return option
+    raise ValueError(f"chat_template: {option!r} is neither a file nor a template")

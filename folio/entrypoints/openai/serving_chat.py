@@ -59,10 +59,12 @@ def chat_prompt_ids(tokenizer: Tokenizer, limits: RequestLimits, messages: list[
 class OpenAIServingChat(OpenAIServing):
     request_id_prefix = "chatcmpl"
 
-    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits, tool_format: ToolCallFormat) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits, tool_format: ToolCallFormat,
+                 auto_tool_choice: bool = True) -> None:
         super().__init__(llm, model_name, limits)
         self.reasoning_parser = llm.engine.structured_output.reasoning_parser
         self.tool_format = tool_format
+        self.auto_tool_choice = auto_tool_choice  # whether tool_choice "auto" is served (ServerOptions)
 
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
         return [Prompt(None, chat_prompt_ids(self.tokenizer, self.limits, request.messages,
@@ -78,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
             "response_format", "response_format.json_schema.schema",
             fmt.json_schema.json_schema if fmt.json_schema is not None else None)
         return output_constraint(self.llm.engine.structured_output, self.tool_format, request.tools,
-                                 resolve_tool_choice(request.tools, request.tool_choice),
+                                 resolve_tool_choice(request.tools, request.tool_choice, self.auto_tool_choice),
                                  request.parallel_tool_calls is not False, "tools[{}].function.parameters",
                                  request.structured_outputs_params(), message_format,
                                  request.structured_outputs_field)
@@ -89,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
         is false). With tools (and tool_choice not "none"), the text left goes through the tool format's reader: calls
         leave the content for tool_calls, and a choice that called tools finishes with "tool_calls" (OpenAI keeps
         "stop" when tool_choice named the function)."""
-        tool_choice = resolve_tool_choice(request.tools, request.tool_choice)
+        tool_choice = resolve_tool_choice(request.tools, request.tool_choice, self.auto_tool_choice)
         parsers: dict[int, ToolCallReader] = {}
         splitters: dict[int, ReasoningSplitter] = {}
         async for delta in deltas:

@@ -125,9 +125,10 @@ def _events_of(edits: list[Edit], event: Callable[..., str]) -> list[str]:
 
 class OpenAIServingResponses:
     def __init__(self, llm: AsyncLLM, model_name: str, limits: RequestLimits, store: ResponseStore,
-                 tool_format: ToolCallFormat) -> None:
+                 tool_format: ToolCallFormat, auto_tool_choice: bool = True) -> None:
         self.llm = llm
         self.tool_format = tool_format
+        self.auto_tool_choice = auto_tool_choice  # whether tool_choice "auto" is served (ServerOptions)
         self.model_name = model_name
         self.limits = limits
         self.store = store
@@ -165,7 +166,7 @@ class OpenAIServingResponses:
         """The rendered, tokenized prompt (in a worker thread: templates, tokenizing and checking constraints take
         time), the SamplingParams, and whether tool calls are read from the output; ValueError naming the field."""
         tools = request.chat_tools()
-        tool_choice = resolve_tool_choice(tools, request.chat_tool_choice())
+        tool_choice = resolve_tool_choice(tools, request.chat_tool_choice(), self.auto_tool_choice)
         constraint = self._constraint(request, tools, tool_choice)
         max_tokens = request.max_output_tokens
         if max_tokens is not None and max_tokens < 1:

@@ -87,14 +87,21 @@ def hermes_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_t
     return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
 
 
-def resolve_tool_choice(tools: Optional[list[ChatTool]], tool_choice: Optional[ToolChoice]) -> ToolChoice:
+def resolve_tool_choice(tools: Optional[list[ChatTool]], tool_choice: Optional[ToolChoice],
+                        auto_allowed: bool = True) -> ToolChoice:
     """OpenAI's default ("auto" with tools, "none" without: "auto" without tools is "none" too), checked against
-    the tools; ValueError naming the field otherwise."""
+    the tools and against the server (`auto_allowed`: folio serve --no-enable-auto-tool-choice refuses "auto");
+    ValueError naming the field otherwise."""
     names = [t.function.name for t in tools or ()]
     if len(set(names)) < len(names):
         raise ValueError(f"tools must have distinct function names, got {', '.join(names)}")
     if tool_choice is None or (tool_choice == "auto" and not tools):
-        return "auto" if tools else "none"
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "auto" and not auto_allowed:
+        raise ValueError('tool_choice "auto" (the default beside tools) is off on this server (it runs without '
+                         '--enable-auto-tool-choice): ask for "required", a named function or "none"')
+    if tool_choice in ("auto", "none"):
+        return tool_choice
     if not tools and tool_choice != "none":
         raise ValueError("tool_choice requires tools")
     if isinstance(tool_choice, NamedToolChoice):
