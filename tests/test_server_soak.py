@@ -24,7 +24,9 @@ def resident_mib() -> float:
 
 def test_streams_with_random_disconnects_lose_nothing_and_leak_nothing(llama_dir):
     with running_server(llama_dir) as server:
-        check_soak(server, num_requests=80, concurrency=16, seed=0)  # warm-up: caches, pools, first allocations
+        # Warm-up: caches, pools, first allocations. The allocator's own growth in the first few hundred requests
+        # varies by 6 to 15 MiB from run to run (measured, 2026-12-07); after 240 it is flat within 1-2 MiB a round.
+        check_soak(server, num_requests=240, concurrency=16, seed=0)
         before = resident_mib()
         result = check_soak(server, num_requests=240, concurrency=16, seed=1)
         growth = resident_mib() - before
