@@ -129,6 +129,7 @@ class OpenAIServingResponses:
         self.llm = llm
         self.tool_format = tool_format
         self.auto_tool_choice = auto_tool_choice  # whether tool_choice "auto" is served (ServerOptions)
+        self.reasoning_parser = llm.engine.structured_output.reasoning_parser  # as chat's
         self.model_name = model_name
         self.limits = limits
         self.store = store
@@ -148,7 +149,7 @@ class OpenAIServingResponses:
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
         parser = self.tool_format.reader([tool.name for tool in request.tools or ()]) if reads_calls else None
-        reasoning = self.llm.engine.structured_output.reasoning_parser
+        reasoning = self.reasoning_parser
         turn = Turn(request, params, self.model_name, conversation, len(ids), parser,
                     reasoning.splitter(self.tokenizer, ids) if reasoning is not None else None)
         try:
