@@ -156,13 +156,33 @@ class SchedulerOptions:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp")  # folio.executor
+
+
 @dataclass
 class ParallelOptions:
-    """How many cores the engine's steps use."""
+    """How many cores the engine's steps use, and over how many processes a model's layers are split."""
 
-    num_threads: Optional[int] = option(None, "torch intra-op threads",
+    num_threads: Optional[int] = option(None, "torch intra-op threads (of each worker, with tensor parallelism)",
                                         default_means="OMP_NUM_THREADS, else the cores this process may use, within "
-                                                      "its cgroup's CPU quota")
+                                                      "its cgroup's CPU quota (shared out among the workers)")
+    tensor_parallel_size: int = option(1, "processes that each hold a slice of every layer (attention heads, MLP "
+                                          "columns) and run steps together over torch.distributed")
+    distributed_executor_backend: Optional[str] = option(
+        None, "where the model runs: uni (in the engine's process) or mp (one worker process per rank)",
+        default_means="uni for one rank, mp for several", choices=EXECUTOR_BACKENDS)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank in the engine's process; "
+                             f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'")
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance",)
@@ -214,6 +234,17 @@ class EngineConfig:
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     structured_outputs: StructuredOutputsOptions = field(default_factory=StructuredOutputsOptions)
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1 and self.model.gguf_as_stored:
+            raise ValueError(f"tensor_parallel_size {tp} splits dequantised or float weights; a GGUF file's layers "
+                             f"as stored are not split: pass quantization 'none' (or a scheme that quantises as "
+                             f"it loads, such as int8)")
+        spec = self.speculative.speculative_config
+        if tp > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError(f"speculative_config: method 'draft_model' is not supported with tensor_parallel_size "
+                             f"{tp}; 'ngram' and 'suffix' are")
 
     @classmethod
     def from_kwargs(cls, **options: Any) -> EngineConfig:

@@ -65,7 +65,8 @@ def test_every_engine_option_is_a_flag(command):
               "enable_prefix_caching": False, "seed": 5, "num_threads": 2, "attention_backend": "torch_sdpa",
               "quantization": "int4", "kv_cache_dtype": "int8",
               "speculative_config": SpeculativeConfig("ngram", num_speculative_tokens=3),
-              "structured_outputs_backend": "llguidance", "reasoning_parser": "deepseek_r1"}
+              "structured_outputs_backend": "llguidance", "reasoning_parser": "deepseek_r1",
+              "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     assert set(values) == {option.name for _, option, _ in engine_options()}, "a new engine option needs a flag"
     argv = list(command)
     for name, value in values.items():

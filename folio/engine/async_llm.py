@@ -29,6 +29,7 @@ from folio.engine.input_processor import Params, PromptType
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import OutputKind
 from folio.engine.stats import IterationStats, StatsCollector
+from folio.executor.executor import WorkerError
 from folio.outputs import EngineOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
@@ -231,6 +232,7 @@ class AsyncLLM:
         with self._commands_lock:
             self._commands_closed = True
         self._run_commands(block=False)  # answer submissions that raced with the end
+        self.engine.shutdown()  # its worker processes, if any
 
     def _serve(self) -> None:
         while self.dead is None:
@@ -242,6 +244,9 @@ class AsyncLLM:
                 self._expire()
                 if self.dead is None and self.engine.has_unfinished_requests():
                     self._step()
+            except WorkerError as e:  # a worker process is gone: no later step can run
+                logger.error("%s; the engine stops", e)
+                self.dead = e
             except Exception as e:
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(EngineError(f"the engine failed while running this request: {e!r}"))

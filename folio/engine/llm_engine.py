@@ -14,90 +14,83 @@ import logging
 import time
 from typing import Iterable, Optional, Union
 
-import torch
-
-from folio.attention.backend import AttentionBackend
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import RequestStatus
 from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.engine.input_processor import InputProcessor, Params, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
-from folio.loader.model_loader import load_model
+from folio.executor import make_executor
+from folio.executor.uniproc import UniProcExecutor
 from folio.outputs import EngineOutput
 from folio.platforms import current_platform
-from folio.spec_decode.draft_model import load_draft_model
 from folio.sampling_params import SamplingParams
 from folio.structured_output.manager import StructuredOutputManager
 from folio.tokenizer import Tokenizer
-from folio.worker.kv_cache import KVCacheSpec
 from folio.worker.model_runner import ModelRunner
-from folio.worker.warm_up import warm_up
+from folio.worker.worker import KVCacheNeeds
 
 logger = logging.getLogger("folio")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         start = time.perf_counter()
-        self.platform = platform = current_platform()
-        platform.prepare_process(config.parallel.num_threads)
-        torch.manual_seed(config.model.seed)
-        dtype = config.model.torch_dtype
-        loaded = load_model(config.model.model, dtype, config.model.max_model_len,
-                            lambda model: platform.linear_method(model, config.model.weight_scheme), platform.device,
-                            gguf_native=config.model.gguf_as_stored)
-        self.model_config = cfg = loaded.config
-        self.tokenizer: Tokenizer = loaded.tokenizer
-        if config.model.max_model_len is not None and config.model.max_model_len > cfg.max_context:
-            raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's context of "
-                             f"{cfg.max_context} positions")
-        backend = platform.attention_backend(config.model.attention_backend)
-        max_model_len = config.model.max_model_len or cfg.max_context
+        self.platform = current_platform()
+        # the workers load the model (in this process, or one process per tensor-parallel rank: folio.executor)
+        self.executor = executor = make_executor(config)
+        described = executor.description
+        self.model_config = cfg = described.config
+        self.tokenizer: Tokenizer = described.tokenizer
+        needs = executor.kv_cache_needs()
         spec = config.speculative.speculative_config
-        draft = None if spec is None or spec.method != "draft_model" else \
-            load_draft_model(spec, cfg, dtype, max_model_len, config.cache.block_size, platform)
-        # sliding-window layers get KV cache groups of their own, whose old blocks are freed. A draft model reads the
-        # tables of the target's full-attention group (its catch-ups read whole contexts): where every layer slides
-        # (Mistral, Phi-3) there is none, and beside a draft model the cache keeps one group of every layer
-        windows = () if draft and None not in cfg.sliding_windows else cfg.sliding_windows
-        kv_cache_spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype, config.cache.kv_cache_dtype,
-                                              windows)
-        num_lookahead_tokens = spec.num_speculative_tokens if draft else 0
+        num_lookahead_tokens = spec.num_speculative_tokens if len(needs.specs) > 1 else 0  # a draft model's guesses
         num_blocks, self.max_model_len = self._size_kv_cache(
-            [kv_cache_spec] + ([draft.kv_cache_spec] if draft else []), backend, max_model_len, num_lookahead_tokens)
-
+            needs, config.model.max_model_len or cfg.max_context, num_lookahead_tokens)
+        kv_cache_spec = needs.specs[0]
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching,
                                                [group.window for group in kv_cache_spec.groups])
         # a draft model writes the KV of its guesses past each step's tokens: slots are reserved for them
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
-        self.runner = ModelRunner(loaded.model, kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
-                                  self.max_model_len, backend, platform.device, spec, draft,
-                                  step_threads=platform.step_threads)
         warm_start = time.perf_counter()
-        warm_up(self.runner, config.cache.block_size, self.max_model_len)  # the first request runs warm
+        executor.initialize_cache(num_blocks, self.max_model_len)  # allocates, and warms up: the first request runs warm
         warm_s = time.perf_counter() - warm_start
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
-                                              loaded.eos_token_ids)
+                                              described.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(config.structured_outputs, self.tokenizer, cfg.vocab_size,
-                                                         loaded.eos_token_ids)
+                                                         described.eos_token_ids)
         self._ids = itertools.count()
-        logger.info("engine ready: %s (%s, %s, %s attention) in %.1f s (warm-up %.2f s)", loaded.path,
-                    cfg.architecture, dtype, type(backend).__name__, time.perf_counter() - start, warm_s)
+        ranks = config.parallel.tensor_parallel_size
+        logger.info("engine ready: %s (%s, %s, %s attention%s) in %.1f s (warm-up %.2f s)", described.path,
+                    cfg.architecture, config.model.torch_dtype, needs.attention_backend,
+                    f", {ranks} tensor-parallel ranks" if ranks > 1 else "", time.perf_counter() - start, warm_s)
 
-    def _size_kv_cache(self, specs: list[KVCacheSpec], backend: AttentionBackend, max_model_len: int,
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, where it runs in this process (benchmarks and tests look inside it)."""
+        if not isinstance(self.executor, UniProcExecutor):
+            raise AttributeError("the model runners live in the tensor-parallel worker processes")
+        return self.executor.runner
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (they also stop when the engine is collected or the process exits)."""
+        self.executor.shutdown()
+
+    def _size_kv_cache(self, needs: KVCacheNeeds, max_model_len: int,
                        num_lookahead_tokens: int) -> tuple[int, int]:
         """The number of blocks the platform's KV budget holds (a block: the KV of every model that keeps some,
-        the target's and a draft model's), and max_model_len lowered so that one request of that length and
-        the lookahead slots reserved past it fit in them."""
-        bytes_per_block = sum(spec.bytes_per_block(backend) for spec in specs)
+        the target's and a draft model's, on every tensor-parallel rank: each holds its share of the heads), and
+        max_model_len lowered so that one request of that length and the lookahead slots reserved past it fit
+        in them."""
+        bytes_per_block = needs.bytes_per_block * self.config.parallel.tensor_parallel_size
         num_blocks = self.platform.kv_cache_budget(self.config.cache.kv_cache_memory) // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory is too small for even one block of {bytes_per_block} bytes")
         block_size = self.config.cache.block_size
-        target, chunk = specs[0], self.config.scheduler.max_num_batched_tokens
+        target, chunk = needs.specs[0], self.config.scheduler.max_num_batched_tokens
 
         def blocks_for(num_tokens: int) -> int:  # the most one request of num_tokens holds
             return target.max_blocks(num_tokens + num_lookahead_tokens, chunk)
@@ -181,7 +174,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output,
                                                                                   self.scheduler.requests)
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self.executor.execute(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from safetensors import safe_open
 
+from folio.distributed.parallel_state import tensor_parallel_group
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import load_gguf_cached, load_gguf_native_cached, read_gguf_cached
 from folio.loader.gguf_native import native_chooser, native_layers
@@ -130,10 +131,49 @@ def _parse_config(hf_config: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config)
 
 
+@dataclass
+class ModelDescription:
+    """What a model is, without its weights: enough to tokenize, size the KV cache and schedule (an engine whose
+    workers load the weights in their own processes reads only this)."""
+
+    path: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+
+
+def describe_model(model: Optional[str]) -> ModelDescription:
+    """Config, tokenizer and end-of-sequence ids of a Hugging Face folder, a GGUF file or (None) the default
+    model, read without touching the weights."""
+    return _describe(model)[0]
+
+
+def _describe(model: Optional[str]) -> tuple[ModelDescription, dict]:
+    """The description, and config.json (or the GGUF file's metadata in its shape)."""
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(f"model path {path!r} does not exist (folio loads local folders and .gguf files only)")
+    if os.path.isdir(path):
+        hf_config = _read_json(os.path.join(path, "config.json"))
+        if not hf_config:
+            raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+        cfg = _parse_config(hf_config)
+        tokenizer = Tokenizer.from_dir(path)
+        generation_config = _read_json(os.path.join(path, "generation_config.json"))
+    else:
+        checkpoint, _ = read_gguf_cached(path)
+        cfg = _parse_config(checkpoint.hf_config)
+        tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
+        hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
+    return ModelDescription(path, cfg, tokenizer, eos_token_ids(hf_config, generation_config, tokenizer)), hf_config
+
+
 def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int],
                linear_method: Optional[Callable[[torch.nn.Module], LinearMethods]] = None,
                device: torch.device = torch.device("cpu"), gguf_native: bool = False) -> LoadedModel:
     """Load weights, config and tokenizer. `max_positions_cap` bounds the RoPE table (the engine's max_model_len).
+    In a tensor-parallel group (folio.distributed) the model is this rank's slice; `config` stays the whole
+    model's.
 
     linear_method: gives the built (not yet loaded) model its linear method, or a chooser of one per layer
     (see folio.models.linear); a function of the model because a method may size itself by the model, as
@@ -143,34 +183,24 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     whose config.json has a quantization_config (compressed-tensors int8, folio.models.compressed_tensors;
     GPTQ or AWQ int4, folio.models.int4_checkpoints) loads its quantised layers as stored.
     """
-    path = default_model_path() if model is None else os.path.expanduser(model)
-    if not os.path.exists(path):
-        raise ValueError(f"model path {path!r} does not exist (folio loads local folders and .gguf files only)")
+    described, hf_config = _describe(model)
+    path, cfg = described.path, described.config
     if gguf_native and os.path.isdir(path):
         raise ValueError(f"quantization 'gguf' needs a .gguf model file, got the folder {path}")
     if os.path.isdir(path):
-        hf_config = _read_json(os.path.join(path, "config.json"))
-        if not hf_config:
-            raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
-        cfg = _parse_config(hf_config)
-        tokenizer = Tokenizer.from_dir(path)
         tensors: Iterator[tuple[str, torch.Tensor]] = _iter_safetensors(_safetensors_files(path))
-        generation_config = _read_json(os.path.join(path, "generation_config.json"))
     elif gguf_native:
         checkpoint, types = read_gguf_cached(path)
-        cfg = _parse_config(checkpoint.hf_config)
-        tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
-        hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
     else:
-        checkpoint, state = load_gguf_cached(path, dtype)
-        cfg = _parse_config(checkpoint.hf_config)
-        tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
+        _, state = load_gguf_cached(path, dtype)
         tensors = iter(state.items())
-        hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
 
     max_positions = cfg.max_context if max_positions_cap is None else max_positions_cap
+    ranks = tensor_parallel_group().size
+    if ranks > 1 and "quantization_config" in hf_config:
+        raise ValueError(f"tensor_parallel_size {ranks}: pre-quantised checkpoints are not split across ranks")
     with _default_dtype(dtype), device:
-        net = build_model(cfg, max_positions)
+        net = build_model(cfg.for_tensor_parallel(ranks), max_positions)  # this rank's slice of each layer
         methods = (linear_method or current_platform().linear_method)(net)
         if "quantization_config" in hf_config:  # pre-quantised: its layers load as stored, the rest as asked
             methods = _prequantized_chooser(hf_config["quantization_config"], path, net, as_chooser(methods))
@@ -184,4 +214,4 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     release_freed_memory()  # the weights' load-time forms, freed as they were processed
     net.eval()
     mirror_members(net)  # the weights are final: the hot path reads its layers' members as plain attributes
-    return LoadedModel(path, cfg, net, tokenizer, eos_token_ids(hf_config, generation_config, tokenizer))
+    return LoadedModel(path, cfg, net, described.tokenizer, described.eos_token_ids)

@@ -65,7 +65,7 @@ class GemmaAttention(LlamaAttention):
                  softcap: Optional[float]) -> None:
         super().__init__(cfg, layer_idx, rotary)
         if cfg.attention_bias:
-            self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=True)
+            self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=True, parallel="row")
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn_params = AttentionParams(scale=float(cfg.hf_config["query_pre_attn_scalar"]) ** -0.5,

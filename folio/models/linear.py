@@ -12,6 +12,12 @@ layer, as a quantisation config does when it keeps the lm_head dense.
 
 A fused layer (q/k/v, gate/up) stacks its shards' rows in declaration order; a parameter laid out by
 output row is loaded shard by shard into those rows (`Linear.load_rows`).
+
+Tensor parallelism (folio.distributed): a model built for one rank's slice declares its layers at the rank's
+sizes and marks them `parallel`. A column-parallel layer (q/k/v, gate/up) holds the rank's rows of each shard,
+a row-parallel one (o_proj, down_proj) the rank's columns, and sums the ranks' partial products. The slicing
+wraps the parameters' weight loaders after the method created them, so every method that loads plain
+checkpoint tensors (the dense one, those that quantise as they load) gets its slice without knowing of ranks.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from typing import Callable, Iterator, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from folio.distributed.parallel_state import tensor_parallel_group
 from folio.models.hot_path import HotPathModule
 from folio.models.layers import Embedding, silu_and_mul
-from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
+from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized, weight_loader_of
 from folio.sample.sampling_ops import argmax_rows
 
 
@@ -87,12 +94,18 @@ class Linear(HotPathModule):
     silu(gate) * up, [..., output_size / 2] (SwiGLU): by its method's apply_silu_and_mul, which may fuse the two.
     params_dtype: the weights' dtype; by default torch's default dtype while the model is built (the
     loader builds it under the serving dtype), so weights are created directly in it.
+    parallel: "column" or "row" for a layer that tensor-parallel ranks split (the sizes given are the rank's);
+    whole when the process's group has one rank.
     """
 
     def __init__(self, input_size: int, output_sizes: Union[int, Mapping[ShardId, int]], bias: bool = False,
                  tied_to: Optional[nn.Parameter] = None, params_dtype: Optional[torch.dtype] = None,
-                 silu_and_mul: bool = False) -> None:
+                 silu_and_mul: bool = False, parallel: Optional[str] = None) -> None:
         super().__init__()
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"Linear parallel must be 'column' or 'row', got {parallel!r}")
+        self.tp = tensor_parallel_group()
+        self.parallel = parallel if self.tp.size > 1 else None
         sizes = {None: output_sizes} if isinstance(output_sizes, int) else dict(output_sizes)
         if not sizes or any(size <= 0 for size in sizes.values()):
             raise ValueError(f"Linear output sizes must be positive, got {output_sizes!r}")
@@ -122,11 +135,44 @@ class Linear(HotPathModule):
             raise ValueError(f"this Linear is already bound to {type(self.method).__name__}")
         method.create_weights(self)
         self.method = method
+        if self.parallel is not None:
+            self._load_rank_slices()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.silu_and_mul:
-            return self.method.apply_silu_and_mul(self, x)
-        return self.method.apply(self, x)
+        y = self.method.apply_silu_and_mul(self, x) if self.silu_and_mul else self.method.apply(self, x)
+        return self.tp.all_reduce(y) if self.parallel == "row" else y
+
+    def _load_rank_slices(self) -> None:
+        """Make each parameter's weight loader take the rank's slice of a checkpoint tensor: of a column-parallel
+        layer, the rank's rows of each shard; of a row-parallel one, the rank's columns of a weight, and its bias
+        on rank 0 only (zeros elsewhere), so that the sum of the partial products adds it once."""
+        rank, size = self.tp.rank, self.tp.size
+        for name, param in self._parameters.items():
+            if param is None or (self.tied and name == "weight"):
+                continue
+            load = weight_loader_of(param)
+            if self.parallel == "column":
+                def load_slice(p: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId, load=load) -> None:
+                    _, rows = self.shard_extent(shard_id)
+                    if tensor.shape[0] != rows * size:
+                        raise ValueError(f"has {tensor.shape[0]} rows, expected {rows * size} ({rows} a rank)")
+                    load(p, tensor.narrow(0, rank * rows, rows), shard_id)
+
+                extents = getattr(param, "shard_extents", None)
+                if extents:  # a tensor of all the shards (ALL_SHARDS) is cut at their whole sizes
+                    param.shard_extents = {k: (first * size, rows * size) for k, (first, rows) in extents.items()}
+            else:
+                def load_slice(p: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId, load=load,
+                               bias: bool = name == "bias") -> None:
+                    if bias:
+                        load(p, tensor if rank == 0 else torch.zeros_like(tensor), shard_id)
+                        return
+                    columns = self.input_size
+                    if tensor.shape[-1] != columns * size:
+                        raise ValueError(f"has {tensor.shape[-1]} columns, expected {columns * size} ({columns} "
+                                         f"a rank)")
+                    load(p, tensor.narrow(-1, rank * columns, columns), shard_id)
+            param.weight_loader = load_slice
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """argmax(forward(x), dim=-1) for x [rows, input_size], by the method's apply_argmax."""

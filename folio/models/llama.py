@@ -44,8 +44,8 @@ class LlamaAttention(HotPathModule):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                               bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+                               bias=cfg.attention_bias, parallel="column")
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, parallel="row")
         self.rotary = rotary
         self.attn_params = AttentionParams(sliding_window=cfg.sliding_window(layer_idx))  # Mistral's window
 
@@ -69,8 +69,8 @@ class LlamaMLP(HotPathModule):
     def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None) -> None:
         super().__init__()
         size = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, {0: size, 1: size}, silu_and_mul=self.swiglu)
-        self.down_proj = Linear(size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: size, 1: size}, silu_and_mul=self.swiglu, parallel="column")
+        self.down_proj = Linear(size, cfg.hidden_size, bias=False, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))

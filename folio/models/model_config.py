@@ -7,6 +7,7 @@ instead of seconds and keeps transformers off the serving path.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -170,6 +171,23 @@ class ModelConfig:
 
     def sliding_window(self, layer_idx: int) -> Optional[int]:
         return self.sliding_windows[layer_idx] if self.sliding_windows else None
+
+    def for_tensor_parallel(self, size: int) -> "ModelConfig":
+        """The config of one rank's slice of the model when `size` ranks split it (folio.distributed): its share of
+        the attention heads, of the KV heads and of the MLP's intermediate columns; the rest whole. A model
+        built from it declares its layers at the rank's sizes (folio.models.linear: parallel layers)."""
+        if size == 1:
+            return self
+        if self.moe is not None:
+            raise ValueError(f"tensor_parallel_size {size}: mixture-of-experts models ({self.architecture}) are "
+                             f"not split across ranks")
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(self, name) % size:
+                raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
+                                 f"({getattr(self, name)})")
+        return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // size,
+                                   num_key_value_heads=self.num_key_value_heads // size,
+                                   intermediate_size=self.intermediate_size // size)
 
     @staticmethod
     def architecture_of(cfg: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@
   quota, or OMP_NUM_THREADS (folio.thread_count), and freed memory kept for reuse (folio.memory); steps of one
   token run folio's kernels on the decode threads (folio.platforms.decode_threads).
 - kernels: built with -march=native for this CPU (the build key includes its feature flags).
+- tensor-parallel workers: gloo, each worker on its share of the cores (folio.distributed.parallel_state).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ KERNEL_LDFLAGS = ("-fopenmp",)
 class CpuPlatform(Platform):
     name = "cpu"
     device = torch.device("cpu")
+    distributed_backend = "gloo"
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if has_fast_bf16() else torch.float32

@@ -2,9 +2,10 @@
 
 The engine asks its platform, and nothing else, for: the device every tensor lives on, the dtype `auto`
 means, how much memory the KV cache may take, which attention backend runs (and which ones exist), which
-linear method computes the models' matmuls, how the process is set up (threads, allocator) and the flags
-its C++ kernels are built with. The CPU is the one platform today (folio.platforms.cpu); a CUDA platform is
-another subclass, chosen in `folio.platforms.current_platform`.
+linear method computes the models' matmuls, how the process is set up (threads, allocator), the flags its
+C++ kernels are built with, and how tensor-parallel workers talk (torch.distributed's backend). The CPU is the
+one platform today (folio.platforms.cpu); a CUDA platform is another subclass, chosen in
+`folio.platforms.current_platform`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # (folio.models.linear imports the fused ops, whose build ask
 class Platform(ABC):
     name: str
     device: torch.device
+    distributed_backend: str  # torch.distributed's backend among tensor-parallel workers (gloo, nccl)
 
     @abstractmethod
     def default_dtype(self) -> torch.dtype:

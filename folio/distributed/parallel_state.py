@@ -1,0 +1,63 @@
+"""The tensor-parallel group of this process: which rank it is, how many ranks share each layer, and their
+collective.
+
+A worker process joins the group (`init_tensor_parallel`) before it builds its model, through torch.distributed
+with the platform's backend (gloo on CPUs). Parallel linear layers (folio.models.linear) read the group as they
+are built: each rank keeps its slice of their weights, and a row-parallel layer sums the ranks' partial
+products with `all_reduce`. A process that joined no group is rank 0 of 1, and every layer is whole.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int
+    size: int
+    group: Optional[dist.ProcessGroup] = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x, in place; every rank gets the same values (a rank's reduced piece is copied
+        to the others), so the ranks' next steps, sampling included, agree."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+_SINGLE = TensorParallelGroup(0, 1)
+_group = _SINGLE
+
+
+def tensor_parallel_group() -> TensorParallelGroup:
+    return _group
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -> TensorParallelGroup:
+    """Join the group of `size` ranks that meets at init_method (tcp://host:port) as `rank`."""
+    global _group
+    if size > 1:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+        _group = TensorParallelGroup(rank, size, dist.group.WORLD)
+    return _group
+
+
+def destroy_tensor_parallel() -> None:
+    global _group
+    if _group.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _group = _SINGLE
+
+
+def rank_cores(rank: int, size: int) -> list[int]:
+    """The cores a rank's process keeps to: its share of those the engine may use, in order, so the ranks'
+    threads do not contend; none (no change) where there are fewer cores than ranks."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // size
+    return cores[rank * share:(rank + 1) * share] if share else []

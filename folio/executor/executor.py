@@ -1,0 +1,39 @@
+"""The executor seam: how the engine core reaches its workers, wherever they run.
+
+The engine asks for the model's description (config, tokenizer), the KV cache the workers need per block, then
+has them allocate the blocks it sized, and from then on sends each step's SchedulerOutput and reads rank 0's
+ModelRunnerOutput. The step contract's messages are plain data (folio.core.step_contract), so a worker in
+another process receives them as pickles.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from folio.core.step_contract import ModelRunnerOutput, SchedulerOutput
+from folio.loader.model_loader import ModelDescription
+from folio.worker.worker import KVCacheNeeds
+
+
+class WorkerError(RuntimeError):
+    """A worker failed outside the engine's own checks (which raise ValueError), or is gone: the engine cannot
+    step any more."""
+
+
+class Executor(ABC):
+    description: ModelDescription
+
+    @abstractmethod
+    def kv_cache_needs(self) -> KVCacheNeeds:
+        """Rank 0's KV cache per block (every rank holds the same share of each block)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Every worker allocates num_blocks blocks, builds its model runner and warms it up."""
+
+    @abstractmethod
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every worker; rank 0's answer."""
+
+    def shutdown(self) -> None:
+        """Stop the workers (none to stop by default)."""

@@ -1,0 +1,208 @@
+"""Tensor parallelism: a model split over two worker processes (gloo) gives what one rank gives.
+
+Two ranks sum their halves of every o_proj and down_proj in another order than one rank's matmul does, so
+logprobs agree to float32 rounding, and greedy tokens (random weights, float32) are equal. Random sampling
+too: every rank must draw the same tokens, or the next step's inputs (each rank appends its own samples) would
+differ between ranks and the sums would be of different tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import build_tiny_model, hf_greedy
+from folio import LLM, SamplingParams
+from folio.distributed import parallel_state
+from folio.distributed.parallel_state import TensorParallelGroup
+from folio.executor.executor import WorkerError
+from folio.models.dense_linear import DenseLinearMethod
+from folio.models.linear import Linear
+from folio.models.weight_loader import ALL_SHARDS, weight_loader_of
+from folio.pooling_params import PoolingParams
+from folio.structured_output.params import StructuredOutputsParams
+from test_gemma import build_gemma
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 61)), [100, 3, 250, 77, 1, 90, 91, 92, 93, 94, 95, 17, 300, 301]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+ENGINE = dict(dtype="float32", kv_cache_memory=32 << 20, max_model_len=256)
+
+
+def _run(folder: str, params, ranks: int, prompts=PROMPTS, **kwargs):
+    llm = LLM(folder, tensor_parallel_size=ranks, **ENGINE, **kwargs)
+    try:
+        return [(out.outputs[0].token_ids, out.outputs[0].logprobs)
+                for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _assert_same(one, two) -> None:
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(one, two):
+        assert tokens2 == tokens1
+        for step1, step2, token in zip(logprobs1 or [], logprobs2 or [], tokens1):
+            assert math.isclose(step1[token].logprob, step2[token].logprob, rel_tol=1e-4, abs_tol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    def build(name: str) -> str:
+        folder = str(tmp_path_factory.mktemp(name))
+        if name == "gemma3-bias":  # o_proj has a bias: a row-parallel layer adds it once
+            return build_gemma(folder, "gemma3", attention_bias=True)
+        return build_tiny_model(folder, name, tie=name == "llama")
+    return build
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma3-bias"])
+def test_two_ranks_give_one_ranks_greedy_tokens(folders, arch):
+    """Llama tied, Qwen2's q/k/v biases, Qwen3's q/k norms, Phi-3's fused checkpoint tensors, Gemma 3's
+    o_proj bias and sliding layers."""
+    folder = folders(arch)
+    _assert_same(_run(folder, GREEDY, 1), _run(folder, GREEDY, 2))
+
+
+def test_two_ranks_match_transformers(folders):
+    folder = folders("llama")
+    outputs = _run(folder, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), 2)
+    for prompt, (tokens, _) in zip(PROMPTS, outputs):
+        assert tokens == hf_greedy(folder, prompt, 16)
+
+
+def test_ranks_sample_alike(folders):
+    """Seeded requests, and unseeded ones drawing from the engine's seed, sample what one rank samples."""
+    folder = folders("qwen2")
+    seeded = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=7 + i)
+              for i in range(len(PROMPTS))]
+    unseeded = SamplingParams(temperature=1.2, max_tokens=24, ignore_eos=True)
+    for params in (seeded, unseeded):
+        one, two = _run(folder, params, 1), _run(folder, params, 2)
+        assert [tokens for tokens, _ in two] == [tokens for tokens, _ in one]
+
+
+def test_structured_outputs_and_speculation_over_two_ranks(folders):
+    """The grammar's bitmask and n-gram drafts reach every rank in the step's message."""
+    folder = folders("qwen2")
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
+    repetitive = [[7, 8, 9, 10] * 6, list(range(30, 50)) * 2, [5, 6, 7, 8, 9]]
+    for kwargs in ({}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
+        one = _run(folder, params, 1, repetitive, **kwargs)
+        two = _run(folder, params, 2, repetitive, **kwargs)
+        assert [tokens for tokens, _ in two] == [tokens for tokens, _ in one]
+
+
+def test_embeddings_over_two_ranks(folders):
+    folder = folders("llama")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    vectors = []
+    for ranks in (1, 2):
+        llm = LLM(folder, tensor_parallel_size=ranks, **ENGINE)
+        vectors.append([out.outputs.embedding for out in llm.embed(prompts, PoolingParams())])
+        llm.llm_engine.shutdown()
+    assert torch.allclose(torch.tensor(vectors[0]), torch.tensor(vectors[1]), atol=1e-5)
+
+
+def test_int8_quantised_as_it_loads_over_two_ranks(folders):
+    """A method that quantises as it loads gets each rank's slice. int8 of halves of down_proj's rows is not int8
+    of whole rows, so the logprobs are int8's (on this random model up to 0.35 from float32's on one rank too),
+    not float32's; a wrong slice would be nats off."""
+    folder = folders("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    errors = []
+    for (_, dense), (_, int8) in zip(_run(folder, params, 1), _run(folder, params, 2, quantization="int8")):
+        shared = set(dense[0]) & set(int8[0])
+        assert len(shared) >= 3
+        errors += [abs(dense[0][token].logprob - int8[0][token].logprob) for token in shared]
+    assert 1e-3 < sum(errors) / len(errors) < 0.2 and max(errors) < 0.5
+
+
+def test_a_worker_that_dies_fails_the_engine_instead_of_hanging(folders):
+    llm = LLM(folders("llama"), tensor_parallel_size=2, **ENGINE)
+    worker = llm.llm_engine.executor.processes[1]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(timeout=10)
+    with pytest.raises(WorkerError, match="worker 1 exited"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+    assert not any(p.is_alive() for p in llm.llm_engine.executor.processes)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=3), "tensor_parallel_size 3 does not divide the model's num_attention_heads"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "needs 'mp'"),
+    (dict(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "x",
+                                                      "num_speculative_tokens": 2}), "'draft_model' is not supported"),
+])
+def test_refusals(folders, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(folders("llama"), **{**ENGINE, **kwargs})
+
+
+def test_mixture_of_experts_and_gguf_layers_are_refused(tiny_model_factory, tmp_path):
+    with pytest.raises(ValueError, match="mixture-of-experts models"):
+        LLM(tiny_model_factory("mixtral"), tensor_parallel_size=2, **ENGINE)
+    with pytest.raises(ValueError, match="GGUF file's layers as stored are not split"):
+        LLM(None, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_each_rank_loads_its_slice(monkeypatch, fused):
+    """Without processes: each rank's column-parallel q/k/v holds its rows of each shard (from separate tensors or
+    one fused tensor), each rank's row-parallel layer its columns and the bias on rank 0 only; the ranks' partial
+    products sum to the whole layer's."""
+    torch.manual_seed(0)
+    q, k, v, o, o_bias = (torch.randn(8, 6), torch.randn(4, 6), torch.randn(4, 6), torch.randn(6, 8), torch.randn(6))
+    x, y = torch.randn(3, 6), torch.randn(3, 8)
+    qkv_out, o_out = [], []
+    for rank in range(2):
+        monkeypatch.setattr(parallel_state, "_group", TensorParallelGroup(rank, 2))
+        qkv = Linear(6, {"q": 4, "k": 2, "v": 2}, parallel="column")
+        row = Linear(4, 6, bias=True, parallel="row")
+        qkv.bind(DenseLinearMethod())
+        row.bind(DenseLinearMethod())
+        load = weight_loader_of(qkv.weight)
+        pieces = [(torch.cat([q, k, v]), ALL_SHARDS)] if fused else [(q, "q"), (k, "k"), (v, "v")]
+        for tensor, shard_id in pieces:
+            if shard_id == ALL_SHARDS:
+                for piece_id, (first, rows) in qkv.weight.shard_extents.items():
+                    load(qkv.weight, tensor[first:first + rows], piece_id)
+            else:
+                load(qkv.weight, tensor, shard_id)
+        weight_loader_of(row.weight)(row.weight, o, None)
+        weight_loader_of(row.bias)(row.bias, o_bias, None)
+        qkv_out.append(qkv.method.apply(qkv, x))
+        o_out.append(row.method.apply(row, y[:, rank * 4:(rank + 1) * 4]))
+    expected = torch.cat([x @ w.T for w in (q, k, v)], dim=1)  # q: columns 0-7, k: 8-11, v: 12-15
+    assert torch.allclose(qkv_out[0], expected[:, [0, 1, 2, 3, 8, 9, 12, 13]], atol=1e-5)
+    assert torch.allclose(qkv_out[1], expected[:, [4, 5, 6, 7, 10, 11, 14, 15]], atol=1e-5)
+    assert torch.allclose(o_out[0] + o_out[1], y @ o.T + o_bias, atol=1e-5)
+    with pytest.raises(ValueError, match="has 5 rows, expected 8"):
+        weight_loader_of(qkv.weight)(qkv.weight, torch.randn(5, 6), "q")
+
+
+def test_server_over_two_ranks(folders):
+    """`folio serve --tensor-parallel-size 2`: answers as one rank does, streamed too, and its workers stop with it."""
+    from server_fixture import MODEL_NAME, running_server
+
+    folder = folders("llama")
+    messages = [{"role": "user", "content": "hello there"}]
+    answers = []
+    for ranks in (1, 2):
+        with running_server(folder, tensor_parallel_size=ranks) as server:
+            client = server.openai()
+            plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)
+            stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
+                                                    stream=True)
+            streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+            assert streamed == plain.choices[0].message.content
+            answers.append(plain.choices[0].message.content)
+            processes = server.llm.engine.executor.processes if ranks == 2 else []
+        for process in processes:
+            process.join(timeout=10)
+            assert not process.is_alive()
+    assert answers[1] == answers[0]
