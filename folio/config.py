@@ -156,7 +156,7 @@ class SchedulerOptions:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 
 
-EXECUTOR_BACKENDS = ("uni", "mp")  # folio.executor
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # folio.executor
 
 
 @dataclass
@@ -169,7 +169,8 @@ class ParallelOptions:
     tensor_parallel_size: int = option(1, "processes that each hold a slice of every layer (attention heads, MLP "
                                           "columns) and run steps together over torch.distributed")
     distributed_executor_backend: Optional[str] = option(
-        None, "where the model runs: uni (in the engine's process) or mp (one worker process per rank)",
+        None, "where the model runs: uni (in the engine's process), mp (one worker process per rank) or ray (one Ray "
+              "actor per rank, on this machine or the Ray cluster this process is connected to)",
         default_means="uni for one rank, mp for several", choices=EXECUTOR_BACKENDS)
 
     def __post_init__(self) -> None:

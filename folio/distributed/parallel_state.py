@@ -10,6 +10,7 @@ products with `all_reduce`. A process that joined no group is rank 0 of 1, and e
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -61,3 +62,10 @@ def rank_cores(rank: int, size: int) -> list[int]:
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // size
     return cores[rank * share:(rank + 1) * share] if share else []
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on host now, where the ranks meet (torch.distributed's tcp:// rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

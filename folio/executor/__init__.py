@@ -1,5 +1,6 @@
 """Executors: where an engine's workers (folio.worker.worker) run. `uni`: one worker in the engine's own process;
-`mp`: one process per tensor-parallel rank (folio.executor.multiproc)."""
+`mp`: one process per tensor-parallel rank (folio.executor.multiproc); `ray`: one Ray actor per rank
+(folio.executor.ray_executor)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ def make_executor(config: EngineConfig) -> Executor:
         from folio.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)
+    if backend == "ray":
+        from folio.executor.ray_executor import RayExecutor  # Ray is imported only where it is asked for
+
+        return RayExecutor(config)
     from folio.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import pickle
-import socket
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -25,6 +23,7 @@ from typing import Any
 
 from folio.config import EngineConfig
 from folio.core.step_contract import ModelRunnerOutput, SchedulerOutput
+from folio.distributed.parallel_state import free_port
 from folio.executor.executor import Executor, WorkerError
 from folio.loader.model_loader import describe_model
 from folio.worker.worker import KVCacheNeeds
@@ -38,7 +37,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.description = describe_model(config.model.model)
         ranks = config.parallel.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")
         self.processes, self.connections = [], []
         for rank in range(ranks):
@@ -106,12 +105,9 @@ class MultiprocExecutor(Executor):
 
 def _serve(config: EngineConfig, rank: int, init_method: str, connection: Connection) -> None:
     """A worker process's life: build the Worker, then answer calls until told to stop or the engine is gone."""
-    from folio.distributed.parallel_state import destroy_tensor_parallel, rank_cores
+    from folio.distributed.parallel_state import destroy_tensor_parallel
     from folio.worker.worker import Worker
 
-    cores = rank_cores(rank, config.parallel.tensor_parallel_size)
-    if cores:
-        os.sched_setaffinity(0, cores)
     try:
         worker = Worker(config, rank, init_method)
         connection.send(("ok", None))
@@ -162,8 +158,3 @@ def _stop(processes: list, connections: list[Connection]) -> None:
     for connection in connections:
         connection.close()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,8 +1,8 @@
 """Worker: what one rank of the engine runs, in the engine's process or a process of its own.
 
-A worker joins its tensor-parallel group (folio.distributed), loads its slice of the model (a draft model's
-too), and reports the KV cache it needs per block; the engine sizes the cache from rank 0's report and then
-has every worker allocate it and warm up (`initialize_cache`). From then on each step's SchedulerOutput goes
+A worker keeps to its share of the cores, joins its tensor-parallel group (folio.distributed), loads its slice
+of the model (a draft model's too), and reports the KV cache it needs per block; the engine sizes the cache from
+rank 0's report and then has every worker allocate it and warm up (`initialize_cache`). From then on each step's SchedulerOutput goes
 to every worker, each runs the same forward over its slice of the layers, and the ranks' partial sums meet in
 the row-parallel layers' all-reduce, so each rank holds the same hidden states, samples the same tokens from
 the same seeds and keeps the same per-request state. The engine reads rank 0's answer.
@@ -10,6 +10,7 @@ the same seeds and keeps the same per-request state. The engine reads rank 0's a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +19,7 @@ import torch
 from folio import thread_count
 from folio.config import EngineConfig
 from folio.core.step_contract import ModelRunnerOutput, SchedulerOutput
-from folio.distributed.parallel_state import init_tensor_parallel
+from folio.distributed.parallel_state import init_tensor_parallel, rank_cores
 from folio.loader.model_loader import LoadedModel, load_model
 from folio.platforms import current_platform
 from folio.spec_decode.draft_model import load_draft_model
@@ -41,6 +42,10 @@ class Worker:
         self.config = config
         self.platform = platform = current_platform()
         ranks = config.parallel.tensor_parallel_size
+        if ranks > 1:
+            cores = rank_cores(rank, ranks)
+            if cores:
+                os.sched_setaffinity(0, cores)
         platform.prepare_process(config.parallel.num_threads or max(1, thread_count.default() // ranks))
         if ranks > 1:
             init_tensor_parallel(rank, ranks, distributed_init_method, platform.distributed_backend)
