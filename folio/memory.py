@@ -25,6 +25,7 @@ import ctypes
 import logging
 import math
 import mmap
+import multiprocessing
 import os
 import resource
 
@@ -54,8 +55,16 @@ def available_memory_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory so far, plus each live worker process's own peak (the tensor-parallel
+    ranks of folio.executor.multiproc; Linux reports ru_maxrss and VmHWM in KiB)."""
+    total = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+        except OSError:  # it ended meanwhile
+            pass
+    return total
 
 
 def keep_freed_memory() -> bool:

@@ -206,3 +206,46 @@ def test_server_over_two_ranks(folders):
             process.join(timeout=10)
             assert not process.is_alive()
     assert answers[1] == answers[0]
+
+
+def _hold_memory_and_spin(megabytes: int, seconds: float) -> None:
+    import time
+
+    held = bytearray(megabytes << 20)  # zero-filled: resident
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        held[0] = (held[0] + 1) % 256
+
+
+def test_the_benchmarks_count_live_worker_processes():
+    """`bench throughput` with several ranks reports the workers' peak memory and CPU as its own, not as other
+    processes' (which would mark every run noisy)."""
+    import multiprocessing
+    import time
+
+    from folio.bench import noise
+    from folio.memory import peak_resident_bytes
+
+    before_memory, before_cpu = peak_resident_bytes(), noise._own_seconds()
+    worker = multiprocessing.get_context("spawn").Process(target=_hold_memory_and_spin, args=(300, 4.0))
+    worker.start()
+    time.sleep(2.5)
+    assert worker.is_alive()
+    assert peak_resident_bytes() - before_memory >= 300 << 20
+    assert noise._own_seconds() - before_cpu >= 0.5  # its spinning, while it lives
+    worker.join()
+
+
+def test_throughput_bench_over_two_ranks(folders, tmp_path, capsys):
+    import json
+
+    from folio.cli import main
+
+    out = str(tmp_path / "tp.json")
+    assert main(["bench", "throughput", "--model", folders("llama"), "--dtype", "float32", "--kv-cache-memory",
+                 str(32 << 20), "--tensor-parallel-size", "2", "--num-prompts", "3", "--input-len", "8",
+                 "--output-len", "4", "--warmup-prompts", "0", "--json", out]) == 0
+    assert "step breakdown: off with tensor parallelism" in capsys.readouterr().out
+    with open(out) as f:
+        report = json.load(f)
+    assert report["output_tokens"] == 12 and report["breakdown"] is None

@@ -8,6 +8,7 @@ included), per second of wall time, in cores. About 0 means the figure is clean;
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 
@@ -23,8 +24,18 @@ def _machine_busy_seconds() -> float:
 
 
 def _own_seconds() -> float:
+    """CPU seconds of this process and of its children: those that ended (os.times) and the live worker
+    processes (tensor-parallel ranks), from /proc."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    live = 0
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+            live += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of the line)
+        except OSError:
+            pass
+    return t.user + t.system + t.children_user + t.children_system + live / os.sysconf("SC_CLK_TCK")
 
 
 class OtherLoad:

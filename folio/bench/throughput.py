@@ -53,7 +53,7 @@ class ThroughputResult:
     e2e_latency: Optional[Summary]
     breakdown: Optional[StepBreakdown]
     other_cores: float  # CPU other processes used meanwhile (folio.bench.noise); >= 0.1: not a clean figure
-    peak_rss_bytes: int  # this process's peak resident memory at the end of the run, engine start included
+    peak_rss_bytes: int  # peak resident memory at the end of the run (workers' included), engine start included
     spec_decoding: Optional[SpecDecodingStats] = None  # over the measured run, when speculation is on
     cpu: str = ""  # folio.platforms.cpu_features.cpu_description(): the figures depend on it
 
@@ -222,7 +222,8 @@ def print_result(result: ThroughputResult) -> None:
     if result.tpot:
         print(f"  TPOT {result.tpot.line(1e3, 'ms')}")
     print(f"  E2E  {result.e2e_latency.line(1e3, 'ms')}")
-    print(f"  peak resident memory {result.peak_rss_bytes / 1e9:.2f} GB (the process so far, engine start included)")
+    print(f"  peak resident memory {result.peak_rss_bytes / 1e9:.2f} GB (the process so far and its workers', engine "
+          f"start included)")
     print(f"  {note(result.other_cores)}")
     spec = result.spec_decoding
     if spec is not None:

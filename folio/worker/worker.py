@@ -2,10 +2,11 @@
 
 A worker keeps to its share of the cores, joins its tensor-parallel group (folio.distributed), loads its slice
 of the model (a draft model's too), and reports the KV cache it needs per block; the engine sizes the cache from
-rank 0's report and then has every worker allocate it and warm up (`initialize_cache`). From then on each step's SchedulerOutput goes
-to every worker, each runs the same forward over its slice of the layers, and the ranks' partial sums meet in
-the row-parallel layers' all-reduce, so each rank holds the same hidden states, samples the same tokens from
-the same seeds and keeps the same per-request state. The engine reads rank 0's answer.
+rank 0's report and then has every worker allocate it and warm up (`initialize_cache`). From then on each
+step's SchedulerOutput goes to every worker, each runs the same forward over its slice of the layers, and the
+ranks' partial sums meet in the row-parallel layers' all-reduce, so each rank holds the same hidden states,
+samples the same tokens from the same seeds and keeps the same per-request state. The engine reads rank 0's
+answer.
 """
 
 from __future__ import annotations
