@@ -66,6 +66,12 @@ def test_two_ranks_give_one_ranks_greedy_tokens(folders, arch):
     _assert_same(_run(folder, GREEDY, 1), _run(folder, GREEDY, 2))
 
 
+def test_fewer_kv_heads_than_ranks_are_shared(tmp_path):
+    """Four ranks over two KV heads: each keeps one, which two ranks' query heads read."""
+    folder = build_tiny_model(str(tmp_path), "qwen2")
+    _assert_same(_run(folder, GREEDY, 1), _run(folder, GREEDY, 4))
+
+
 def test_two_ranks_match_transformers(folders):
     folder = folders("llama")
     outputs = _run(folder, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), 2)
@@ -133,6 +139,7 @@ def test_a_worker_that_dies_fails_the_engine_instead_of_hanging(folders):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tensor_parallel_size=3), "tensor_parallel_size 3 does not divide the model's num_attention_heads"),
+    (dict(tensor_parallel_size=8), "tensor_parallel_size 8 does not divide the model's num_attention_heads"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "needs 'mp'"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "x",

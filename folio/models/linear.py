@@ -154,9 +154,10 @@ class Linear(HotPathModule):
             if self.parallel == "column":
                 def load_slice(p: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId, load=load) -> None:
                     _, rows = self.shard_extent(shard_id)
-                    if tensor.shape[0] != rows * size:
+                    pieces, rest = divmod(tensor.shape[0], rows)  # `size` pieces, or fewer that ranks share (KV heads)
+                    if rest or pieces > size or size % pieces:
                         raise ValueError(f"has {tensor.shape[0]} rows, expected {rows * size} ({rows} a rank)")
-                    load(p, tensor.narrow(0, rank * rows, rows), shard_id)
+                    load(p, tensor.narrow(0, rank * pieces // size * rows, rows), shard_id)
 
                 extents = getattr(param, "shard_extents", None)
                 if extents:  # a tensor of all the shards (ALL_SHARDS) is cut at their whole sizes

@@ -174,19 +174,25 @@ class ModelConfig:
 
     def for_tensor_parallel(self, size: int) -> "ModelConfig":
         """The config of one rank's slice of the model when `size` ranks split it (folio.distributed): its share of
-        the attention heads, of the KV heads and of the MLP's intermediate columns; the rest whole. A model
+        the attention heads, of the KV heads (one, where there are fewer than ranks) and of the MLP's intermediate
+        columns; the rest whole. A model
         built from it declares its layers at the rank's sizes (folio.models.linear: parallel layers)."""
         if size == 1:
             return self
         if self.moe is not None:
             raise ValueError(f"tensor_parallel_size {size}: mixture-of-experts models ({self.architecture}) are "
                              f"not split across ranks")
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        for name in ("num_attention_heads", "intermediate_size"):
             if getattr(self, name) % size:
                 raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
                                  f"({getattr(self, name)})")
+        kv_heads = self.num_key_value_heads
+        if kv_heads % size and size % kv_heads:
+            raise ValueError(f"tensor_parallel_size {size} neither divides nor is a multiple of the model's "
+                             f"num_key_value_heads ({kv_heads})")
+        # fewer KV heads than ranks: each rank keeps one, shared by the ranks of its query heads (as vLLM does)
         return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // size,
-                                   num_key_value_heads=self.num_key_value_heads // size,
+                                   num_key_value_heads=max(1, kv_heads // size),
                                    intermediate_size=self.intermediate_size // size)
 
     @staticmethod
