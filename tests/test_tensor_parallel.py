@@ -256,3 +256,23 @@ def test_throughput_bench_over_two_ranks(folders, tmp_path, capsys):
     with open(out) as f:
         report = json.load(f)
     assert report["output_tokens"] == 12 and report["breakdown"] is None
+
+
+def test_a_server_whose_worker_dies_reports_its_engine_dead(folders):
+    """The request in flight fails with a 503, and /health says 503 from then on (or the server exits, by
+    default: test_server_shutdown)."""
+    import httpx
+
+    from folio.entrypoints.openai.server_options import ServerOptions
+    from server_fixture import MODEL_NAME, running_server
+
+    with running_server(folders("llama"), options=ServerOptions(exit_on_engine_death=False),
+                        tensor_parallel_size=2) as server:
+        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+        worker = server.llm.engine.executor.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
+        assert response.status_code == 503 and "worker 0 exited" in response.text
+        assert httpx.get(server.base_url + "/health").status_code == 503
