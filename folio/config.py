@@ -170,7 +170,7 @@ class ParallelOptions:
                                           "columns) and run steps together over torch.distributed")
     distributed_executor_backend: Optional[str] = option(
         None, "where the model runs: uni (in the engine's process), mp (one worker process per rank) or ray (one Ray "
-              "actor per rank, on this machine or the Ray cluster this process is connected to)",
+              "actor per rank, on this machine)",
         default_means="uni for one rank, mp for several", choices=EXECUTOR_BACKENDS)
 
     def __post_init__(self) -> None:

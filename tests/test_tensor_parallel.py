@@ -66,9 +66,11 @@ def test_two_ranks_give_one_ranks_greedy_tokens(folders, arch):
     _assert_same(_run(folder, GREEDY, 1), _run(folder, GREEDY, 2))
 
 
-def test_fewer_kv_heads_than_ranks_are_shared(tmp_path):
-    """Four ranks over two KV heads: each keeps one, which two ranks' query heads read."""
-    folder = build_tiny_model(str(tmp_path), "qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])
+def test_fewer_kv_heads_than_ranks_are_shared(tmp_path, arch):
+    """Four ranks over two KV heads: each keeps one, which two ranks' query heads read (Phi-3: cut from its fused
+    q/k/v tensor)."""
+    folder = build_tiny_model(str(tmp_path), arch)
     _assert_same(_run(folder, GREEDY, 1), _run(folder, GREEDY, 4))
 
 
@@ -252,7 +254,7 @@ def test_throughput_bench_over_two_ranks(folders, tmp_path, capsys):
     assert main(["bench", "throughput", "--model", folders("llama"), "--dtype", "float32", "--kv-cache-memory",
                  str(32 << 20), "--tensor-parallel-size", "2", "--num-prompts", "3", "--input-len", "8",
                  "--output-len", "4", "--warmup-prompts", "0", "--json", out]) == 0
-    assert "step breakdown: off with tensor parallelism" in capsys.readouterr().out
+    assert "step breakdown: off: the model runs in worker processes" in capsys.readouterr().out
     with open(out) as f:
         report = json.load(f)
     assert report["output_tokens"] == 12 and report["breakdown"] is None
@@ -276,3 +278,15 @@ def test_a_server_whose_worker_dies_reports_its_engine_dead(folders):
         response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
         assert response.status_code == 503 and "worker 0 exited" in response.text
         assert httpx.get(server.base_url + "/health").status_code == 503
+
+
+def test_an_error_in_a_step_ends_the_engine(folders):
+    """A worker that raises in a step may leave the others in a collective: every worker stops, and the engine
+    raises a WorkerError (which the async engine takes as its death), not the error as if it could go on."""
+    from folio.core.step_contract import ScheduledRequestData, SchedulerOutput
+
+    llm = LLM(folders("llama"), tensor_parallel_size=2, **ENGINE)
+    executor = llm.llm_engine.executor
+    with pytest.raises(WorkerError, match="(?s)worker 0 failed.*KeyError"):
+        executor.execute(SchedulerOutput(scheduled=[ScheduledRequestData("never-added", 0, 1)]))
+    assert not any(p.is_alive() for p in executor.processes)

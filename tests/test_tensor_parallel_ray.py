@@ -3,6 +3,8 @@ Ray instance the engine starts and stops itself, or one this process already run
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -49,10 +51,13 @@ def test_an_engine_on_a_running_ray_leaves_it_running(folder, running_ray):
 
 
 def test_an_actors_value_error_reaches_the_caller(tmp_path, running_ray):
-    folder = build_tiny_model(str(tmp_path), "qwen2", num_attention_heads=2, num_key_value_heads=1)
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's num_key_value_heads"):
+    folder = build_tiny_model(str(tmp_path), "qwen2", intermediate_size=127)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's intermediate_size"):
         LLM(folder, **RAY, **ENGINE)
-    with pytest.raises(ValueError, match="the Ray cluster has 2 CPUs, and each rank's actor takes one"):
+    deadline = time.monotonic() + 20  # Ray hands a killed actor's CPUs back a moment after it is gone
+    while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(ValueError, match="Ray has 2 free CPUs, and each rank's actor takes one at least"):
         LLM(folder, **{**RAY, "tensor_parallel_size": 4}, **ENGINE)
 
 
@@ -61,3 +66,12 @@ def test_an_actor_that_dies_fails_the_engine(folder, running_ray):
     ray.kill(llm.llm_engine.executor.actors[1])
     with pytest.raises(WorkerError, match="Ray actor died"):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+
+
+def test_an_error_in_a_step_ends_the_engine(folder, running_ray):
+    from folio.core.step_contract import ScheduledRequestData, SchedulerOutput
+
+    llm = LLM(folder, **RAY, **ENGINE)
+    with pytest.raises(WorkerError, match="(?s)Ray actor failed.*KeyError"):
+        llm.llm_engine.executor.execute(SchedulerOutput(scheduled=[ScheduledRequestData("never-added", 0, 1)]))
+    assert llm.llm_engine.executor.actors == []

@@ -300,8 +300,8 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.versus_no_speculation and config.speculative.speculative_config is None:
         raise ValueError("--versus-no-speculation needs --speculative-config")
     sampling = sampling_params(args)
-    if args.breakdown and config.parallel.tensor_parallel_size > 1:
-        print("step breakdown: off with tensor parallelism (the model runs in the worker processes)")
+    if args.breakdown and config.parallel.distributed_executor_backend != "uni":
+        print("step breakdown: off: the model runs in worker processes")
         args.breakdown = False
     if args.structured:
         if args.versus_no_speculation:

@@ -9,8 +9,6 @@ products with `all_reduce`. A process that joined no group is rank 0 of 1, and e
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,13 +38,12 @@ def tensor_parallel_group() -> TensorParallelGroup:
     return _group
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -> TensorParallelGroup:
+def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -> None:
     """Join the group of `size` ranks that meets at init_method (tcp://host:port) as `rank`."""
     global _group
     if size > 1:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
         _group = TensorParallelGroup(rank, size, dist.group.WORLD)
-    return _group
 
 
 def destroy_tensor_parallel() -> None:
@@ -55,17 +52,3 @@ def destroy_tensor_parallel() -> None:
         dist.destroy_process_group()
     _group = _SINGLE
 
-
-def rank_cores(rank: int, size: int) -> list[int]:
-    """The cores a rank's process keeps to: its share of those the engine may use, in order, so the ranks'
-    threads do not contend; none (no change) where there are fewer cores than ranks."""
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // size
-    return cores[rank * share:(rank + 1) * share] if share else []
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on host now, where the ranks meet (torch.distributed's tcp:// rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

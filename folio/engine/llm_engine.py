@@ -21,7 +21,6 @@ from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.engine.input_processor import InputProcessor, Params, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.executor import make_executor
-from folio.executor.uniproc import UniProcExecutor
 from folio.outputs import EngineOutput
 from folio.platforms import current_platform
 from folio.sampling_params import SamplingParams
@@ -45,7 +44,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer = described.tokenizer
         needs = executor.kv_cache_needs()
         spec = config.speculative.speculative_config
-        num_lookahead_tokens = spec.num_speculative_tokens if len(needs.specs) > 1 else 0  # a draft model's guesses
+        draft_model = spec is not None and spec.method == "draft_model"  # writes the KV of its guesses ahead
+        num_lookahead_tokens = spec.num_speculative_tokens if draft_model else 0
         num_blocks, self.max_model_len = self._size_kv_cache(
             needs, config.model.max_model_len or cfg.max_context, num_lookahead_tokens)
         kv_cache_spec = needs.specs[0]
@@ -71,8 +71,6 @@ class LLMEngine:
     @property
     def runner(self) -> ModelRunner:
         """The model runner, where it runs in this process (benchmarks and tests look inside it)."""
-        if not isinstance(self.executor, UniProcExecutor):
-            raise AttributeError("the model runners live in the tensor-parallel worker processes")
         return self.executor.runner
 
     def shutdown(self) -> None:

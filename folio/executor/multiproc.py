@@ -1,10 +1,13 @@
 """The executor of several tensor-parallel ranks: one worker process per rank, spawned by the engine.
 
-Each worker process builds its Worker (joining the group over torch.distributed, loading its slice), then
-serves calls from a pipe: the engine pickles each call once and sends the same bytes to every rank, and every
-rank answers (rank 0 with the result, the others with an acknowledgement), so an error on any rank reaches the
-engine as that rank's exception, and a worker that dies is noticed rather than waited for. A worker whose
-engine is gone reads the end of its pipe and exits.
+Each worker process keeps to its share of the cores (folio.distributed.placement), builds its Worker (joining
+the group over torch.distributed, loading its slice), then serves calls from a pipe: the engine pickles each
+call once and sends the same bytes to every rank, and every rank answers (rank 0 with the result, the others
+with an acknowledgement), so an error on any rank reaches the engine, and a worker that dies is noticed
+rather than waited for. An error while the workers start (a ValueError: an option the model cannot take)
+reaches the caller as it is; any error after that stops every worker and ends the engine with a WorkerError,
+since the other ranks may be waiting in a collective for the one that failed. A worker whose engine is gone
+reads the end of its pipe and exits.
 
 Workers are started with `spawn` (forking a process whose OpenMP threads run would hang the child): a script
 that makes an engine with several ranks must guard its entry point with `if __name__ == "__main__":`, as with
@@ -19,14 +22,13 @@ import pickle
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Optional
 
+from folio import thread_count
 from folio.config import EngineConfig
-from folio.core.step_contract import ModelRunnerOutput, SchedulerOutput
-from folio.distributed.parallel_state import free_port
+from folio.distributed.placement import free_port, rank_cores
 from folio.executor.executor import Executor, WorkerError
 from folio.loader.model_loader import describe_model
-from folio.worker.worker import KVCacheNeeds
 
 logger = logging.getLogger("folio")
 
@@ -37,33 +39,28 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.description = describe_model(config.model.model)
         ranks = config.parallel.tensor_parallel_size
+        threads = config.parallel.num_threads or max(1, thread_count.default() // ranks)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")
-        self.processes, self.connections = [], []
-        for rank in range(ranks):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=_serve, args=(config, rank, init_method, theirs),
-                                      name=f"folio-worker-{rank}", daemon=True)
-            process.start()
-            theirs.close()
-            self.processes.append(process)
-            self.connections.append(ours)
+        self.processes: list = []
+        self.connections: list[Connection] = []
         self._finalizer = weakref.finalize(self, _stop, self.processes, self.connections)
+        self.started = False
         try:
+            for rank in range(ranks):
+                ours, theirs = context.Pipe()
+                self.connections.append(ours)
+                process = context.Process(target=_serve, name=f"folio-worker-{rank}", daemon=True,
+                                          args=(config, rank, init_method, threads, rank_cores(rank, ranks), theirs))
+                process.start()
+                theirs.close()
+                self.processes.append(process)
             self._gather()  # each worker reports once its model is loaded
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%d tensor-parallel workers ready (%s)", ranks, init_method)
-
-    def kv_cache_needs(self) -> KVCacheNeeds:
-        return self._call("kv_cache_needs")
-
-    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self._call("initialize_cache", num_blocks, max_model_len)
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute", scheduler_output)
+        self.started = True
+        logger.info("%d tensor-parallel workers ready (%s, %d threads each)", ranks, init_method, threads)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -94,6 +91,8 @@ class MultiprocExecutor(Executor):
                 del pending[rank]
                 if status == "error":
                     self.shutdown()
+                    if self.started and not isinstance(value, WorkerError):  # a ValueError in a step
+                        raise WorkerError(f"tensor-parallel worker {rank} failed: {value!r}") from value
                     raise value
                 results[rank] = value
         return results[0]
@@ -103,13 +102,14 @@ class MultiprocExecutor(Executor):
         return WorkerError(f"tensor-parallel worker {rank} exited (code {self.processes[rank].exitcode})")
 
 
-def _serve(config: EngineConfig, rank: int, init_method: str, connection: Connection) -> None:
+def _serve(config: EngineConfig, rank: int, init_method: str, threads: int, cores: Optional[list[int]],
+           connection: Connection) -> None:
     """A worker process's life: build the Worker, then answer calls until told to stop or the engine is gone."""
     from folio.distributed.parallel_state import destroy_tensor_parallel
     from folio.worker.worker import Worker
 
     try:
-        worker = Worker(config, rank, init_method)
+        worker = Worker(config, rank, init_method, threads, cores)
         connection.send(("ok", None))
     except BaseException as e:
         _send_error(connection, rank, e)
@@ -139,8 +139,8 @@ def _send_error(connection: Connection, rank: int, error: BaseException) -> None
         error = WorkerError(f"tensor-parallel worker {rank} failed:\n{traceback.format_exc()}")
     try:
         connection.send(("error", error))
-    except (OSError, pickle.PicklingError):
-        pass
+    except Exception:  # an exception that does not pickle: its text then
+        connection.send(("error", WorkerError(f"tensor-parallel worker {rank} failed: {error!r}")))
 
 
 def _stop(processes: list, connections: list[Connection]) -> None:
@@ -157,4 +157,3 @@ def _stop(processes: list, connections: list[Connection]) -> None:
             process.join()
     for connection in connections:
         connection.close()
-

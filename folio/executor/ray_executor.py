@@ -1,11 +1,14 @@
-"""The executor of tensor-parallel ranks as Ray actors: one actor per rank, placed by Ray (on this machine, or
-on the nodes of the Ray cluster the process is connected to).
+"""The executor of tensor-parallel ranks as Ray actors on this machine: one actor per rank, on a Ray instance
+the process already runs (`ray.init` called before, or RAY_ADDRESS set to a local one), else on one the engine
+starts for itself and stops at shutdown.
 
-The engine connects to Ray where it already is (`ray.init` called before, or RAY_ADDRESS set), else starts a
-local instance for itself and stops it at shutdown. Each actor builds its Worker (the rank meets the others
-over torch.distributed at the engine's node address), then serves calls; each step's SchedulerOutput is put in
-Ray's object store once and every actor reads it from there. An actor that raises fails the call with its
-exception (a ValueError as itself), and one that dies ends the engine with a WorkerError.
+Each actor takes an equal share of the free CPUs (Ray gives it as many OpenMP threads), builds its Worker (the
+ranks meet over torch.distributed on this machine), then serves calls; each step's SchedulerOutput is put in
+Ray's object store once and every actor reads it from there, and only rank 0 sends its answer back. As with the
+`mp` executor, a ValueError while the actors start reaches the caller as it is, and any error after that (or an
+actor that dies) stops every actor and ends the engine with a WorkerError: the other ranks may be waiting in a
+collective for the one that failed. Ranks on several machines of a Ray cluster (placement groups, a rendezvous
+on a node of their own) are not done.
 """
 
 from __future__ import annotations
@@ -16,60 +19,57 @@ from typing import Any
 
 from folio.config import EngineConfig
 from folio.core.step_contract import ModelRunnerOutput, SchedulerOutput
-from folio.distributed.parallel_state import free_port
+from folio.distributed.placement import free_port
 from folio.executor.executor import Executor, WorkerError
 from folio.loader.model_loader import describe_model
-from folio.worker.worker import KVCacheNeeds
 
 logger = logging.getLogger("folio")
 
 
 class RankActor:
-    """A Ray actor around one rank's Worker: `call` runs one of the worker's methods."""
+    """A Ray actor around one rank's Worker: `call` runs one of the worker's methods; rank 0 answers."""
 
-    def start(self, config: EngineConfig, rank: int, init_method: str) -> None:
+    def start(self, config: EngineConfig, rank: int, init_method: str, threads: int) -> None:
         from folio.worker.worker import Worker
 
-        self.worker = Worker(config, rank, init_method)
+        self.rank = rank
+        self.worker = Worker(config, rank, init_method, threads)
 
     def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.worker, method)(*args)
+        result = getattr(self.worker, method)(*args)
+        return result if self.rank == 0 else None
 
 
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.description = describe_model(config.model.model)
         ranks = config.parallel.tensor_parallel_size
         self.started_ray = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
-        if self.started_ray:
-            ray.init(num_cpus=max(ranks, len(os.sched_getaffinity(0))), include_dashboard=False,
-                     log_to_driver=False)
-        elif not ray.is_initialized():
-            ray.init()  # the cluster RAY_ADDRESS names
-        cpus = ray.cluster_resources().get("CPU", 0)
-        if cpus < ranks:  # the actors Ray cannot place would leave the others waiting for them
-            if self.started_ray:
-                ray.shutdown()
-            raise ValueError(f"tensor_parallel_size {ranks}: the Ray cluster has {cpus:g} CPUs, and each rank's "
-                             f"actor takes one")
-        host = ray.util.get_node_ip_address()
-        init_method = f"tcp://{host}:{free_port(host)}"
-        actor = ray.remote(num_cpus=1)(RankActor)
-        self.actors = [actor.remote() for _ in range(ranks)]
+        if not ray.is_initialized():
+            ray.init(**({"num_cpus": max(ranks, len(os.sched_getaffinity(0))), "include_dashboard": False,
+                         "log_to_driver": False} if self.started_ray else {}))
+        self.actors: list = []
+        self.started = False
         try:
-            self._get([a.start.remote(config, rank, init_method) for rank, a in enumerate(self.actors)])
+            cpus = int(ray.available_resources().get("CPU", 0)) // ranks
+            if cpus < 1:  # the actors Ray cannot place would leave the others waiting for them
+                raise ValueError(f"tensor_parallel_size {ranks}: Ray has "
+                                 f"{ray.available_resources().get('CPU', 0):g} free CPUs, and each rank's actor "
+                                 f"takes one at least")
+            threads = config.parallel.num_threads or cpus
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            actor = ray.remote(num_cpus=cpus, scheduling_strategy=here)(RankActor)
+            self.actors = [actor.remote() for _ in range(ranks)]
+            self._get([a.start.remote(config, rank, init_method, threads) for rank, a in enumerate(self.actors)])
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%d tensor-parallel Ray actors ready (%s)", ranks, init_method)
-
-    def kv_cache_needs(self) -> KVCacheNeeds:
-        return self._call("kv_cache_needs")
-
-    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self._call("initialize_cache", num_blocks, max_model_len)
+        self.started = True
+        logger.info("%d tensor-parallel Ray actors ready (%s, %d threads each)", ranks, init_method, threads)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         import ray
@@ -83,6 +83,11 @@ class RayExecutor(Executor):
             return
         for actor in self.actors:
             ray.kill(actor)
+        for actor in self.actors:  # gone once a call fails: their CPUs go back to Ray then
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
         self.actors = []
         if self.started_ray:
             ray.shutdown()
@@ -91,8 +96,8 @@ class RayExecutor(Executor):
         return self._get([actor.call.remote(method, *args) for actor in self.actors])[0]
 
     def _get(self, refs: list) -> list:
-        """Every rank's answer; a dead actor ends the engine (the others may be waiting for it in a
-        collective)."""
+        """Every rank's answer. An error stops every actor (the others may be waiting in a collective for the
+        one that failed): while they start, a ValueError is raised as it is; otherwise a WorkerError."""
         import ray
 
         try:
@@ -100,4 +105,8 @@ class RayExecutor(Executor):
         except ray.exceptions.RayActorError as e:
             self.shutdown()
             raise WorkerError(f"a tensor-parallel Ray actor died: {e}") from None
-
+        except Exception as e:
+            self.shutdown()
+            if self.started or not isinstance(e, ValueError):
+                raise WorkerError(f"a tensor-parallel Ray actor failed: {e}") from e
+            raise

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from folio.distributed.parallel_state import tensor_parallel_group
 from folio.loader.default_model import default_model_path
-from folio.loader.gguf_loader import load_gguf_cached, load_gguf_native_cached, read_gguf_cached
+from folio.loader.gguf_loader import GGUFCheckpoint, load_gguf_cached, load_gguf_native_cached, read_gguf_cached
 from folio.loader.gguf_native import native_chooser, native_layers
 from folio.loader.weights import load_weights
 from folio.memory import release_freed_memory
@@ -145,27 +145,32 @@ class ModelDescription:
 def describe_model(model: Optional[str]) -> ModelDescription:
     """Config, tokenizer and end-of-sequence ids of a Hugging Face folder, a GGUF file or (None) the default
     model, read without touching the weights."""
-    return _describe(model)[0]
+    path = _model_path(model)
+    return _describe_folder(path)[0] if os.path.isdir(path) else _describe_gguf(path, read_gguf_cached(path)[0])
 
 
-def _describe(model: Optional[str]) -> tuple[ModelDescription, dict]:
-    """The description, and config.json (or the GGUF file's metadata in its shape)."""
+def _model_path(model: Optional[str]) -> str:
     path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (folio loads local folders and .gguf files only)")
-    if os.path.isdir(path):
-        hf_config = _read_json(os.path.join(path, "config.json"))
-        if not hf_config:
-            raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
-        cfg = _parse_config(hf_config)
-        tokenizer = Tokenizer.from_dir(path)
-        generation_config = _read_json(os.path.join(path, "generation_config.json"))
-    else:
-        checkpoint, _ = read_gguf_cached(path)
-        cfg = _parse_config(checkpoint.hf_config)
-        tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
-        hf_config, generation_config = checkpoint.hf_config, checkpoint.generation_config
+    return path
+
+
+def _describe_folder(path: str) -> tuple[ModelDescription, dict]:
+    """A Hugging Face folder's description, and its config.json."""
+    hf_config = _read_json(os.path.join(path, "config.json"))
+    if not hf_config:
+        raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+    cfg = _parse_config(hf_config)
+    tokenizer = Tokenizer.from_dir(path)
+    generation_config = _read_json(os.path.join(path, "generation_config.json"))
     return ModelDescription(path, cfg, tokenizer, eos_token_ids(hf_config, generation_config, tokenizer)), hf_config
+
+
+def _describe_gguf(path: str, checkpoint: GGUFCheckpoint) -> ModelDescription:
+    tokenizer = Tokenizer.from_parts(checkpoint.tokenizer_json, checkpoint.tokenizer_config)
+    return ModelDescription(path, _parse_config(checkpoint.hf_config), tokenizer,
+                            eos_token_ids(checkpoint.hf_config, checkpoint.generation_config, tokenizer))
 
 
 def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Optional[int],
@@ -183,17 +188,20 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     whose config.json has a quantization_config (compressed-tensors int8, folio.models.compressed_tensors;
     GPTQ or AWQ int4, folio.models.int4_checkpoints) loads its quantised layers as stored.
     """
-    described, hf_config = _describe(model)
-    path, cfg = described.path, described.config
+    path = _model_path(model)
     if gguf_native and os.path.isdir(path):
         raise ValueError(f"quantization 'gguf' needs a .gguf model file, got the folder {path}")
     if os.path.isdir(path):
+        described, hf_config = _describe_folder(path)
         tensors: Iterator[tuple[str, torch.Tensor]] = _iter_safetensors(_safetensors_files(path))
-    elif gguf_native:
-        checkpoint, types = read_gguf_cached(path)
     else:
-        _, state = load_gguf_cached(path, dtype)
-        tensors = iter(state.items())
+        if gguf_native:
+            checkpoint, types = read_gguf_cached(path)
+        else:
+            checkpoint, state = load_gguf_cached(path, dtype)
+            tensors = iter(state.items())
+        described, hf_config = _describe_gguf(path, checkpoint), checkpoint.hf_config
+    cfg = described.config
 
     max_positions = cfg.max_context if max_positions_cap is None else max_positions_cap
     ranks = tensor_parallel_group().size

@@ -95,17 +95,20 @@ class Linear(HotPathModule):
     params_dtype: the weights' dtype; by default torch's default dtype while the model is built (the
     loader builds it under the serving dtype), so weights are created directly in it.
     parallel: "column" or "row" for a layer that tensor-parallel ranks split (the sizes given are the rank's);
-    whole when the process's group has one rank.
+    whole when the process's group has one rank. shard_replicas: of a column-parallel layer, how many ranks
+    share each shard's rows (KV heads fewer than ranks: each rank keeps one); 1 where not given.
     """
 
     def __init__(self, input_size: int, output_sizes: Union[int, Mapping[ShardId, int]], bias: bool = False,
                  tied_to: Optional[nn.Parameter] = None, params_dtype: Optional[torch.dtype] = None,
-                 silu_and_mul: bool = False, parallel: Optional[str] = None) -> None:
+                 silu_and_mul: bool = False, parallel: Optional[str] = None,
+                 shard_replicas: Optional[Mapping[ShardId, int]] = None) -> None:
         super().__init__()
         if parallel not in (None, "column", "row"):
             raise ValueError(f"Linear parallel must be 'column' or 'row', got {parallel!r}")
         self.tp = tensor_parallel_group()
         self.parallel = parallel if self.tp.size > 1 else None
+        self.shard_replicas = dict(shard_replicas or {})
         sizes = {None: output_sizes} if isinstance(output_sizes, int) else dict(output_sizes)
         if not sizes or any(size <= 0 for size in sizes.values()):
             raise ValueError(f"Linear output sizes must be positive, got {output_sizes!r}")
@@ -154,14 +157,17 @@ class Linear(HotPathModule):
             if self.parallel == "column":
                 def load_slice(p: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId, load=load) -> None:
                     _, rows = self.shard_extent(shard_id)
-                    pieces, rest = divmod(tensor.shape[0], rows)  # `size` pieces, or fewer that ranks share (KV heads)
-                    if rest or pieces > size or size % pieces:
-                        raise ValueError(f"has {tensor.shape[0]} rows, expected {rows * size} ({rows} a rank)")
-                    load(p, tensor.narrow(0, rank * pieces // size * rows, rows), shard_id)
+                    replicas = self.shard_replicas.get(shard_id, 1)
+                    if tensor.shape[0] != rows * size // replicas:
+                        raise ValueError(f"has {tensor.shape[0]} rows, expected {rows * size // replicas} ({rows} a "
+                                         f"rank)")
+                    load(p, tensor.narrow(0, rank // replicas * rows, rows), shard_id)
 
-                extents = getattr(param, "shard_extents", None)
-                if extents:  # a tensor of all the shards (ALL_SHARDS) is cut at their whole sizes
-                    param.shard_extents = {k: (first * size, rows * size) for k, (first, rows) in extents.items()}
+                if getattr(param, "shard_extents", None):  # a tensor of all the shards (ALL_SHARDS) is cut at
+                    param.shard_extents, first = {}, 0      # their whole sizes
+                    for shard_id, (_, rows) in self.shards.items():
+                        whole = rows * size // self.shard_replicas.get(shard_id, 1)
+                        param.shard_extents[shard_id], first = (first, whole), first + whole
             else:
                 def load_slice(p: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId, load=load,
                                bias: bool = name == "bias") -> None:

@@ -44,7 +44,8 @@ class LlamaAttention(HotPathModule):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                               bias=cfg.attention_bias, parallel="column")
+                               bias=cfg.attention_bias, parallel="column",
+                               shard_replicas={"k": cfg.kv_head_replicas, "v": cfg.kv_head_replicas})
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, parallel="row")
         self.rotary = rotary
         self.attn_params = AttentionParams(sliding_window=cfg.sliding_window(layer_idx))  # Mistral's window

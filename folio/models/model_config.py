@@ -144,6 +144,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     partial_rotary_factor: float = 1.0
     moe: Optional[MoEConfig] = None
+    kv_head_replicas: int = 1  # of a rank's slice (for_tensor_parallel): the ranks that keep each KV head
 
     @property
     def max_context(self) -> int:
@@ -175,8 +176,8 @@ class ModelConfig:
     def for_tensor_parallel(self, size: int) -> "ModelConfig":
         """The config of one rank's slice of the model when `size` ranks split it (folio.distributed): its share of
         the attention heads, of the KV heads (one, where there are fewer than ranks) and of the MLP's intermediate
-        columns; the rest whole. A model
-        built from it declares its layers at the rank's sizes (folio.models.linear: parallel layers)."""
+        columns; the rest whole. A model built from it declares its layers at the rank's sizes
+        (folio.models.linear: parallel layers)."""
         if size == 1:
             return self
         if self.moe is not None:
@@ -193,6 +194,7 @@ class ModelConfig:
         # fewer KV heads than ranks: each rank keeps one, shared by the ranks of its query heads (as vLLM does)
         return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // size,
                                    num_key_value_heads=max(1, kv_heads // size),
+                                   kv_head_replicas=max(1, size // kv_heads),
                                    intermediate_size=self.intermediate_size // size)
 
     @staticmethod

@@ -1,6 +1,6 @@
 """Worker: what one rank of the engine runs, in the engine's process or a process of its own.
 
-A worker keeps to its share of the cores, joins its tensor-parallel group (folio.distributed), loads its slice
+A worker keeps to the cores its executor gives it, joins its tensor-parallel group (folio.distributed), loads its slice
 of the model (a draft model's too), and reports the KV cache it needs per block; the engine sizes the cache from
 rank 0's report and then has every worker allocate it and warm up (`initialize_cache`). From then on each
 step's SchedulerOutput goes to every worker, each runs the same forward over its slice of the layers, and the
@@ -17,10 +17,9 @@ from typing import Optional
 
 import torch
 
-from folio import thread_count
 from folio.config import EngineConfig
 from folio.core.step_contract import ModelRunnerOutput, SchedulerOutput
-from folio.distributed.parallel_state import init_tensor_parallel, rank_cores
+from folio.distributed.parallel_state import init_tensor_parallel
 from folio.loader.model_loader import LoadedModel, load_model
 from folio.platforms import current_platform
 from folio.spec_decode.draft_model import load_draft_model
@@ -39,15 +38,15 @@ class KVCacheNeeds:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: Optional[str] = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: Optional[str] = None,
+                 num_threads: Optional[int] = None, cores: Optional[list[int]] = None) -> None:
+        """num_threads: torch threads (None: the platform's default); cores: the CPUs to keep to (None: any)."""
         self.config = config
         self.platform = platform = current_platform()
+        if cores:
+            os.sched_setaffinity(0, cores)
+        platform.prepare_process(num_threads)
         ranks = config.parallel.tensor_parallel_size
-        if ranks > 1:
-            cores = rank_cores(rank, ranks)
-            if cores:
-                os.sched_setaffinity(0, cores)
-        platform.prepare_process(config.parallel.num_threads or max(1, thread_count.default() // ranks))
         if ranks > 1:
             init_tensor_parallel(rank, ranks, distributed_init_method, platform.distributed_backend)
         torch.manual_seed(config.model.seed)  # every rank draws the same random numbers
