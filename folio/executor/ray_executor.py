@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from folio.config import EngineConfig
@@ -52,9 +53,11 @@ class RayExecutor(Executor):
             ray.init(**({"num_cpus": max(ranks, len(os.sched_getaffinity(0))), "include_dashboard": False,
                          "log_to_driver": False} if self.started_ray else {}))
         self.actors: list = []
+        self.held_cpus = 0
         self.started = False
         try:
             cpus = int(ray.available_resources().get("CPU", 0)) // ranks
+            self.held_cpus = cpus * ranks
             if cpus < 1:  # the actors Ray cannot place would leave the others waiting for them
                 raise ValueError(f"tensor_parallel_size {ranks}: Ray has "
                                  f"{ray.available_resources().get('CPU', 0):g} free CPUs, and each rank's actor "
@@ -83,11 +86,10 @@ class RayExecutor(Executor):
             return
         for actor in self.actors:
             ray.kill(actor)
-        for actor in self.actors:  # gone once a call fails: their CPUs go back to Ray then
-            try:
-                ray.get(actor.__ray_ready__.remote(), timeout=10)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass
+        if self.actors and not self.started_ray:  # a next engine on this Ray finds their CPUs free again
+            deadline = time.monotonic() + 10
+            while ray.available_resources().get("CPU", 0) < self.held_cpus and time.monotonic() < deadline:
+                time.sleep(0.05)
         self.actors = []
         if self.started_ray:
             ray.shutdown()

@@ -140,10 +140,17 @@ class Linear(HotPathModule):
         self.method = method
         if self.parallel is not None:
             self._load_rank_slices()
+        if self.parallel == "row":  # an instance's forward is what a call runs: whole layers keep theirs as it is
+            self.forward = self._forward_and_sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.apply_silu_and_mul(self, x) if self.silu_and_mul else self.method.apply(self, x)
-        return self.tp.all_reduce(y) if self.parallel == "row" else y
+        if self.silu_and_mul:
+            return self.method.apply_silu_and_mul(self, x)
+        return self.method.apply(self, x)
+
+    def _forward_and_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's: the sum of every rank's partial product."""
+        return self.tp.all_reduce(Linear.forward(self, x))
 
     def _load_rank_slices(self) -> None:
         """Make each parameter's weight loader take the rank's slice of a checkpoint tensor: of a column-parallel
