@@ -69,4 +69,4 @@ def test_an_error_in_a_step_ends_the_engine(folder, running_ray):
     llm = LLM(folder, **RAY, **ENGINE)
     with pytest.raises(WorkerError, match="(?s)Ray actor failed.*KeyError"):
         llm.llm_engine.executor.execute(SchedulerOutput(scheduled=[ScheduledRequestData("never-added", 0, 1)]))
-    assert llm.llm_engine.executor.actors == []
+    assert llm.llm_engine.executor.actors == []  # killed

@@ -55,7 +55,7 @@ class LLMEngine:
         # a draft model writes the KV of its guesses past each step's tokens: slots are reserved for them
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
         warm_start = time.perf_counter()
-        executor.initialize_cache(num_blocks, self.max_model_len)  # allocates, and warms up: the first request runs warm
+        executor.initialize_cache(num_blocks, self.max_model_len)  # and warms up: the first request runs warm
         warm_s = time.perf_counter() - warm_start
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
                                               described.eos_token_ids)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import Any
 
 from folio.config import EngineConfig
@@ -55,6 +56,7 @@ class RayExecutor(Executor):
         self.actors: list = []
         self.held_cpus = 0
         self.started = False
+        self._finalizer = weakref.finalize(self, _stop, self.actors, self.started_ray)
         try:
             cpus = int(ray.available_resources().get("CPU", 0)) // ranks
             self.held_cpus = cpus * ranks
@@ -66,7 +68,7 @@ class RayExecutor(Executor):
             init_method = f"tcp://127.0.0.1:{free_port()}"
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             actor = ray.remote(num_cpus=cpus, scheduling_strategy=here)(RankActor)
-            self.actors = [actor.remote() for _ in range(ranks)]
+            self.actors.extend(actor.remote() for _ in range(ranks))
             self._get([a.start.remote(config, rank, init_method, threads) for rank, a in enumerate(self.actors)])
         except BaseException:
             self.shutdown()
@@ -82,17 +84,12 @@ class RayExecutor(Executor):
     def shutdown(self) -> None:
         import ray
 
-        if not ray.is_initialized():
-            return
-        for actor in self.actors:
-            ray.kill(actor)
-        if self.actors and not self.started_ray:  # a next engine on this Ray finds their CPUs free again
+        held = bool(self.actors) and not self.started_ray
+        self._finalizer()
+        if held and ray.is_initialized():  # a next engine on this Ray finds their CPUs free again
             deadline = time.monotonic() + 10
             while ray.available_resources().get("CPU", 0) < self.held_cpus and time.monotonic() < deadline:
                 time.sleep(0.05)
-        self.actors = []
-        if self.started_ray:
-            ray.shutdown()
 
     def _call(self, method: str, *args: Any) -> Any:
         return self._get([actor.call.remote(method, *args) for actor in self.actors])[0]
@@ -112,3 +109,15 @@ class RayExecutor(Executor):
             if self.started or not isinstance(e, ValueError):
                 raise WorkerError(f"a tensor-parallel Ray actor failed: {e}") from e
             raise
+
+
+def _stop(actors: list, started_ray: bool) -> None:
+    """Kill the actors (and the Ray instance the engine started), when the engine shuts down or is collected."""
+    import ray
+
+    if ray.is_initialized():
+        for actor in actors:
+            ray.kill(actor)
+        if started_ray:
+            ray.shutdown()
+    actors.clear()
