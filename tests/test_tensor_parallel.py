@@ -290,3 +290,48 @@ def test_an_error_in_a_step_ends_the_engine(folders):
     with pytest.raises(WorkerError, match="(?s)worker [01] failed.*KeyError"):
         executor.execute(SchedulerOutput(scheduled=[ScheduledRequestData("never-added", 0, 1)]))
     assert not any(p.is_alive() for p in executor.processes)
+
+
+def _all_reduce_both_ways(rank: int, size: int, port: int, failures) -> None:
+    import torch.distributed as dist
+
+    from folio.distributed import shm_all_reduce
+    from folio.distributed.parallel_state import init_tensor_parallel, tensor_parallel_group
+
+    torch.set_num_threads(1)
+    init_tensor_parallel(rank, size, f"tcp://127.0.0.1:{port}", "gloo")
+    group = tensor_parallel_group()
+    assert group.shared_memory is not None
+    generator = torch.Generator().manual_seed(rank)
+    shapes = [(1, 896), (16, 896), (3, 5), (64, 128)] * 25 + [(shm_all_reduce.SLOT_BYTES // 4 + 1,)]  # then gloo
+    for i, shape in enumerate(shapes):
+        dtype = torch.bfloat16 if i % 3 == 0 else torch.float32
+        x = torch.randn(shape, generator=generator).to(dtype)
+        expected = x.float().clone()
+        dist.all_reduce(expected)
+        ours = group.all_reduce(x.clone())
+        everyone = [torch.empty_like(ours) for _ in range(size)]
+        dist.all_gather(everyone, ours)
+        if not all(torch.equal(ours, other) for other in everyone):
+            failures.put(f"rank {rank}: ranks differ at all-reduce {i}")
+        if not torch.allclose(ours.float(), expected, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2):
+            failures.put(f"rank {rank}: not the sum at all-reduce {i}")
+
+
+def test_shared_memory_all_reduce_sums_alike_on_every_rank():
+    """Three ranks on two cores (a waiting rank yields its core), float32 and bf16, shapes that change from call to
+    call: every rank gets the same bits, and the sum; a tensor larger than a slot goes through gloo."""
+    import multiprocessing
+
+    from folio.distributed.placement import free_port
+
+    context = multiprocessing.get_context("spawn")
+    failures = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_all_reduce_both_ways, args=(rank, 3, port, failures)) for rank in range(3)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    assert [process.exitcode for process in ranks] == [0, 0, 0]
+    assert failures.empty(), failures.get()

@@ -15,18 +15,23 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from folio.distributed.shm_all_reduce import SharedMemoryAllReduce
+
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
     rank: int
     size: int
     group: Optional[dist.ProcessGroup] = None
+    shared_memory: Optional[SharedMemoryAllReduce] = None  # ranks on one machine: sums through shared memory
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's x, in place; every rank gets the same values (a rank's reduced piece is copied
-        to the others), so the ranks' next steps, sampling included, agree."""
+        """The sum of every rank's x, in place; every rank gets the same values, so the ranks' next steps,
+        sampling included, agree."""
+        if self.shared_memory is not None and self.shared_memory.fits(x):
+            return self.shared_memory(x)
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x, group=self.group)  # a rank's reduced piece is copied to the others
         return x
 
 
@@ -39,11 +44,15 @@ def tensor_parallel_group() -> TensorParallelGroup:
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -> None:
-    """Join the group of `size` ranks that meets at init_method (tcp://host:port) as `rank`."""
+    """Join the group of `size` ranks that meets at init_method (tcp://host:port) as `rank`; ranks that meet on
+    this machine (127.0.0.1) sum through shared memory."""
     global _group
     if size > 1:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-        _group = TensorParallelGroup(rank, size, dist.group.WORLD)
+        local = init_method.startswith("tcp://127.0.0.1:")
+        shared = SharedMemoryAllReduce(rank, size, f"folio-tp-{init_method.rsplit(':', 1)[1]}",
+                                       dist.group.WORLD) if local else None
+        _group = TensorParallelGroup(rank, size, dist.group.WORLD, shared)
 
 
 def destroy_tensor_parallel() -> None:
