@@ -220,7 +220,7 @@ def test_server_over_two_ranks(folders):
 def _hold_memory_and_spin(megabytes: int, seconds: float) -> None:
     import time
 
-    held = bytearray(megabytes << 20)  # zero-filled: resident
+    held = bytearray(b"\x01" * (megabytes << 20))  # written: resident
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         held[0] = (held[0] + 1) % 256
@@ -229,12 +229,15 @@ def _hold_memory_and_spin(megabytes: int, seconds: float) -> None:
 def test_the_benchmarks_count_live_worker_processes():
     """`bench throughput` with several ranks reports the workers' peak memory and CPU as its own, not as other
     processes' (which would mark every run noisy)."""
+    import gc
     import multiprocessing
     import time
 
     from folio.bench import noise
     from folio.memory import peak_resident_bytes
 
+    gc.collect()  # earlier tests' engines: their finalizers stop their workers, whose ending would skew the counts
+    assert not multiprocessing.active_children()
     before_memory, before_cpu = peak_resident_bytes(), noise._own_seconds()
     worker = multiprocessing.get_context("spawn").Process(target=_hold_memory_and_spin, args=(300, 4.0))
     worker.start()
@@ -295,7 +298,6 @@ def test_an_error_in_a_step_ends_the_engine(folders):
 def _all_reduce_both_ways(rank: int, size: int, port: int, failures) -> None:
     import torch.distributed as dist
 
-    from folio.distributed import shm_all_reduce
     from folio.distributed.parallel_state import init_tensor_parallel, tensor_parallel_group
 
     torch.set_num_threads(1)
@@ -303,7 +305,7 @@ def _all_reduce_both_ways(rank: int, size: int, port: int, failures) -> None:
     group = tensor_parallel_group()
     assert group.shared_memory is not None
     generator = torch.Generator().manual_seed(rank)
-    shapes = [(1, 896), (16, 896), (3, 5), (64, 128)] * 25 + [(shm_all_reduce.SLOT_BYTES // 4 + 1,)]  # then gloo
+    shapes = [(1, 896), (16, 896), (3, 5), (64, 128)] * 25 + [(group.shared_memory.slot_bytes // 4 + 1,)]  # gloo's
     for i, shape in enumerate(shapes):
         dtype = torch.bfloat16 if i % 3 == 0 else torch.float32
         x = torch.randn(shape, generator=generator).to(dtype)
@@ -335,3 +337,26 @@ def test_shared_memory_all_reduce_sums_alike_on_every_rank():
         process.join(timeout=120)
     assert [process.exitcode for process in ranks] == [0, 0, 0]
     assert failures.empty(), failures.get()
+
+
+def test_the_shared_buffer_fits_what_dev_shm_has_room_for(monkeypatch, tmp_path):
+    """Slots shrink to a quarter of /dev/shm's free space, their pages reserved at start (a full tmpfs would kill a
+    rank with SIGBUS mid-step); with no room for a MiB per slot, gloo serves every all-reduce."""
+    from types import SimpleNamespace
+
+    from folio.distributed import shm_all_reduce
+
+    def free(megabytes: int) -> None:
+        monkeypatch.setattr(shm_all_reduce.os, "statvfs",
+                            lambda path: SimpleNamespace(f_bavail=megabytes << 8, f_frsize=4096))
+
+    free(64)  # Docker's default /dev/shm
+    path = str(tmp_path / "buffer")
+    slot = shm_all_reduce._reserve(path, 2)
+    assert slot == 4 << 20 and os.path.getsize(path) == 2 * 64 + 2 * 2 * slot
+    os.unlink(path)
+    free(1 << 10)
+    assert shm_all_reduce._reserve(path, 2) == shm_all_reduce.SLOT_BYTES
+    os.unlink(path)
+    free(4)
+    assert shm_all_reduce._reserve(path, 2) == 0 and not os.path.exists(path)

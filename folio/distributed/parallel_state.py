@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from folio.distributed import shm_all_reduce
 from folio.distributed.shm_all_reduce import SharedMemoryAllReduce
 
 
@@ -49,10 +50,10 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
     global _group
     if size > 1:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-        local = init_method.startswith("tcp://127.0.0.1:")
-        shared = SharedMemoryAllReduce(rank, size, f"folio-tp-{init_method.rsplit(':', 1)[1]}",
-                                       dist.group.WORLD) if local else None
-        _group = TensorParallelGroup(rank, size, dist.group.WORLD, shared)
+        shared = None
+        if init_method.startswith("tcp://127.0.0.1:") and shm_all_reduce.available():
+            shared = SharedMemoryAllReduce(rank, size, shm_all_reduce.buffer_path(init_method), dist.group.WORLD)
+        _group = TensorParallelGroup(rank, size, dist.group.WORLD, shared if shared and shared.slot_bytes else None)
 
 
 def destroy_tensor_parallel() -> None:

@@ -6,7 +6,9 @@ sum through memory they share: each rank copies its tensor into its slot of a sh
 number in its flag, waits until every flag shows that number, and adds the slots up in rank order, so every rank
 gets the same bits. Two buffers alternate: a rank writes step s into buffer s % 2 only after every rank has
 published step s - 1, which each did after it finished reading step s - 2 from that buffer. A waiting rank yields
-its core (ranks may share cores). Larger tensors than a slot holds go to torch.distributed, as before.
+its core (ranks may share cores). Larger tensors than a slot holds go to torch.distributed, as before, and so
+does every one where /dev/shm has no room for the buffer (its pages are reserved at start: a full tmpfs would
+otherwise kill a rank mid-step) or the CPU is not an x86 one.
 
 x86's stores reach other cores in program order, so a flag written after its slot's data is never seen before
 the data. torch.distributed stays the group's rendezvous (the buffer's file is created by rank 0 and opened by
@@ -17,25 +19,44 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import time
 
 import torch
 import torch.distributed as dist
 
-SLOT_BYTES = 16 << 20  # per rank and buffer: a 2048-token step's [2048, 2048] float32 partial sums
+SLOT_BYTES = 16 << 20  # per rank and buffer, at most: a 2048-token step's [2048, 2048] float32 partial sums
+MIN_SLOT_BYTES = 1 << 20  # below this (a small /dev/shm), gloo serves every all-reduce
 _FLAG_BYTES = 64  # each rank's flag on a cache line of its own
 _WAIT_TIMEOUT_S = 300.0  # a peer that never arrives is dead: its engine stops this worker before then
+SHM_DIR = "/dev/shm"
+
+
+def buffer_path(init_method: str) -> str:
+    """The buffer's file of the group that meets at init_method (tcp://127.0.0.1:port): unlinked once every rank
+    has mapped it; its executor removes it too, in case rank 0 died before that."""
+    return os.path.join(SHM_DIR, f"folio-tp-{init_method.rsplit(':', 1)[1]}")
+
+
+def available() -> bool:
+    """Whether stores reach other cores in program order (x86), which the flags rely on, and /dev/shm is there."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
 
 
 class SharedMemoryAllReduce:
-    def __init__(self, rank: int, size: int, name: str, group: dist.ProcessGroup) -> None:
+    """Made by every rank together (collectively); `slot_bytes` is 0 where rank 0 could not reserve the buffer,
+    and gloo then serves every all-reduce."""
+
+    def __init__(self, rank: int, size: int, path: str, group: dist.ProcessGroup) -> None:
         self.rank, self.size = rank, size
-        path = f"/dev/shm/{name}"
-        total = size * _FLAG_BYTES + 2 * size * SLOT_BYTES
+        decided = torch.zeros(1, dtype=torch.int64)
         if rank == 0:
-            with open(path, "wb") as f:
-                f.truncate(total)  # sparse: pages are taken as slots are written
-        dist.barrier(group=group)
+            decided[0] = _reserve(path, size)
+        dist.broadcast(decided, 0, group=group)
+        self.slot_bytes = int(decided[0])
+        if not self.slot_bytes:
+            return
+        total = size * _FLAG_BYTES + 2 * size * self.slot_bytes
         fd = os.open(path, os.O_RDWR)
         try:
             self._map = mmap.mmap(fd, total)
@@ -46,11 +67,11 @@ class SharedMemoryAllReduce:
             os.unlink(path)  # the mappings keep it: nothing is left behind when the ranks exit
         memory = torch.frombuffer(self._map, dtype=torch.uint8)
         self.flags = memory[:size * _FLAG_BYTES].view(torch.int64).view(size, _FLAG_BYTES // 8)[:, 0]
-        self.slots = memory[size * _FLAG_BYTES:].view(2, size, SLOT_BYTES)
+        self.slots = memory[size * _FLAG_BYTES:].view(2, size, self.slot_bytes)
         self.step = 0
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.numel() * x.element_size() <= SLOT_BYTES and x.is_contiguous()
+        return x.numel() * x.element_size() <= self.slot_bytes and x.is_contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x becomes the sum of every rank's x (in rank order: the same bits on every rank)."""
@@ -74,3 +95,22 @@ class SharedMemoryAllReduce:
                 deadline = time.monotonic() + _WAIT_TIMEOUT_S
             elif time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel rank {self.rank}: a peer did not reach all-reduce {step}")
+
+
+def _reserve(path: str, size: int) -> int:
+    """Create the buffer's file with its pages reserved (a tmpfs that runs out later would kill a rank with
+    SIGBUS mid-step), slots as large as SLOT_BYTES or as a quarter of /dev/shm's free space allows; 0 where not
+    even MIN_SLOT_BYTES fit."""
+    stats = os.statvfs(SHM_DIR)
+    slot = min(SLOT_BYTES, stats.f_bavail * stats.f_frsize // 4 // (2 * size)) // 4096 * 4096
+    if slot < MIN_SLOT_BYTES:
+        return 0
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size * _FLAG_BYTES + 2 * size * slot)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        return 0
+    os.close(fd)
+    return slot

@@ -21,6 +21,7 @@ from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.engine.input_processor import InputProcessor, Params, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.executor import make_executor
+from folio.executor.executor import Executor
 from folio.outputs import EngineOutput
 from folio.platforms import current_platform
 from folio.sampling_params import SamplingParams
@@ -39,6 +40,14 @@ class LLMEngine:
         self.platform = current_platform()
         # the workers load the model (in this process, or one process per tensor-parallel rank: folio.executor)
         self.executor = executor = make_executor(config)
+        try:
+            self._start(config, executor, start)
+        except BaseException:
+            executor.shutdown()  # its workers, which a failed engine would otherwise keep while it is referenced
+            raise
+
+    def _start(self, config: EngineConfig, executor: Executor, start: float) -> None:
+        """Everything after the workers loaded the model: the KV cache sized and allocated, the core's parts."""
         described = executor.description
         self.model_config = cfg = described.config
         self.tokenizer: Tokenizer = described.tokenizer

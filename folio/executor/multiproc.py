@@ -16,8 +16,10 @@ any multiprocessing program.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import os
 import pickle
 import traceback
 import weakref
@@ -26,6 +28,7 @@ from typing import Any, Optional
 
 from folio import thread_count
 from folio.config import EngineConfig
+from folio.distributed import shm_all_reduce
 from folio.distributed.placement import free_port, rank_cores
 from folio.executor.executor import Executor, WorkerError
 from folio.loader.model_loader import describe_model
@@ -39,19 +42,22 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.description = describe_model(config.model.model)
         ranks = config.parallel.tensor_parallel_size
-        threads = config.parallel.num_threads or max(1, thread_count.default() // ranks)
+        share = max(1, thread_count.default() // ranks)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")
         self.processes: list = []
         self.connections: list[Connection] = []
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self.connections)
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self.connections,
+                                           shm_all_reduce.buffer_path(init_method))
         self.started = False
         try:
             for rank in range(ranks):
                 ours, theirs = context.Pipe()
                 self.connections.append(ours)
+                cores = rank_cores(rank, ranks)
+                threads = config.parallel.num_threads or (min(share, len(cores)) if cores else share)
                 process = context.Process(target=_serve, name=f"folio-worker-{rank}", daemon=True,
-                                          args=(config, rank, init_method, threads, rank_cores(rank, ranks), theirs))
+                                          args=(config, rank, init_method, threads, cores, theirs))
                 process.start()
                 theirs.close()
                 self.processes.append(process)
@@ -143,7 +149,7 @@ def _send_error(connection: Connection, rank: int, error: BaseException) -> None
         connection.send(("error", WorkerError(f"tensor-parallel worker {rank} failed: {error!r}")))
 
 
-def _stop(processes: list, connections: list[Connection]) -> None:
+def _stop(processes: list, connections: list[Connection], shm_path: str) -> None:
     message = pickle.dumps((SHUTDOWN, ()))
     for connection in connections:
         try:
@@ -157,3 +163,5 @@ def _stop(processes: list, connections: list[Connection]) -> None:
             process.join()
     for connection in connections:
         connection.close()
+    with contextlib.suppress(FileNotFoundError):  # left where rank 0 died before the ranks had mapped it
+        os.unlink(shm_path)

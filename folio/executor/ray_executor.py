@@ -2,8 +2,8 @@
 the process already runs (`ray.init` called before, or RAY_ADDRESS set to a local one), else on one the engine
 starts for itself and stops at shutdown.
 
-Each actor takes an equal share of the free CPUs (Ray gives it as many OpenMP threads), builds its Worker (the
-ranks meet over torch.distributed on this machine), then serves calls; each step's SchedulerOutput is put in
+Each actor takes an equal share of the free CPUs (and as many threads; actors are not pinned to cores), builds
+its Worker (the ranks meet over torch.distributed on this machine), then serves calls; each step's SchedulerOutput is put in
 Ray's object store once and every actor reads it from there, and only rank 0 sends its answer back. As with the
 `mp` executor, a ValueError while the actors start reaches the caller as it is, and any error after that (or an
 actor that dies) stops every actor and ends the engine with a WorkerError: the other ranks may be waiting in a
@@ -13,19 +13,24 @@ on a node of their own) are not done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import weakref
 from typing import Any
 
+from folio import thread_count
 from folio.config import EngineConfig
 from folio.core.step_contract import ModelRunnerOutput, SchedulerOutput
+from folio.distributed import shm_all_reduce
 from folio.distributed.placement import free_port
 from folio.executor.executor import Executor, WorkerError
 from folio.loader.model_loader import describe_model
 
 logger = logging.getLogger("folio")
+
+PLACEMENT_TIMEOUT_S = 60.0  # for Ray to place the actors on this node: beyond it, the CPUs are taken
 
 
 class RankActor:
@@ -50,13 +55,17 @@ class RayExecutor(Executor):
         self.description = describe_model(config.model.model)
         ranks = config.parallel.tensor_parallel_size
         self.started_ray = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
-        if not ray.is_initialized():
-            ray.init(**({"num_cpus": max(ranks, len(os.sched_getaffinity(0))), "include_dashboard": False,
-                         "log_to_driver": False} if self.started_ray else {}))
+        if self.started_ray:  # a Ray of its own, even where `ray start` runs one on this machine
+            ray.init(address="local", num_cpus=max(ranks, thread_count.default()), include_dashboard=False,
+                     log_to_driver=False)
+        elif not ray.is_initialized():
+            ray.init()  # the instance RAY_ADDRESS names
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self.actors: list = []
         self.held_cpus = 0
         self.started = False
-        self._finalizer = weakref.finalize(self, _stop, self.actors, self.started_ray)
+        self._finalizer = weakref.finalize(self, _stop, self.actors, self.started_ray,
+                                           shm_all_reduce.buffer_path(init_method))
         try:
             cpus = int(ray.available_resources().get("CPU", 0)) // ranks
             self.held_cpus = cpus * ranks
@@ -65,10 +74,14 @@ class RayExecutor(Executor):
                                  f"{ray.available_resources().get('CPU', 0):g} free CPUs, and each rank's actor "
                                  f"takes one at least")
             threads = config.parallel.num_threads or cpus
-            init_method = f"tcp://127.0.0.1:{free_port()}"
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             actor = ray.remote(num_cpus=cpus, scheduling_strategy=here)(RankActor)
             self.actors.extend(actor.remote() for _ in range(ranks))
+            placed, _ = ray.wait([a.__ray_ready__.remote() for a in self.actors], num_returns=ranks,
+                                 timeout=PLACEMENT_TIMEOUT_S)
+            if len(placed) < ranks:  # this node's CPUs are taken (the free ones may be on other nodes)
+                raise ValueError(f"tensor_parallel_size {ranks}: Ray placed {len(placed)} of the {ranks} actors of "
+                                 f"{cpus} CPUs on this node within {PLACEMENT_TIMEOUT_S:g} s")
             self._get([a.start.remote(config, rank, init_method, threads) for rank, a in enumerate(self.actors)])
         except BaseException:
             self.shutdown()
@@ -86,8 +99,8 @@ class RayExecutor(Executor):
 
         held = bool(self.actors) and not self.started_ray
         self._finalizer()
-        if held and ray.is_initialized():  # a next engine on this Ray finds their CPUs free again
-            deadline = time.monotonic() + 10
+        if held and ray.is_initialized():  # a next engine on this Ray finds their CPUs free again (unless taken)
+            deadline = time.monotonic() + 3
             while ray.available_resources().get("CPU", 0) < self.held_cpus and time.monotonic() < deadline:
                 time.sleep(0.05)
 
@@ -111,7 +124,7 @@ class RayExecutor(Executor):
             raise
 
 
-def _stop(actors: list, started_ray: bool) -> None:
+def _stop(actors: list, started_ray: bool, shm_path: str) -> None:
     """Kill the actors (and the Ray instance the engine started), when the engine shuts down or is collected."""
     import ray
 
@@ -121,3 +134,5 @@ def _stop(actors: list, started_ray: bool) -> None:
         if started_ray:
             ray.shutdown()
     actors.clear()
+    with contextlib.suppress(FileNotFoundError):  # left where rank 0 died before the ranks had mapped it
+        os.unlink(shm_path)
