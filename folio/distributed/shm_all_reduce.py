@@ -17,6 +17,7 @@ the others between two barriers) and its fallback.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -105,6 +106,8 @@ def _reserve(path: str, size: int) -> int:
     slot = min(SLOT_BYTES, stats.f_bavail * stats.f_frsize // 4 // (2 * size)) // 4096 * 4096
     if slot < MIN_SLOT_BYTES:
         return 0
+    with contextlib.suppress(FileNotFoundError):  # an engine killed outright left it (its port is ours now)
+        os.unlink(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size * _FLAG_BYTES + 2 * size * slot)
