@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from folio.distributed import shm_all_reduce
-from folio.distributed.shm_all_reduce import SharedMemoryAllReduce
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ class TensorParallelGroup:
     rank: int
     size: int
     group: Optional[dist.ProcessGroup] = None
-    shared_memory: Optional[SharedMemoryAllReduce] = None  # ranks on one machine: sums through shared memory
+    shared_memory: Optional[shm_all_reduce.SharedMemoryAllReduce] = None  # ranks on one machine: sums through shared memory
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x, in place; every rank gets the same values, so the ranks' next steps,
@@ -52,7 +51,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
         shared = None
         if init_method.startswith("tcp://127.0.0.1:") and shm_all_reduce.available():
-            shared = SharedMemoryAllReduce(rank, size, shm_all_reduce.buffer_path(init_method), dist.group.WORLD)
+            shared = shm_all_reduce.SharedMemoryAllReduce(rank, size, shm_all_reduce.buffer_path(init_method),
+                                                          dist.group.WORLD)
         _group = TensorParallelGroup(rank, size, dist.group.WORLD, shared if shared and shared.slot_bytes else None)
 
 

@@ -39,6 +39,13 @@ def buffer_path(init_method: str) -> str:
     return os.path.join(SHM_DIR, f"folio-tp-{init_method.rsplit(':', 1)[1]}")
 
 
+def remove_buffer(path: str) -> None:
+    """Remove the buffer's file where it is still there (rank 0 died before the ranks had mapped it, or an engine
+    killed outright left it under a port that is another group's now)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def available() -> bool:
     """Whether stores reach other cores in program order (x86), which the flags rely on, and /dev/shm is there."""
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
@@ -106,8 +113,7 @@ def _reserve(path: str, size: int) -> int:
     slot = min(SLOT_BYTES, stats.f_bavail * stats.f_frsize // 4 // (2 * size)) // 4096 * 4096
     if slot < MIN_SLOT_BYTES:
         return 0
-    with contextlib.suppress(FileNotFoundError):  # an engine killed outright left it (its port is ours now)
-        os.unlink(path)
+    remove_buffer(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size * _FLAG_BYTES + 2 * size * slot)

@@ -16,10 +16,8 @@ any multiprocessing program.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
-import os
 import pickle
 import traceback
 import weakref
@@ -163,5 +161,4 @@ def _stop(processes: list, connections: list[Connection], shm_path: str) -> None
             process.join()
     for connection in connections:
         connection.close()
-    with contextlib.suppress(FileNotFoundError):  # left where rank 0 died before the ranks had mapped it
-        os.unlink(shm_path)
+    shm_all_reduce.remove_buffer(shm_path)

@@ -13,7 +13,6 @@ on a node of their own) are not done.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -134,5 +133,4 @@ def _stop(actors: list, started_ray: bool, shm_path: str) -> None:
         if started_ray:
             ray.shutdown()
     actors.clear()
-    with contextlib.suppress(FileNotFoundError):  # left where rank 0 died before the ranks had mapped it
-        os.unlink(shm_path)
+    shm_all_reduce.remove_buffer(shm_path)
