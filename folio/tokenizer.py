@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
@@ -65,16 +66,30 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled(template: str) -> jinja2.Template:
-    """A chat template compiled in the sandbox (on first use: a model with a broken template still serves
-    completions; a few callers' own templates are kept)."""
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The sandbox chat templates run in, with Transformers' options and helpers."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str) -> jinja2.Template:
+    """A chat template compiled in the sandbox (on first use: a model with a broken template still serves
+    completions; a few callers' own templates are kept)."""
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template does not compile: {e}") from e
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(template: str) -> frozenset[str]:
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template does not compile: {e}") from e
 
@@ -229,6 +244,11 @@ class Tokenizer:
         """Render with `template` from now on (a server's --chat-template); ValueError if it does not compile."""
         check_chat_template(template)
         self.chat_template = template
+
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from its caller (a request's switches, such as enable_thinking,
+        are honoured only where the template reads them); empty without a template."""
+        return frozenset() if self.chat_template is None else _variables(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
                             continue_final_message: bool = False, chat_template: Optional[str] = None,

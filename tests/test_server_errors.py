@@ -116,7 +116,7 @@ def test_bad_chat_requests(http, change, match, param):
     ({"modalities": ["text", "audio"]}, "text only"),
     ({"prediction": {"type": "content", "content": "x"}}, "predicted outputs"),
     ({"web_search_options": {}}, "built-in tools"),
-    ({"reasoning_effort": "low"}, "chat_template_kwargs"),
+    ({"reasoning_effort": "low"}, "no reasoning control"),
     ({"verbosity": "low"}, "verbosity"),
     ({"store": True}, "not stored"),
     ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),

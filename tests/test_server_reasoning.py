@@ -116,6 +116,37 @@ def test_thinking_switched_off_in_the_template(client, sampling):
     assert response.usage.completion_tokens_details.reasoning_tokens == 0
 
 
+def test_reasoning_effort_is_the_templates_switch(client, sampling):
+    """This template reads enable_thinking: effort "none" is thinking off (the same prompt as the switch), any other
+    effort thinking on (the same prompt as none given); the Responses API's reasoning.effort alike, echoed."""
+    def chat(**extra_body):
+        return client.chat.completions.create(messages=MESSAGES, max_tokens=12, **_with(sampling, 0, logit_bias={},
+                                                                                          **extra_body))
+    switched_off = chat(chat_template_kwargs={"enable_thinking": False})
+    off = chat(reasoning_effort="none")
+    assert (off.usage, off.choices[0].message.content) == (switched_off.usage, switched_off.choices[0].message.content)
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
+    on, default = chat(reasoning_effort="high"), chat()
+    assert on.usage.prompt_tokens == default.usage.prompt_tokens < off.usage.prompt_tokens  # the empty block
+    assert on.usage.completion_tokens_details.reasoning_tokens > 0
+    kwargs = dict(input="What time is it?", max_output_tokens=12, **_with(sampling, 0, logit_bias={}))
+    response = client.responses.create(reasoning={"effort": "none"}, **kwargs)
+    assert [item.type for item in response.output] == ["message"] and response.reasoning.effort == "none"
+    assert response.usage.input_tokens > client.responses.create(**kwargs).usage.input_tokens
+
+
+@pytest.mark.parametrize("path, body, match", [
+    ("/v1/chat/completions", {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+     "chat_template_kwargs sets it to True"),
+    ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort must be one of"),
+    ("/v1/responses", {"reasoning": {"effort": "none", "summary": "auto"}}, "no summary is written"),
+])
+def test_reasoning_effort_refused(server, path, body, match):
+    start = {"messages": MESSAGES} if path.endswith("completions") else {"input": "Hi"}
+    with server.http() as http:
+        assert_error(http.post(path, json={"model": MODEL_NAME, **start, **body}), 400, match)
+
+
 def test_include_reasoning_false(client, sampling):
     """The reasoning is left out, and its tokens' logprobs with it; the answer and the usage stay."""
     kwargs = dict(messages=MESSAGES, max_tokens=30, logprobs=True)

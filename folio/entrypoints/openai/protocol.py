@@ -466,6 +466,7 @@ class ChatCompletionRequest(SamplingRequest, BillingAndCacheHints):
     continue_final_message: bool = False  # vLLM's: continue the last message (add_generation_prompt false)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false} for Qwen3
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's reasoning out of the response
+    reasoning_effort: Optional[str] = None  # a chat template variable (folio.entrypoints.openai.reasoning_effort)
     metadata: Optional[dict[str, str]] = None  # kept with a stored completion, and none is stored
     # refused when set (unsupported_fields.CHAT_UNSUPPORTED)
     functions: Optional[Any] = None
@@ -474,7 +475,6 @@ class ChatCompletionRequest(SamplingRequest, BillingAndCacheHints):
     modalities: Optional[Any] = None
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
-    reasoning_effort: Optional[Any] = None
     verbosity: Optional[Any] = None
     store: Optional[Any] = None
     moderation: Optional[Any] = None

@@ -156,6 +156,12 @@ class TextConfig(RequestModel):
     verbosity: Optional[str] = None  # refused unless "medium" (unsupported_fields.RESPONSES_UNSUPPORTED)
 
 
+class ReasoningConfig(RequestModel):
+    effort: Optional[str] = None  # a template variable where the template reads one (reasoning_effort)
+    summary: Optional[str] = None  # refused (unsupported_fields.RESPONSES_UNSUPPORTED): no summary is written
+    generate_summary: Optional[str] = None  # (the deprecated name of summary)
+
+
 class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
     unsupported = RESPONSES_UNSUPPORTED
 
@@ -171,8 +177,8 @@ class ResponsesRequest(SamplingRequest, BillingAndCacheHints):
     text: Optional[TextConfig] = None
     truncation: Optional[Literal["auto", "disabled"]] = None  # auto: the oldest messages go, to fit
     max_tool_calls: Optional[int] = None  # calls of built-in tools, and there are none here
+    reasoning: Optional[ReasoningConfig] = None
     # refused unless empty, or asking for nothing missing (unsupported_fields.RESPONSES_UNSUPPORTED)
-    reasoning: Optional[dict[str, Any]] = None
     background: Optional[bool] = None
     include: Optional[list[str]] = None  # LOGPROBS only
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None  # alternatives per token, with logprobs
@@ -303,6 +309,7 @@ class ResponseObject(BaseModel):
     tool_choice: Union[str, dict[str, Any]] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Optional[str]] = Field(default_factory=lambda: {"effort": None, "summary": None})
     truncation: Literal["auto", "disabled"] = "disabled"
 
 

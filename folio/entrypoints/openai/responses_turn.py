@@ -270,4 +270,6 @@ class Turn:
             tool_choice="auto" if request.tool_choice is None else request.echoed(request.tool_choice),
             tools=[request.echoed(tool) for tool in request.tools or ()],
             text={"format": {"type": "text"} if text_format is None else request.echoed(text_format)},
+            reasoning={"effort": request.reasoning.effort if request.reasoning is not None else None,
+                       "summary": None},
             truncation=request.truncation or "disabled")

@@ -15,6 +15,7 @@ from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, Cha
                                                ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
                                                ChatStreamChoice, ChatTool, DeltaMessage, UsageInfo)
 from folio.entrypoints.openai.output_constraint import MessageFormat, output_constraint
+from folio.entrypoints.openai.reasoning_effort import effort_template_kwargs
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, token_logprobs
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
@@ -67,9 +68,10 @@ class OpenAIServingChat(OpenAIServing):
         self.auto_tool_choice = auto_tool_choice  # whether tool_choice "auto" is served (ServerOptions)
 
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
+        template_kwargs = effort_template_kwargs(self.tokenizer, request.reasoning_effort, "reasoning_effort",
+                                                 request.chat_template_kwargs)
         return [Prompt(None, chat_prompt_ids(self.tokenizer, self.limits, request.messages,
-                                             request.add_generation_prompt, request.tools,
-                                             request.chat_template_kwargs,
+                                             request.add_generation_prompt, request.tools, template_kwargs,
                                              continue_final_message=request.continue_final_message))]
 
     def structured_outputs(self, request: ChatCompletionRequest) -> Optional[StructuredOutputsParams]:

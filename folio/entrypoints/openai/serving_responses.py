@@ -37,6 +37,7 @@ from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.responses_store import ResponseStore
 from folio.entrypoints.openai.responses_turn import CallItem, Edit, MessageItem, Turn
 from folio.entrypoints.openai.serving import cancel_on_disconnect, check_context, check_model
+from folio.entrypoints.openai.reasoning_effort import effort_template_kwargs
 from folio.entrypoints.openai.serving_chat import chat_prompt_text
 from folio.entrypoints.openai.tool_grammar import ToolChoice, resolve_tool_choice
 from folio.entrypoints.openai.tool_call_format import ToolCallFormat
@@ -192,8 +193,10 @@ class OpenAIServingResponses:
         leaves room for max_output_tokens (one token where none is given); the last message stays."""
         system = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
         room = self.max_model_len - (request.max_output_tokens or 1)
+        effort = None if request.reasoning is None else request.reasoning.effort
+        template_kwargs = effort_template_kwargs(self.tokenizer, effort, "reasoning.effort")
         while True:
-            text = chat_prompt_text(self.tokenizer, system + conversation, tools=tools)
+            text = chat_prompt_text(self.tokenizer, system + conversation, tools=tools, template_kwargs=template_kwargs)
             if request.truncation != "auto" or len(conversation) == 1:
                 self.limits.text(text, "input")
                 return self.tokenizer.encode(text, add_special_tokens=False)

@@ -29,7 +29,7 @@ class Unsupported:
 
 NO_BUILT_IN_TOOLS = "is not supported: this server runs no built-in tools"
 NO_MODERATION = "is not supported: this server runs no moderation model"
-NO_REASONING = "is not supported: folio runs models without reasoning controls"
+NO_SUMMARY = "is not supported: no summary is written (the reasoning item holds the reasoning's text)"
 TEXT_ONLY = "is not supported: this server generates text only"
 NO_VERBOSITY = "other than 'medium' is not supported: folio runs models without verbosity controls"
 LOGPROBS = "message.output_text.logprobs"  # the Responses API's `include` value for the message's token logprobs
@@ -62,8 +62,6 @@ CHAT_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
     Unsupported("modalities", TEXT_ONLY, lambda value: value in (None, ["text"])),
     Unsupported("prediction", "(predicted outputs) is not supported"),
     Unsupported("web_search_options", NO_BUILT_IN_TOOLS),
-    Unsupported("reasoning_effort", f"{NO_REASONING} (a chat template's own switch, such as Qwen3's "
-                                    "enable_thinking, goes in chat_template_kwargs)"),
     Unsupported("verbosity", NO_VERBOSITY, _medium),
     Unsupported("store", "is not supported: chat completions are not stored (the Responses API stores responses)",
                 lambda value: not value),
@@ -85,7 +83,8 @@ RESPONSES_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
                 lambda value: value in (None, 1)),
     Unsupported("max_tokens", "is not a field of the Responses API: use max_output_tokens"),
     Unsupported("text.verbosity", NO_VERBOSITY, _medium),
-    Unsupported("reasoning", NO_REASONING, lambda value: not value or all(v is None for v in value.values())),
+    Unsupported("reasoning.summary", NO_SUMMARY),
+    Unsupported("reasoning.generate_summary", NO_SUMMARY),
     Unsupported("background", "is not supported: a response runs while its request is open", lambda value: not value),
     Unsupported("background_options", "is not supported: a response runs while its request is open"),
     Unsupported("include", f"is supported for {LOGPROBS!r} only: a response holds its output text, reasoning and calls",
