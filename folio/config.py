@@ -183,7 +183,7 @@ class ParallelOptions:
                              f"{self.distributed_executor_backend!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one rank in the engine's process; "
-                             f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'")
+                             f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp' or 'ray'")
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance",)

@@ -143,7 +143,7 @@ def test_a_worker_that_dies_fails_the_engine_instead_of_hanging(folders):
     (dict(tensor_parallel_size=3), "tensor_parallel_size 3 does not divide the model's num_attention_heads"),
     (dict(tensor_parallel_size=8), "tensor_parallel_size 8 does not divide the model's num_attention_heads"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
-    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "needs 'mp'"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "needs 'mp' or 'ray'"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "x",
                                                       "num_speculative_tokens": 2}), "'draft_model' is not supported"),
 ])
