@@ -59,6 +59,10 @@ ARCH_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
                                      "moe_intermediate_size": 32, "norm_topk_prob": True}),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0]}),  # layers 1, 3: NoPE
+    # Granite's scalars far from 1 (a softmax scale 0.05 against head_dim ** -0.5 = 0.25; logits divided by 3)
+    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                  "attention_multiplier": 0.05, "logits_scaling": 3.0}),
 }
 
 

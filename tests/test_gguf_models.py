@@ -1,6 +1,7 @@
-"""Phi-3 and mixture-of-experts GGUF files, written from tiny Hugging Face models with llama.cpp's names and
-layouts (fused attn_qkv and ffn_up, stacked ffn_*_exps, LongRoPE factor tensors, permuted Q/K for Mixtral's
-"llama" files): folio's greedy output from the GGUF equals Transformers' from the Hugging Face folder."""
+"""Phi-3, mixture-of-experts, SmolLM3 and Granite GGUF files, written from tiny Hugging Face models with llama.cpp's
+names and layouts (fused attn_qkv and ffn_up, stacked ffn_*_exps, LongRoPE factor tensors, permuted Q/K for
+Mixtral's "llama" files and SmolLM3's and Granite's, Granite's *_scale keys): folio's greedy output from the GGUF
+equals Transformers' from the Hugging Face folder."""
 
 from __future__ import annotations
 
@@ -77,6 +78,11 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch == "granite":  # llama.cpp's converter renames Granite's multipliers
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     tokens, merges, types = _byte_level_vocab()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
@@ -95,7 +101,7 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
         else:
             layer, part, suffix = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
             gguf_name = f"blk.{layer}.{_LAYER[part]}.{suffix}"
-            if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "smollm3", "granite") and part in ("self_attn.q_proj", "self_attn.k_proj"):
                 t = _permute(t, heads if part == "self_attn.q_proj" else kv_heads)
             if part == "mlp.shared_expert_gate":
                 t = t.reshape(-1)
@@ -120,6 +126,9 @@ MODELS = {
     "qwen2_moe": ("qwen2_moe", "qwen2moe", {"mlp_only_layers": []}),  # llama.cpp's qwen2moe: every layer sparse
     "qwen3_moe": ("qwen3_moe", "qwen3moe", {}),
     "olmoe": ("olmoe", "olmoe", {}),
+    # llama.cpp's SmolLM3 has every fourth layer NoPE (no GGUF key says so), as has this one (8 layers: 3 and 7)
+    "smollm3": ("smollm3", "smollm3", {"num_hidden_layers": 8, "no_rope_layers": None}),
+    "granite": ("granite", "granite", {}),
 }
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 41)), [100, 3, 250, 77, 1, 90]]
 

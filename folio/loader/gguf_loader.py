@@ -13,7 +13,8 @@ What the translation has to undo:
   adds it back in float32). What llama.cpp hard-codes rather than stores comes back from its own rules:
   Gemma 2's default window and soft-caps, Gemma 3's local RoPE base, the layer patterns (Gemma 2: even
   layers slide; Gemma 3: five of six, and none without a sliding_window), and the attention scale
-  (1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 27B models);
+  (1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 27B models); SmolLM3's NoPE layers (every fourth);
+* Granite's multipliers: stored as *_scale keys, back to their config.json names;
 * the tokenizer: a GGUF stores vocabulary, merges and token types as metadata, not a tokenizer.json,
   so one is rebuilt with the `tokenizers` library, splitting text the way llama.cpp does.
 
@@ -64,11 +65,13 @@ ARCHITECTURES = {
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+    "granite": ("GraniteForCausalLM", "granite"),
 }
 # llama.cpp writes Mixtral as "llama" with experts (llama.expert_count).
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
-# The model types whose Q and K rows llama.cpp's converter permutes.
-PERMUTED_QK = frozenset({"llama", "mixtral"})
+# The model types whose Q and K rows llama.cpp's converter permutes (its LlamaModel and subclasses).
+PERMUTED_QK = frozenset({"llama", "mixtral", "smollm3", "granite"})
 GEMMA = frozenset({"gemma2", "gemma3"})
 
 Q = GGMLQuantizationType
@@ -266,6 +269,10 @@ def _hf_config(reader: GGUFReader) -> dict:
         config["rope_scaling"] = _llama3_rope_scaling(factors, config["rope_theta"], rope_dim)
     if arch in GEMMA:
         config.update(_gemma_config(reader, arch, config))
+    if arch == "granite":
+        config.update(_granite_config(reader, arch, head_dim))
+    if arch == "smollm3":  # llama.cpp hard-codes SmolLM3's NoPE layers (every fourth): no GGUF key says so
+        config["no_rope_layer_interval"] = 4
     return config
 
 
@@ -285,6 +292,18 @@ def _moe_config(reader: GGUFReader, arch: str, model_type: str) -> dict:
             "shared_expert_intermediate_size": int(shared or 0),
             # llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's unless the file says so
             "norm_topk_prob": bool(get_field(reader, f"{arch}.expert_weights_norm", model_type == "qwen3_moe"))}
+
+
+def _granite_config(reader: GGUFReader, arch: str, head_dim: int) -> dict:
+    """Granite's multipliers, which llama.cpp's converter writes as *_scale keys where they are non-zero; an absent
+    one means what llama.cpp's graph then does: no scaling, and the attention's usual 1 / sqrt(head_dim)."""
+    def scale(key: str, default: float) -> float:
+        value = get_field(reader, f"{arch}.{key}")
+        return _f32(value) if value else default
+
+    return {"embedding_multiplier": scale("embedding_scale", 1.0), "residual_multiplier": scale("residual_scale", 1.0),
+            "attention_multiplier": scale("attention.scale", head_dim ** -0.5),
+            "logits_scaling": scale("logit_scale", 1.0)}
 
 
 # llama.cpp's block counts of the 27B models, whose attention scale is 1 / sqrt(hidden / heads)

@@ -130,8 +130,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
                               tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hook for architectures that scale the embeddings before the first layer (Granite)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
         x, _ = self.norm(x, residual)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from folio.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from folio.models.granite import GraniteForCausalLM
 from folio.models.llama import LlamaForCausalLM
 from folio.models.mixtral import MixtralForCausalLM
 from folio.models.model_config import ModelConfig
@@ -13,6 +14,7 @@ from folio.models.phi3 import Phi3ForCausalLM
 from folio.models.qwen2_moe import Qwen2MoeForCausalLM
 from folio.models.qwen3 import Qwen3ForCausalLM
 from folio.models.qwen3_moe import Qwen3MoeForCausalLM
+from folio.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -20,6 +22,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
