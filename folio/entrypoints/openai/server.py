@@ -76,7 +76,7 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     completions = OpenAIServingCompletion(llm, model_name, limits)
     if options.chat_template is not None:
         tokenizer.replace_chat_template(read_chat_template(options.chat_template))
-    tool_format = TOOL_CALL_FORMATS[options.tool_call_parser]
+    tool_format = TOOL_CALL_FORMATS[options.tool_call_parser].resolve(tokenizer)
     chat = OpenAIServingChat(llm, model_name, limits, tool_format, options.enable_auto_tool_choice)
     embeddings = OpenAIServingEmbedding(llm, model_name, limits)
     responses = OpenAIServingResponses(llm, model_name, limits, responses_store or ResponseStore(), tool_format,

@@ -17,7 +17,8 @@ from folio.engine.admission import AdmissionPolicy
 from folio.tokenizer import check_chat_template
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # folio.entrypoints.openai.tool_call_format
+# folio.entrypoints.openai.tool_call_format
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,10 @@ class ServerOptions:
               "off, 'auto' is a 400 and clients must ask for 'required', a named function or 'none')")
     tool_call_parser: str = option("hermes", "the format the model writes tool calls in, which the tool grammars "
                                              "make it write and the server reads back: hermes (Qwen2.5, Qwen3, "
-                                             "Hermes: <tool_call> blocks) or llama3_json (Llama 3.1-3.3: a JSON "
-                                             "object of name and parameters)", choices=TOOL_CALL_PARSERS)
+                                             "Hermes: <tool_call> blocks of JSON), llama3_json (Llama 3.1-3.3: a JSON "
+                                             "object of name and parameters), mistral ([TOOL_CALLS] and the calls), "
+                                             "pythonic (Llama 3.2, Llama 4: [f(x=1)]) or qwen3_coder (Qwen3-Coder: "
+                                             "<function=...> blocks)", choices=TOOL_CALL_PARSERS)
     # Backpressure and deadlines (folio.engine.admission).
     max_waiting_requests: int = option(
         1024, "refuse new requests with 503 and Retry-After while this many sequences wait for the batch "

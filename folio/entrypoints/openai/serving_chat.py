@@ -22,6 +22,7 @@ from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
 from folio.entrypoints.openai.tool_call_format import ToolCallFormat
 from folio.entrypoints.openai.tool_parser import ToolCallReader, join_tool_calls
 from folio.reasoning_parser import ReasoningSplitter
+from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
 
@@ -87,6 +88,12 @@ class OpenAIServingChat(OpenAIServing):
                                  request.structured_outputs_params(), message_format,
                                  request.structured_outputs_field)
 
+    def _sampling_params(self, request: ChatCompletionRequest, prompts: list[Prompt]) -> SamplingParams:
+        """With tools (and tool_choice not "none"), as the tool format reads the text."""
+        params = super()._sampling_params(request, prompts)
+        tool_choice = resolve_tool_choice(request.tools, request.tool_choice, self.auto_tool_choice)
+        return params if tool_choice == "none" else self.tool_format.reading(params)
+
     async def read_deltas(self, request: ChatCompletionRequest, prompts: list[Prompt],
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
         """With a reasoning parser, each choice's reasoning leaves its text first (dropped where include_reasoning
@@ -113,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
             if tool_choice != "none":
                 parser = parsers.get(delta.index)
                 if parser is None:
-                    parser = parsers[delta.index] = self.tool_format.reader([t.function.name for t in request.tools])
+                    parser = parsers[delta.index] = self.tool_format.reader(request.tools or [])
                 delta.text, delta.tool_calls = parser.feed(delta.text, final=final)
                 if parser.num_calls and delta.finish_reason == "stop" and tool_choice in ("auto", "required"):
                     delta.finish_reason = "tool_calls"

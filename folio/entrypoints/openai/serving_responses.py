@@ -149,7 +149,7 @@ class OpenAIServingResponses:
             ids, params, reads_calls = await asyncio.to_thread(self._prompt_and_params, request, conversation)
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
-        parser = self.tool_format.reader([tool.name for tool in request.tools or ()]) if reads_calls else None
+        parser = self.tool_format.reader(request.chat_tools() or []) if reads_calls else None
         reasoning = self.reasoning_parser
         turn = Turn(request, params, self.model_name, conversation, len(ids), parser,
                     reasoning.splitter(self.tokenizer, ids) if reasoning is not None else None)
@@ -184,7 +184,7 @@ class OpenAIServingResponses:
             raise ValueError(f"{asked} asks for the message's logprobs, "
                              "which are not given beside tool calls: set tool_choice to 'none', or leave them out")
         params = request.to_sampling_params(max_tokens, request.logprobs, structured_outputs=constraint)
-        return ids, params, reads_calls
+        return ids, self.tool_format.reading(params) if reads_calls else params, reads_calls
 
     def _prompt_ids(self, request: ResponsesRequest, conversation: list[ChatMessage],
                     tools: Optional[list[ChatTool]]) -> list[int]:

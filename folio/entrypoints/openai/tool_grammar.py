@@ -74,17 +74,22 @@ def hermes_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_t
     if tool_choice == "none":
         return None
     tools, several = chosen_tools(tools, tool_choice, parallel_tool_calls)
+    lines = ["%llguidance {}", *tagged_calls_start(tool_choice, several, message_schema),
+             *call_alternatives(tools, _call_rule)]
+    return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
+
+
+def tagged_calls_start(tool_choice: ToolChoice, several: bool, message_schema: Optional[dict]) -> list[str]:
+    """The `start` rules of a format whose calls each open with CALL_OPEN (Hermes, Qwen3-Coder), given the `call`
+    rule after it: calls only, or with "auto" free text in which CALL_OPEN triggers a call (a lazy lexeme: the text
+    before it is unconstrained), or, with a message schema, such a message or calls."""
     more = f" ({grammar_literal(chr(10) + CALL_OPEN)} call)*" if several else ""
     if tool_choice == "auto" and message_schema is not None:
-        start = [f"start: message | {grammar_literal(CALL_OPEN)} call{more}",
-                 f"message: {grammar_json(message_schema)}"]
-    elif tool_choice == "auto":
-        start = [f"start: TEXT | text_then_open call{more}",
-                 f"text_then_open[lazy]: TEXT {grammar_literal(CALL_OPEN)}", r"TEXT: /(.|\n)*/"]
-    else:
-        start = [f"start: {grammar_literal(CALL_OPEN)} call{more}"]
-    lines = ["%llguidance {}", *start, *call_alternatives(tools, _call_rule)]
-    return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
+        return [f"start: message | {grammar_literal(CALL_OPEN)} call{more}", f"message: {grammar_json(message_schema)}"]
+    if tool_choice == "auto":
+        return [f"start: TEXT | text_then_open call{more}",
+                f"text_then_open[lazy]: TEXT {grammar_literal(CALL_OPEN)}", r"TEXT: /(.|\n)*/"]
+    return [f"start: {grammar_literal(CALL_OPEN)} call{more}"]
 
 
 def resolve_tool_choice(tools: Optional[list[ChatTool]], tool_choice: Optional[ToolChoice],

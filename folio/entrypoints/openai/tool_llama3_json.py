@@ -25,12 +25,11 @@ from typing import Collection, Optional
 from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
 from folio.entrypoints.openai.tool_grammar import (ANY_ARGUMENTS, ToolChoice, call_alternatives, chosen_tools,
                                                    grammar_json, grammar_literal)
-from folio.entrypoints.openai.tool_parser import CallEnd, Piece, ToolCallReader, arguments_text, may_name
+from folio.entrypoints.openai.tool_parser import BracketEnd, CallEnd, Piece, ToolCallReader, arguments_text, may_name
 from folio.structured_output.params import StructuredOutputsParams
 
 SEPARATOR = "; "
 _JSON_SPACE = " \t\r\n"  # (str.strip() would also take Unicode spaces, which JSON does not allow)
-_SIGNIFICANT = re.compile(r'[{}"\\]')
 _GAP = re.compile(r"[ \t\r\n]*(;[ \t\r\n]*)?")  # what may come between two calls
 
 
@@ -76,20 +75,19 @@ class Llama3JsonToolCallReader(ToolCallReader):
         self._mode: Optional[str] = None  # "calls" or "content", once the first character came
         self._gap = ""  # text since the last call, before the next object opens
         self._object: list[str] = []  # the open object's text, in parts
-        self._depth = 0  # of braces in the open object, outside its strings
-        self._in_string = False
-        self._escaped = False  # a backslash in a string ended the last piece: the next character is escaped
+        self._object_end: Optional[BracketEnd] = None  # follows the open object (None: none is open)
 
     def pieces(self, text: str, final: bool = False) -> list[Piece]:
         out: list[Piece] = []
         if self._mode is None and text:
             self._mode = "calls" if text.startswith("{") else "content"
         while text and self._mode == "calls":
-            text = self._read_object(text, out) if self._depth else self._read_gap(text, out)
+            text = self._read_object(text, out) if self._object_end else self._read_gap(text, out)
         if text and self._mode == "content":
             out.append(text)
         if final and self._mode == "calls":
-            self._to_content(out, "".join(self._object) if self._depth else self._gap.strip(_JSON_SPACE + ";"))
+            self._to_content(out, "".join(self._object) if self._object_end else
+                             self._gap.strip(_JSON_SPACE + ";"))
         return out
 
     def _read_gap(self, text: str, out: list[Piece]) -> str:
@@ -102,43 +100,22 @@ class Llama3JsonToolCallReader(ToolCallReader):
             return ""
         if start == -1:
             return ""
-        self._gap, self._object, self._depth = "", [], 0
+        self._gap, self._object, self._object_end = "", [], BracketEnd()
         return self._read_object(text[start:], out)
 
     def _read_object(self, text: str, out: list[Piece]) -> str:
         """Follow the open object through text: what is left after it closes."""
-        end = self._scan(text)
+        end = self._object_end.feed(text)
         self._object.append(text if end == -1 else text[:end])
         if end == -1:
             return ""
-        body, self._object = "".join(self._object), []
+        body, self._object, self._object_end = "".join(self._object), [], None
         call = self._call(body)
         if call is None:
             self._to_content(out, body + text[end:])
             return ""
         out += call
         return text[end:]
-
-    def _scan(self, text: str) -> int:
-        """The index just past the open object's closing brace in text, or -1 while it stays open."""
-        i = 0
-        if self._escaped:
-            self._escaped, i = False, 1
-        while (match := _SIGNIFICANT.search(text, i)) is not None:
-            i, char = match.end(), match.group()
-            if self._in_string:
-                if char == "\\":
-                    self._escaped = i == len(text)
-                    i += 1
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            else:
-                self._depth += 1 if char == "{" else -1
-                if self._depth == 0:
-                    return i
-        return -1
 
     def _call(self, body: str) -> Optional[list[Piece]]:
         """A closed object's call pieces, or None where it is not a call of the request's functions."""
@@ -158,6 +135,6 @@ class Llama3JsonToolCallReader(ToolCallReader):
 
     def _to_content(self, out: list[Piece], text: str) -> None:
         """The rest of the choice is content, starting with text."""
-        self._mode, self._object, self._depth, self._gap = "content", [], 0, ""
+        self._mode, self._object, self._object_end, self._gap = "content", [], None, ""
         if text:
             out.append(text)

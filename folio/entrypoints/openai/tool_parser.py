@@ -43,12 +43,49 @@ class CallEnd:
 Piece = Union[str, DeltaToolCall, CallEnd]  # content, a piece of a call, a call's end: in the order written
 
 
-def _pending_prefix(text: str, tag: str) -> int:
+def pending_prefix(text: str, tag: str) -> int:
     """Length of the longest end of text that could be the start of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+class BracketEnd:
+    """Follows a bracketed text as it streams (a JSON object, a Python list), from its opening bracket, to find where
+    it closes: where its brackets outside strings balance. A backslash in a string escapes the next character, also
+    across pieces. Work per piece is its length."""
+
+    def __init__(self, brackets: str = "{}", quotes: str = '"') -> None:
+        """brackets: opening and closing brackets, in pairs ("{}", "[](){}"); quotes: what opens and closes a
+        string."""
+        self._opening, self._quotes = brackets[0::2], quotes
+        self._significant = re.compile("[" + re.escape(brackets + quotes) + r"\\]")
+        self._depth = 0
+        self._quote = ""  # the quote of the string the text is in, if any
+        self._escaped = False  # a backslash in a string ended the last piece: the next character is escaped
+
+    def feed(self, text: str) -> int:
+        """The index just past the closing bracket in text, or -1 while the text stays open."""
+        i = 0
+        if self._escaped:
+            self._escaped, i = False, 1
+        while (match := self._significant.search(text, i)) is not None:
+            i, char = match.end(), match.group()
+            if self._quote:
+                if char == "\\":
+                    self._escaped, i = i == len(text), i + 1
+                elif char == self._quote:
+                    self._quote = ""
+            elif char in self._quotes:
+                self._quote = char
+            elif char in self._opening:
+                self._depth += 1
+            elif char != "\\":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i
+        return -1
 
 
 def _is_text(value: object) -> bool:
@@ -114,7 +151,7 @@ class _Call:
             return self._advance(), None
         body = "".join(self.parts)
         whole = body.rstrip()
-        whole = whole[:len(whole) - _pending_prefix(whole, CALL_CLOSE)]
+        whole = whole[:len(whole) - pending_prefix(whole, CALL_CLOSE)]
         if _call_object(whole) is not None:  # stopped before </tool_call>, its object whole: a call
             self._take_back(len(body) - len(whole))
             return self._close(), ""
@@ -149,7 +186,7 @@ class _Call:
         deltas = [] if self.named else self._header(self.head)
         if not self.named:
             return deltas
-        held = self.unsent[:len(self.unsent) - _pending_prefix(self.unsent, CALL_CLOSE)]
+        held = self.unsent[:len(self.unsent) - pending_prefix(self.unsent, CALL_CLOSE)]
         return deltas + self._send(len(held.rstrip(_CLOSERS)))
 
     def _close(self) -> list[DeltaToolCall]:
@@ -254,7 +291,7 @@ class HermesToolCallReader(ToolCallReader):
                 text = self._outside + text
                 start = text.find(CALL_OPEN)
                 if start == -1:
-                    keep = 0 if final else _pending_prefix(text, CALL_OPEN)
+                    keep = 0 if final else pending_prefix(text, CALL_OPEN)
                     self._content(out, text[:len(text) - keep])
                     self._outside = text[len(text) - keep:]
                     return out

@@ -1,0 +1,494 @@
+"""Qwen3-Coder's XML-style tool calls (vLLM's `--tool-call-parser qwen3_coder`): the grammar that makes a model write
+them, and the reader that reads them back by the functions' schemas.
+
+Qwen3-Coder (and later Qwen models) write each call as a block, several calls as several blocks, as their chat
+template renders the history's calls:
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+A string's value is the raw text between the newlines (no quotes, no escapes); any other value is its JSON text.
+So a value's meaning depends on its parameter's schema, and the reader is given the request's tools: "3" is the
+string "3" for a string parameter and the number 3 for an integer one.
+
+How each parameter's value is written follows from its schema (ValueForm): raw text for a schema whose values are
+exactly all strings (a description, a default and such annotations aside), where the text cannot hold
+"\\n</parameter>", which ends it; the literal strings for an enum (or const) of strings; either of these with the
+text "null" for None where the schema also takes null (Optional[str], as the template renders None); raw text
+read as JSON where it parses, else as the string, for a schema that takes anything; and the value's JSON text for
+every other schema: numbers, booleans, arrays, objects, and strings the raw form cannot bound (pattern,
+maxLength, format, a mix of strings and other types), which are then written JSON-quoted. The reader reads each
+form back as its grammar wrote it, so whatever the grammar allows reads back as arguments valid by the schema.
+
+By tool_choice, the grammar (llguidance's Lark dialect, as tool_grammar's) allows:
+  * "required": calls only (one, or several with parallel_tool_calls, a newline between them);
+  * a named function: one call of it;
+  * "auto": free text, but once the model writes "<tool_call>" the call must be well formed (the Hermes grammar's
+    lazy trigger); with a JSON format for the message, that message or calls.
+A call's parameters come in the order of the schema's `properties` (as clients build the arguments the template
+shows the model), each required one written, each optional one written or left out; required names the
+properties do not declare follow, in `required`'s order. A schema without properties takes further parameters by
+any plain name (of its additionalProperties' schema). Top-level keywords that constrain the object as a whole
+(anyOf, minProperties, patternProperties, ...) and a required property whose name holds ">" (which would end
+the name) cannot be written this way: such tools are a 400 naming them (an optional such property is left out).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
+from folio.entrypoints.openai.tool_grammar import (CALL_CLOSE, CALL_OPEN, ToolChoice, call_alternatives,
+                                                   chosen_tools, grammar_json, grammar_literal, tagged_calls_start)
+from folio.entrypoints.openai.tool_parser import (CallEnd, Piece, ToolCallReader, arguments_text, may_name,
+                                                  pending_prefix)
+from folio.structured_output.params import StructuredOutputsParams
+
+FUNCTION_OPEN = "<function="
+FUNCTION_CLOSE = "</function>"
+PARAMETER_OPEN = "<parameter="
+NEWLINE = "\n"
+VALUE_END = "\n</parameter>"  # what ends a value: the first one after it begins
+NAME_LIMIT = 256  # characters of a function's or parameter's name read before the call is taken as not one
+_SPACE = " \t\r\n"
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
+                          "$comment"})
+_OBJECT_KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "$defs",
+                                   "definitions", "$schema"}
+_EXTRA_NAME = r"/[A-Za-z_][A-Za-z0-9_.\-]{0,63}/"  # a parameter's name beyond the declared ones
+_LOCAL_REF = re.compile(r"#/(\$defs|definitions)/([^/~]+)")
+_JSON_TYPES = {type(None): "null", bool: "boolean", str: "string", list: "array", dict: "object"}
+
+
+@dataclass(frozen=True)
+class _Strings:
+    """The values of a schema that takes strings and null only: every string or some, and null or not."""
+
+    every: bool
+    some: frozenset
+    null: bool
+
+    def __or__(self, other: "_Strings") -> "_Strings":
+        return _Strings(self.every or other.every, self.some | other.some, self.null or other.null)
+
+    def overlaps(self, other: "_Strings") -> bool:
+        return (self.null and other.null) or bool(self.some & other.some) or \
+            (self.every and (other.every or bool(other.some))) or (other.every and bool(self.some))
+
+
+def _resolved(schema: Any, defs: dict, depth: int = 0) -> Any:
+    """schema, with a local $ref (beside annotations only) or a one-branch allOf followed to what it stands for."""
+    if not isinstance(schema, dict) or depth > 16 or set(schema) - _ANNOTATIONS - {"$ref", "allOf"}:
+        return schema
+    if "$ref" in schema and "allOf" not in schema:
+        match = _LOCAL_REF.fullmatch(schema["$ref"]) if isinstance(schema["$ref"], str) else None
+        target = defs.get(match.group(1), {}).get(match.group(2)) if match else None
+        return schema if target is None else _resolved(target, defs, depth + 1)
+    if "allOf" in schema and "$ref" not in schema and isinstance(schema["allOf"], list) and len(schema["allOf"]) == 1:
+        return _resolved(schema["allOf"][0], defs, depth + 1)
+    return schema
+
+
+def _strings(schema: Any, defs: dict) -> Optional[_Strings]:
+    """What a schema takes, where that is strings and null only and nothing narrows the strings but an enum; None
+    otherwise (the value is then written as JSON)."""
+    schema = _resolved(schema, defs)
+    if not isinstance(schema, dict):
+        return None
+    keys = set(schema) - _ANNOTATIONS
+    types = schema.get("type", ["string", "null"])
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not types or set(types) - {"string", "null"}:
+        return None
+    if keys <= {"type"} and "type" in schema:
+        return _Strings("string" in types, frozenset(), "null" in types)
+    if keys in ({"enum"}, {"enum", "type"}, {"const"}, {"const", "type"}):
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        if not isinstance(values, list) or any(v is not None and not isinstance(v, str) for v in values):
+            return None
+        return _Strings(False, frozenset(v for v in values if isinstance(v, str) and "string" in types),
+                        None in values and "null" in types)
+    if len(keys) == 1 and keys <= {"anyOf", "oneOf"}:
+        branches = schema.get("anyOf", schema.get("oneOf"))
+        parts = [_strings(branch, defs) for branch in branches] if isinstance(branches, list) and branches else [None]
+        if any(part is None for part in parts):
+            return None
+        if "oneOf" in keys and any(a.overlaps(b) for i, a in enumerate(parts) for b in parts[i + 1:]):
+            return None  # (a value two branches take is no value of a oneOf)
+        union = parts[0]
+        for part in parts[1:]:
+            union |= part
+        return union
+    return None
+
+
+def _strict_json(text: str) -> Any:
+    """text's JSON value; ValueError where it is not JSON (NaN and Infinity, which Python reads, included)."""
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except RecursionError as e:
+        raise ValueError("too deep") from e
+
+
+def _has_type(value: Any, schema: Any) -> bool:
+    """Whether value is of a type the schema names (any where it names none)."""
+    types = schema.get("type") if isinstance(schema, dict) else None
+    if types is None:
+        return True
+    types = [types] if isinstance(types, str) else types
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "number" in types or ("integer" in types and float(value).is_integer())
+    return _JSON_TYPES.get(type(value)) in types
+
+
+@dataclass(frozen=True)
+class ValueForm:
+    """How one parameter's value is written and read back.
+
+    kind "text": raw text, the string itself (within `choices` where given; "null" is None where `nullable`);
+    "any": raw text, its JSON value where it parses, else the string (a schema that takes anything);
+    "json": the value's JSON text, of `schema` (read leniently where the grammar did not write it: the text
+    itself where it is not JSON of the schema's type)."""
+
+    kind: str
+    schema: Any = None
+    choices: Optional[tuple[str, ...]] = None
+    nullable: bool = False
+
+    @staticmethod
+    def of(schema: Any, defs: dict) -> "ValueForm":
+        """The form of a property's schema; defs: the function's $defs, which its $refs point into."""
+        strings = _strings(schema, defs)
+        if strings is not None and strings.every:
+            return ValueForm("text", nullable=strings.null)
+        if strings is not None and (strings.some or strings.null) and not (strings.null and "null" in strings.some) \
+                and not any(VALUE_END in choice for choice in strings.some):
+            return ValueForm("text", choices=tuple(sorted(strings.some)), nullable=strings.null)
+        if schema is True or (isinstance(schema, dict) and not set(schema) - _ANNOTATIONS):
+            return ValueForm("any")
+        return ValueForm("json", {**schema, **defs} if isinstance(schema, dict) else schema)
+
+    def grammar(self) -> str:
+        """The value's grammar, with the end of the parameter ("\\n</parameter>\\n")."""
+        end = VALUE_END + "\n"
+        if self.kind == "json":
+            return f"{grammar_json(self.schema)} {grammar_literal(end)}"
+        if self.choices is None:
+            return 'raw_value "\\n"'
+        choices = self.choices + (("null",) if self.nullable else ())
+        return "(" + " | ".join(grammar_literal(choice + end) for choice in choices) + ")"
+
+    def read(self, text: str) -> Any:
+        if self.kind == "text":
+            return None if self.nullable and text == "null" else text
+        try:
+            value = _strict_json(text)
+        except ValueError:
+            return text
+        return value if self.kind == "any" or _has_type(value, self.schema) else text
+
+    def streams(self) -> bool:
+        """Whether the value's text goes out as it comes (a raw string's, once it cannot be "null")."""
+        return self.kind == "text" and self.choices is None
+
+
+RAW_STRING = ValueForm("text")  # a parameter the schema does not declare, read as vLLM reads it
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    form: ValueForm
+    required: bool
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A function's parameters as the format writes them: in the grammar's order, and the form of further ones
+    (None: the grammar writes no others)."""
+
+    parameters: tuple[Parameter, ...]
+    extra: Optional[ValueForm]
+
+    @staticmethod
+    def of(tool: ChatTool, strict: bool = True) -> "Signature":
+        """strict: ValueError where the format cannot write every call the schema takes (the grammar's use); not
+        strict, the forms the reader reads by, whatever the schema."""
+        name, schema = tool.function.name, tool.function.parameters or {}
+        defs = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)}
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = [key for key in schema.get("required", ()) if isinstance(key, str)]
+        additional = schema.get("additionalProperties", True)
+        problem = _object_problem(schema) if strict else None
+        parameters = []
+        for key in list(properties) + [key for key in required if key not in properties]:
+            property_schema = properties.get(key, additional)
+            if ">" in key or len(key) > NAME_LIMIT or property_schema is False:
+                if key in required:
+                    problem = problem or f"its required parameter {key!r} cannot be written"
+                continue
+            parameters.append(Parameter(key, ValueForm.of(property_schema, defs), key in required))
+        if strict and problem is not None:
+            raise ValueError(f"tools: the qwen3_coder format writes a call's parameters one by one, and cannot "
+                             f"write every call of {name!r}: {problem}")
+        extra = None if properties or additional is False else ValueForm.of(additional, defs)
+        return Signature(tuple(parameters), extra)
+
+    def form(self, key: str) -> ValueForm:
+        """How the reader reads parameter `key`'s value."""
+        for parameter in self.parameters:
+            if parameter.name == key:
+                return parameter.form
+        return self.extra or RAW_STRING
+
+
+def _object_problem(schema: dict) -> Optional[str]:
+    """Why the parameters' schema constrains its object beyond what parameter by parameter can write, or None."""
+    types = schema.get("type", "object")
+    if types != "object" and not (isinstance(types, list) and "object" in types):
+        return f"its parameters are of type {types!r}, not an object"
+    beyond = sorted(set(schema) - _OBJECT_KEYWORDS)
+    return f"its parameters' schema has {', '.join(beyond)}" if beyond else None
+
+
+def _call_rule(tool: ChatTool) -> str:
+    """One call's text after CALL_OPEN: the name forced, the parameters in the schema's order."""
+    signature = Signature.of(tool)
+    parts = [grammar_literal("\n" + FUNCTION_OPEN + tool.function.name + ">\n")]
+    for parameter in signature.parameters:
+        written = f"({grammar_literal(PARAMETER_OPEN + parameter.name + '>' + NEWLINE)} {parameter.form.grammar()})"
+        parts.append(written if parameter.required else written + "?")
+    if signature.extra is not None:
+        parts.append(f"({grammar_literal(PARAMETER_OPEN)} EXTRA_NAME {grammar_literal('>' + NEWLINE)} "
+                     f"{signature.extra.grammar()})*")
+    parts.append(grammar_literal(f"{FUNCTION_CLOSE}\n{CALL_CLOSE}"))
+    return " ".join(parts)
+
+
+def qwen3_coder_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
+                           message_schema: Optional[dict] = None) -> Optional[StructuredOutputsParams]:
+    """The grammar for a validated tool_choice, or None for "none" (tool_grammar.hermes_constraint's contract, in
+    Qwen3-Coder's format); ValueError naming tools whose schema the format cannot write."""
+    if tool_choice == "none":
+        return None
+    tools, several = chosen_tools(tools, tool_choice, parallel_tool_calls)
+    lines = ["%llguidance {}", *tagged_calls_start(tool_choice, several, message_schema),
+             *call_alternatives(tools, _call_rule),
+             f"raw_value[lazy]: RAW {grammar_literal(VALUE_END)}", r"RAW: /(.|\n)*/", f"EXTRA_NAME: {_EXTRA_NAME}"]
+    return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
+
+
+class Qwen3CoderToolCallReader(ToolCallReader):
+    """One choice's reader, given the request's tools (None: any function, every value a string).
+
+    Text outside `<tool_call>...</tool_call>` is content (whitespace after a call dropped). A call streams: its
+    opening delta (id, type, name) once `<function=NAME>` has come, then its arguments' JSON text parameter by
+    parameter as each value ends, a raw string's text as it comes; "}" when the call closes. The structure is
+    followed as written (a value ends at the first "\\n</parameter>" only, so a raw value may hold anything
+    else); a block whose start is not `<function=` and one of the request's functions stays content. Past its
+    name, text that breaks the structure is skipped to `</tool_call>`, the parameters read so far kept (as at the
+    end of the text, where a value cut off keeps its text). A parameter written twice keeps its first value.
+    Work per piece is the piece's length: only a marker's or a name's unfinished start is held back."""
+
+    def __init__(self, tools: Optional[list[ChatTool]] = None) -> None:
+        super().__init__()
+        self._signatures = None if tools is None else {t.function.name: Signature.of(t, strict=False) for t in tools}
+        self._state = "outside"  # outside, head, between, name, value, function_end, skip
+        self._held = ""  # text not consumed yet: an unfinished marker or name
+        self._after_call = False  # whether the content since the last call is whitespace so far
+        self._index = 0  # the open call's
+        self._signature = Signature((), None)  # the open call's function's
+        self._written: set[str] = set()  # its parameters so far
+        self._parameter: Optional[tuple[str, ValueForm]] = None  # the value being read: whose, and its form (None:
+        self._value: list[str] = []  # a repeat, skipped) and its text not sent
+        self._streaming = False  # the value's text goes out as it comes: its opening quote is out
+        self._sent_any = False  # some of the open call's arguments went out: "{" and a parameter
+
+    def pieces(self, text: str, final: bool = False) -> list[Piece]:
+        out: list[Piece] = []
+        self._held += text
+        step = {"outside": self._outside, "head": self._head, "between": self._between, "name": self._name,
+                "value": self._value_text, "function_end": self._function_end, "skip": self._skip}
+        while step[self._state](out, final):
+            pass
+        return out
+
+    # Each step consumes what it can of self._held and says whether to go on (False: it needs more text).
+
+    def _outside(self, out: list[Piece], final: bool) -> bool:
+        start = self._held.find(CALL_OPEN)
+        if start == -1:
+            keep = 0 if final else pending_prefix(self._held, CALL_OPEN)
+            self._content(out, self._held[:len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep:]
+            return False
+        self._content(out, self._held[:start])
+        self._held, self._state = self._held[start + len(CALL_OPEN):], "head"
+        return True
+
+    def _head(self, out: list[Piece], final: bool) -> bool:
+        """After <tool_call>: `<function=NAME>`, the name one of the request's functions."""
+        head = self._held.lstrip(_SPACE)
+        name_end = head.find(">") if head.startswith(FUNCTION_OPEN) else -1
+        name = head[len(FUNCTION_OPEN):name_end] if name_end != -1 else head[len(FUNCTION_OPEN):]
+        names = None if self._signatures is None else self._signatures.keys()
+        if name_end != -1 and may_name(names, name):
+            self._open_call(out, name)
+            self._held, self._state = head[name_end + 1:], "between"
+            return True
+        may_come = name_end == -1 and len(self._held) - len(head) <= NAME_LIMIT and len(name) <= NAME_LIMIT and (
+            FUNCTION_OPEN.startswith(head) or (head.startswith(FUNCTION_OPEN) and (
+                names is None or any(n.startswith(name) for n in names))))
+        if may_come and not final:
+            return False
+        self._content(out, CALL_OPEN)  # not a call: content, and what followed is read again
+        self._state = "outside"
+        return True
+
+    def _between(self, out: list[Piece], final: bool) -> bool:
+        """Between parameters: the next one, or </function>."""
+        self._held = self._held.lstrip(_SPACE)
+        for marker, state in ((PARAMETER_OPEN, "name"), (FUNCTION_CLOSE, "function_end")):
+            if self._held.startswith(marker):
+                self._held, self._state = self._held[len(marker):], state
+                return True
+        return self._wait_or_skip(out, final, PARAMETER_OPEN, FUNCTION_CLOSE)
+
+    def _name(self, out: list[Piece], final: bool) -> bool:
+        """After <parameter=: the name, ">" and a newline; then its value."""
+        end = self._held.find(">")
+        if end == -1 or end + 1 == len(self._held):
+            if len(self._held) > NAME_LIMIT + 1:
+                self._state = "skip"
+                return True
+            return self._wait_or_close(out, final)
+        key, rest = self._held[:end], self._held[end + 1:]
+        self._held = rest[1:] if rest.startswith("\n") else rest
+        self._parameter = (key, self._signature.form(key)) if key not in self._written else None
+        self._written.add(key)
+        self._value, self._streaming, self._state = [], False, "value"
+        return True
+
+    def _value_text(self, out: list[Piece], final: bool) -> bool:
+        """A value, up to the first \\n</parameter>."""
+        end = self._held.find(VALUE_END)
+        if end == -1:
+            keep = 0 if final else pending_prefix(self._held, VALUE_END)
+            self._add_value(out, self._held[:len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep:]
+            if final:
+                self._end_value(out)
+                self._close_call(out)
+            return False
+        self._add_value(out, self._held[:end])
+        self._end_value(out)
+        self._held, self._state = self._held[end + len(VALUE_END):], "between"
+        return True
+
+    def _function_end(self, out: list[Piece], final: bool) -> bool:
+        """After </function>: </tool_call>."""
+        self._held = self._held.lstrip(_SPACE)
+        if self._held.startswith(CALL_CLOSE):
+            self._held = self._held[len(CALL_CLOSE):]
+            self._close_call(out)
+            return True
+        return self._wait_or_skip(out, final, CALL_CLOSE)
+
+    def _skip(self, out: list[Piece], final: bool) -> bool:
+        """A call whose structure broke: its text up to </tool_call> dropped."""
+        end = self._held.find(CALL_CLOSE)
+        if end == -1:
+            keep = 0 if final else pending_prefix(self._held, CALL_CLOSE)
+            self._held = self._held[len(self._held) - keep:]
+            return self._wait_or_close(out, final)
+        self._held = self._held[end + len(CALL_CLOSE):]
+        self._close_call(out)
+        return True
+
+    def _wait_or_skip(self, out: list[Piece], final: bool, *markers: str) -> bool:
+        """Held text that is no marker's start breaks the call; a start waits for more (the end of the text closes
+        the call)."""
+        if not any(marker.startswith(self._held) for marker in markers):
+            self._state = "skip"
+            return True
+        return self._wait_or_close(out, final)
+
+    def _wait_or_close(self, out: list[Piece], final: bool) -> bool:
+        if final:
+            self._held = ""
+            self._close_call(out)
+        return False
+
+    def _open_call(self, out: list[Piece], name: str) -> None:
+        self._index = self.num_calls
+        self._signature = Signature((), None) if self._signatures is None else self._signatures[name]
+        self._written, self._parameter, self._sent_any = set(), None, False
+        out.append(DeltaToolCall(index=self._index, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                                 function=DeltaFunctionCall(name=name, arguments="")))
+
+    def _add_value(self, out: list[Piece], text: str) -> None:
+        if self._parameter is None or not text:
+            return
+        key, form = self._parameter
+        if self._streaming:
+            self._arguments(out, arguments_text(text)[1:-1])
+            return
+        self._value.append(text)
+        value = "".join(self._value)
+        if form.streams() and not (form.nullable and "null".startswith(value)):
+            self._arguments(out, f"{self._separator()}{arguments_text(key)}: {arguments_text(value)[:-1]}")
+            self._value, self._streaming = [], True
+
+    def _end_value(self, out: list[Piece]) -> None:
+        if self._parameter is None:
+            return
+        key, form = self._parameter
+        if self._streaming:
+            self._arguments(out, '"')
+        else:
+            value = form.read("".join(self._value))
+            self._arguments(out, f"{self._separator()}{arguments_text(key)}: {arguments_text(value)}")
+        self._parameter, self._value, self._streaming = None, [], False
+
+    def _separator(self) -> str:
+        """What comes before the next parameter's key: the arguments' opening brace, or a comma."""
+        separator = ", " if self._sent_any else "{"
+        self._sent_any = True
+        return separator
+
+    def _close_call(self, out: list[Piece]) -> None:
+        self._arguments(out, "}" if self._sent_any else "{}")
+        out.append(CallEnd(self._index))
+        self.num_calls += 1
+        self._state, self._after_call = "outside", True
+
+    def _arguments(self, out: list[Piece], text: str) -> None:
+        """A piece of the open call's arguments, joined to the delta before it where that is the call's."""
+        last = out[-1] if out else None
+        if isinstance(last, DeltaToolCall) and last.index == self._index:
+            last.function.arguments = (last.function.arguments or "") + text
+        else:
+            out.append(DeltaToolCall(index=self._index, function=DeltaFunctionCall(arguments=text)))
+
+    def _content(self, out: list[Piece], text: str) -> None:
+        """Content outside calls, without the whitespace that follows a call (however the tokens split it)."""
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        if text:
+            out.append(text)

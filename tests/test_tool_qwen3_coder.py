@@ -1,0 +1,363 @@
+"""Qwen3-Coder's XML-style tool calls (`--tool-call-parser qwen3_coder`): the reader on any split of the text and by
+the functions' schemas; the grammars, whose every output (random walks through them) reads back as calls valid by
+the schemas; and the server with a Qwen3-Coder-style template on the tiny qwen3_moe model (Qwen3-Coder's
+architecture): tool_choice's grammars make it write calls that come back as tool_calls (chat, streamed and not)
+and function_call items (responses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from folio.entrypoints.openai.protocol import ChatTool, NamedFunction, NamedToolChoice
+from folio.entrypoints.openai.server_options import ServerOptions
+from folio.entrypoints.openai.tool_parser import CallEnd, join_tool_calls
+from folio.entrypoints.openai.tool_qwen3_coder import Qwen3CoderToolCallReader, qwen3_coder_constraint
+from server_fixture import MODEL_NAME, running_server
+
+FORECAST = {"type": "object", "properties": {
+    "city": {"type": "string", "description": "free text: raw"},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    "unit": {"$ref": "#/$defs/Unit"},  # pydantic's enum: raw choices
+    "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},  # Optional[str]: raw, "null" None
+    "code": {"type": "string", "maxLength": 4},  # a bounded string: JSON-quoted
+    "id": {"anyOf": [{"type": "string"}, {"type": "integer"}]},  # strings and others: JSON
+    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+    "extra": {},  # anything: raw, JSON where it parses
+    "ratio": {"type": "number"}},
+    "required": ["city", "days"], "additionalProperties": False,
+    "$defs": {"Unit": {"enum": ["C", "F"], "type": "string", "title": "Unit"}}}
+TOOL_SCHEMAS = {"forecast": FORECAST,
+                "get_time": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]},
+                "anything": None}
+TOOLS = [ChatTool.model_validate({"type": "function", "function": {"name": name, "parameters": schema}})
+         for name, schema in TOOL_SCHEMAS.items()]
+
+
+def read(pieces: list[str], tools=TOOLS) -> tuple[str, list[tuple[str, str]], list]:
+    """The content and the calls (name, arguments' JSON text) a choice's pieces give, and every piece read."""
+    reader = Qwen3CoderToolCallReader(tools)
+    out = []
+    for i, piece in enumerate(pieces):
+        out += reader.pieces(piece, final=i == len(pieces) - 1)
+    content = "".join(p for p in out if isinstance(p, str))
+    calls = join_tool_calls([p for p in out if not isinstance(p, (str, CallEnd))])
+    assert sum(isinstance(p, CallEnd) for p in out) == len(calls) == reader.num_calls
+    return content, [(c.function.name, c.function.arguments) for c in calls], out
+
+
+def call(name: str, *parameters: tuple[str, str]) -> str:
+    """A call as Qwen3-Coder writes it (values as given: raw or JSON text)."""
+    written = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+    return f"<tool_call>\n<function={name}>\n{written}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (call("forecast", ("city", "Paris"), ("days", "3")), "", [("forecast", {"city": "Paris", "days": 3})]),
+    (call("forecast", ("city", "3"), ("days", "3"), ("ratio", "0.5")), "",  # by the schema: "3" a string, 3 a number
+     [("forecast", {"city": "3", "days": 3, "ratio": 0.5})]),
+    ("Let me look.\n\n" + call("get_time", ("tz", "UTC")) + "\n" + call("get_time", ("tz", "CET")) + "\n\nDone.",
+     "Let me look.\n\nDone.", [("get_time", {"tz": "UTC"}), ("get_time", {"tz": "CET"})]),
+    (call("forecast", ("city", "a</parameter>\n<parameter=x>\n</tool_call>\n"), ("days", "1")), "",  # only
+     [("forecast", {"city": "a</parameter>\n<parameter=x>\n</tool_call>\n", "days": 1})]),  # \n</parameter> ends it
+    (call("forecast", ("city", "\nline 1\n\nline 2\n"), ("days", "1")), "",
+     [("forecast", {"city": "\nline 1\n\nline 2\n", "days": 1})]),
+    (call("forecast", ("city", ""), ("note", "null")), "", [("forecast", {"city": "", "note": None})]),
+    (call("forecast", ("city", "null"), ("note", "nullable")), "",
+     [("forecast", {"city": "null", "note": "nullable"})]),
+    (call("forecast", ("unit", "F"), ("code", '"ab\\"c"'), ("id", "7"), ("tags", '["a", "b"]')), "",
+     [("forecast", {"unit": "F", "code": 'ab"c', "id": 7, "tags": ["a", "b"]})]),
+    (call("forecast", ("code", "abc"), ("days", "many"), ("ratio", "NaN")), "",  # not JSON of the type: the text
+     [("forecast", {"code": "abc", "days": "many", "ratio": "NaN"})]),
+    (call("forecast", ("extra", '{"a": 1}'), ("city", "x"), ("city", "y")), "",  # the first of two kept
+     [("forecast", {"extra": {"a": 1}, "city": "x"})]),
+    (call("anything", ("n", "1"), ("s", "word")), "", [("anything", {"n": 1, "s": "word"})]),
+    (call("launch", ("x", "1")), call("launch", ("x", "1")), []),  # not one of the tools
+    ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', []),  # another format's call
+    ("<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n<oops>\n</tool_call> after",
+     "after", [("get_time", {"tz": "UTC"})]),  # broken after its name: skipped to </tool_call>
+    ("<tool_call>\n<function=forecast>\n<parameter=city>\nPar", "", [("forecast", {"city": "Par"})]),  # cut off
+    ("<tool_call>\n<function=forec", "<tool_call>\n<function=forec", []),  # cut before its name is known
+    ("It is noon.", "It is noon.", []),
+    ("", "", []),
+])
+def test_reads(text, content, calls):
+    got_content, got_calls, _ = read([text])
+    assert (got_content, [(name, json.loads(arguments)) for name, arguments in got_calls]) == (content, calls)
+
+
+def test_without_tools_every_value_is_a_string():
+    reader = Qwen3CoderToolCallReader(None)
+    (opening, end) = reader.pieces(call("f", ("n", "1")), final=True)
+    assert opening.function.name == "f" and json.loads(opening.function.arguments) == {"n": "1"} and end.index == 0
+
+
+BITS = st.sampled_from([call("forecast", ("city", "Oslo"), ("days", "2")), "<tool_call>", "\n<function=get_time>\n",
+                        "<function=forecast>", "<parameter=city>\n", "<parameter=note>\n", "<parameter=days>\n",
+                        "null", "\n</parameter>", "\n</parameter>\n", "</function>\n</tool_call>", "</tool_call>",
+                        "\n", " ", "text", "4", '"x"', "<", ">"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(BITS, max_size=10), st.lists(st.integers(0, 300), max_size=6))
+def test_any_pieces_read_as_the_whole(bits, cuts):
+    text = "".join(bits)
+    cuts = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+    whole = read([text])
+    assert read(pieces)[:2] == whole[:2]
+    for _, arguments in whole[1]:
+        assert isinstance(json.loads(arguments), dict)  # the arguments are JSON whatever the text
+
+
+def test_a_call_streams_as_it_comes():
+    reader = Qwen3CoderToolCallReader(TOOLS)
+    (opening,) = reader.pieces("<tool_call>\n<function=forecast>\n<parameter=note>\nnu")
+    assert opening.function.name == "forecast" and opening.id and opening.function.arguments == ""
+    assert reader.pieces("l") == []  # still maybe null
+    assert [p.function.arguments for p in reader.pieces("lx\n</para")] == ['{"note": "nullx']  # a string, streamed
+    assert [p.function.arguments for p in reader.pieces("meter>\n<parameter=days>\n")] == ['"']
+    assert [p.function.arguments for p in reader.pieces("5\n</parameter>\n")] == [', "days": 5']
+    end = reader.pieces("</function>\n</tool_call>")
+    assert end[0].function.arguments == "}" and end[1] == CallEnd(0)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_factory):
+    from folio.structured_output.llguidance_backend import LLGuidanceBackend
+    from folio.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_model_factory("llama"))
+    return tokenizer, LLGuidanceBackend(tokenizer, 512, frozenset({2}))
+
+
+def _accepts(backend, params, text: str) -> bool:
+    tokenizer, grammar_backend = backend
+    grammar = grammar_backend.compile(params)
+    return grammar.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) and \
+        grammar.accept_tokens([2]) and grammar.is_terminated()
+
+
+def test_the_grammars_take_what_the_reader_reads(backend):
+    time_call = call("get_time", ("tz", "UTC"))
+    weather_call = call("forecast", ("city", "Oslo\n</tool_call>"), ("days", "3"), ("unit", "C"), ("note", "null"),
+                        ("code", '"ab"'), ("tags", '["x"]'), ("extra", "anything at all"))
+    auto = qwen3_coder_constraint(TOOLS, "auto", True)
+    for text in (time_call, f"{time_call}\n{weather_call}", "It is noon.", "", "Checking.\n\n" + time_call,
+                 call("anything"), call("anything", ("n", "[1]"), ("n", "x"))):
+        assert _accepts(backend, auto, text), text
+    for text in (call("get_time", ("tz", "PST")), call("get_time"),  # not in the enum; a required one missing
+                 call("forecast", ("days", "3"), ("city", "Oslo")),  # not in the schema's order
+                 call("forecast", ("city", "a\n</parameter>b"), ("days", "3")),  # a raw value holding its end
+                 call("forecast", ("city", "Oslo"), ("days", "9")), call("forecast", ("city", "Oslo"), ("days", '"3"')),
+                 call("forecast", ("city", "Oslo"), ("days", "3"), ("code", "ab")),  # a bounded string unquoted
+                 call("forecast", ("city", "Oslo"), ("days", "3"), ("other", "1")),  # additionalProperties false
+                 call("launch"), f"{time_call} and then", f"{time_call}{time_call}"):
+        assert not _accepts(backend, auto, text), text
+    formatted = qwen3_coder_constraint(TOOLS, "auto", True, {"type": "object", "properties": {
+        "answer": {"type": "integer"}}, "required": ["answer"]})
+    for text in ('{"answer": 1}', time_call, f"{time_call}\n{weather_call}"):  # a message in the format, or calls
+        assert _accepts(backend, formatted, text), text
+    assert not _accepts(backend, formatted, "It is noon.")
+    named = qwen3_coder_constraint(TOOLS, NamedToolChoice(type="function", function=NamedFunction(name="get_time")),
+                                   True)
+    assert _accepts(backend, named, time_call) and not _accepts(backend, named, weather_call)
+    assert not _accepts(backend, named, f"{time_call}\n{time_call}")
+    required = qwen3_coder_constraint(TOOLS, "required", False)
+    assert _accepts(backend, required, weather_call) and not _accepts(backend, required, "It is noon.")
+    assert not _accepts(backend, required, f"{time_call}\n{weather_call}")
+
+
+@pytest.mark.parametrize("parameters, problem", [
+    ({"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "anyOf"),
+    ({"type": "object", "properties": {"a>b": {"type": "string"}}, "required": ["a>b"]}, "'a>b'"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False}, "'a'"),
+    ({"type": "array"}, "not an object"),
+])
+def test_schemas_the_format_cannot_write_are_refused(parameters, problem):
+    tool = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": parameters}})
+    with pytest.raises(ValueError, match=r"^tools: .*'f'.*" + problem):
+        qwen3_coder_constraint([tool], "required", False)
+
+
+def _walk(backend, params, rng: random.Random, chunks: list[list[int]], steps: int = 120) -> list[int] | None:
+    """A random output of the grammar: random allowed tokens, and often a chunk of the format where it fits; None
+    where it did not end within `steps`."""
+    tokenizer, grammar_backend = backend
+    matcher = grammar_backend.compile(params).matcher
+    ids: list[int] = []
+    for _ in range(steps):
+        if matcher.is_accepting() and rng.random() < 0.5:
+            return ids
+        fitting = [chunk for chunk in chunks if matcher.validate_tokens(chunk) == len(chunk)]
+        if fitting and rng.random() < 0.7:
+            chunk = rng.choice(fitting)
+        else:
+            mask = matcher.compute_bitmask()
+            allowed = [t for t in range(512) if t != 2 and mask[t // 8] >> (t % 8) & 1]
+            chunk = [rng.choice(allowed)] if allowed else []
+        if not chunk:
+            return ids if matcher.is_accepting() else None
+        assert matcher.consume_tokens(chunk)
+        ids += chunk
+    return ids if matcher.is_accepting() else None
+
+
+def test_every_output_of_the_grammars_reads_as_valid_calls(backend):
+    """Random walks through the grammars: what they write reads back as calls of the tools, valid by jsonschema."""
+    tokenizer = backend[0]
+    texts = ["\n</parameter>\n", "</function>\n</tool_call>", "\n<tool_call>", "<tool_call>", "null", "Paris", "3",
+             "-2.5e3", '"ab"', "[", "]", '"', "{", "}", ", ", "true", "\n", "C", "UTC"]
+    texts += [f"<parameter={key}>\n" for key in list(FORECAST["properties"]) + ["other"]]
+    chunks = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    rng = random.Random(0)
+    read_calls = 0
+    for choice in ("required", "auto", NamedToolChoice(type="function", function=NamedFunction(name="forecast"))):
+        params = qwen3_coder_constraint(TOOLS, choice, True)
+        for _ in range(60):
+            ids = _walk(backend, params, rng, chunks)
+            if ids is None:
+                continue
+            text = tokenizer.decode(ids)
+            content, calls, _ = read([text])
+            assert calls or (choice == "auto" and "<tool_call>" not in text), text
+            for name, arguments in calls:
+                schema = TOOL_SCHEMAS[name] or {"type": "object"}
+                jsonschema.validate(json.loads(arguments), schema)
+            read_calls += len(calls)
+    assert read_calls >= 30  # (the walks do reach the ends of calls)
+
+
+QWEN3_CODER_STYLE_TEMPLATE = """{%- if tools %}{{ '<|im_start|>system\nCall a function in a <tool_call> block:\n' }}
+{%- for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}
+{%- for message in messages %}{{ '<|im_start|>' + message.role }}
+{%- if message.content %}{{ '\n' + message.content }}{% endif %}
+{%- for tool_call in message.tool_calls or [] %}{{ '\n<tool_call>\n<function=' + tool_call.function.name + '>\n' }}
+{%- for key, value in tool_call.function.arguments.items() %}{{ '<parameter=' + key + '>\n' }}
+{{- value if value is string else value | tojson }}{{ '\n</parameter>\n' }}{% endfor %}
+{{- '</function>\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}{% endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"""
+SERVER_TOOLS = [  # bounded values: the random model ends them
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+        "additionalProperties": False}}}]
+NOTE_TOOL = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=150)
+
+
+def test_the_template_renders_calls_the_reader_reads(tiny_model_factory):
+    """The history's calls as the template renders them (a string raw, None as null, others as JSON) read back."""
+    from folio.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_model_factory("llama"))
+    arguments = {"city": "Paris\nFrance", "days": 3, "unit": "C", "note": None, "tags": ["a"], "extra": {"k": [1]}}
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function", "function": {"name": "forecast", "arguments": json.dumps(arguments)}}]}]
+    text = tokenizer.apply_chat_template(history, add_generation_prompt=False, tools=[t.model_dump() for t in TOOLS],
+                                         chat_template=QWEN3_CODER_STYLE_TEMPLATE)
+    answer = text.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")  # (as the model writes it)
+    assert read([answer])[:2] == ("", [("forecast", json.dumps(arguments))])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("qwen3-coder-style"))
+    shutil.copytree(tiny_model_factory("qwen3_moe"), folder, dirs_exist_ok=True)
+    for name, changes in (("config.json", {"max_position_embeddings": 2048}),
+                          ("tokenizer_config.json", {"chat_template": QWEN3_CODER_STYLE_TEMPLATE})):
+        with open(os.path.join(folder, name)) as f:
+            content = json.load(f)
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump({**content, **changes}, f)
+    with running_server(folder, options=ServerOptions(tool_call_parser="qwen3_coder")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+def _valid(call) -> None:
+    schema = next(t["function"]["parameters"] for t in SERVER_TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def _streamed_calls(client, **kwargs) -> list[tuple[str, str]]:
+    streamed: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            entry = streamed.setdefault(delta.index, {"name": delta.function.name, "arguments": ""})
+            entry["arguments"] += delta.function.arguments or ""
+    return [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_required_calls_stream_as_they_are_plain(client, seed):
+    kwargs = dict(messages=MESSAGES, tools=SERVER_TOOLS, tool_choice="required", seed=seed, parallel_tool_calls=False,
+                  **SAMPLING)
+    plain = client.chat.completions.create(**kwargs)
+    choice = plain.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    for tool_call in choice.message.tool_calls:
+        _valid(tool_call)
+    assert _streamed_calls(client, **kwargs) == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_a_raw_string_streams_as_it_comes_even_cut_off(client):
+    """The random model does not end a free string: max_tokens cuts the call, whose text so far is the value."""
+    kwargs = dict(messages=MESSAGES, tools=[NOTE_TOOL], tool_choice="required", seed=4,
+                  **{**SAMPLING, "max_tokens": 60})
+    plain = client.chat.completions.create(**kwargs)
+    (tool_call,) = plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "length" and tool_call.function.name == "note"
+    assert list(json.loads(tool_call.function.arguments)) == ["text"]  # (the value so far)
+    assert _streamed_calls(client, **kwargs) == [("note", tool_call.function.arguments)]
+
+
+def test_a_named_function_and_auto(client):
+    named = client.chat.completions.create(messages=MESSAGES, tools=SERVER_TOOLS, seed=3, parallel_tool_calls=False,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           **SAMPLING)
+    (tool_call,) = named.choices[0].message.tool_calls
+    assert tool_call.function.name == "get_time" and named.choices[0].finish_reason == "stop"
+    _valid(tool_call)
+    for seed in range(3):
+        auto = client.chat.completions.create(messages=MESSAGES, tools=SERVER_TOOLS, seed=seed,
+                                              **{**SAMPLING, "max_tokens": 8})
+        choice = auto.choices[0]
+        assert not choice.message.tool_calls and choice.message.content  # the random model's text is content
+
+
+def test_a_schema_the_format_cannot_write_is_a_400(client):
+    import openai
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": 1}}}
+    with pytest.raises(openai.BadRequestError, match="minProperties"):
+        client.chat.completions.create(messages=MESSAGES, tools=[tool], tool_choice="required", **SAMPLING)
+
+
+def test_responses_give_function_call_items(client):
+    tools = [{"type": "function", **tool["function"]} for tool in SERVER_TOOLS]
+    response = client.responses.create(model=MODEL_NAME, input="Weather?", tools=tools, tool_choice="required",
+                                       parallel_tool_calls=False, max_output_tokens=150, temperature=1.0,
+                                       extra_body={"seed": 5})
+    (item,) = response.output
+    assert item.type == "function_call" and item.status == "completed" and response.status == "completed"
+    schema = next(t["parameters"] for t in tools if t["name"] == item.name)
+    jsonschema.validate(json.loads(item.arguments), schema)
