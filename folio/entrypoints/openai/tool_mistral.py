@@ -118,7 +118,6 @@ class MistralToolCallReader(ToolCallReader):
         self._list = False  # the calls being read are the list form
         self._held = ""  # the end of the last piece, which may be the start of a marker
         self._raw: list[str] = []  # the text of the calls being read, not yet handed out: content if they fail
-        self._after_call = False  # whether the content since the last call is whitespace so far
         self._item_done = False  # (list form) a call came since "[" or the last ","
         self._name = ""  # (v11 form) the call's name
         self._object: Optional[BracketEnd] = None  # the call's object being followed (the v11 form's arguments)
@@ -246,14 +245,6 @@ class MistralToolCallReader(ToolCallReader):
 
     def _end_calls(self) -> None:
         self._mode, self._raw, self._name = "text", [], ""
-
-    def _content(self, out: list[Piece], text: str) -> None:
-        """Content, without the whitespace that follows a call (however the tokens split it)."""
-        if self._after_call:
-            text = text.lstrip(_SPACE)
-            self._after_call = not text
-        if text:
-            out.append(text)
 
 
 def _list_call(value: object, names: Optional[frozenset[str]]) -> Optional[tuple[str, dict]]:

@@ -261,6 +261,7 @@ class ToolCallReader(ABC):
 
     def __init__(self) -> None:
         self.num_calls = 0
+        self._after_call = False  # whether the content since the last call's end is whitespace so far
 
     @abstractmethod
     def pieces(self, text: str, final: bool = False) -> list[Piece]:
@@ -270,6 +271,14 @@ class ToolCallReader(ABC):
         """The content and tool-call deltas that `text` completes (their order between them is `pieces`')."""
         pieces = self.pieces(text, final)
         return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, DeltaToolCall)]
+
+    def _content(self, out: list[Piece], text: str) -> None:
+        """Content outside calls, without the whitespace that follows a call (however the tokens split it)."""
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        if text:
+            out.append(text)
 
 
 class HermesToolCallReader(ToolCallReader):
@@ -282,7 +291,6 @@ class HermesToolCallReader(ToolCallReader):
         self._names = None if names is None else frozenset(names)
         self._outside = ""  # text outside calls not handed out yet: a possible start of <tool_call>
         self._call: Optional[_Call] = None  # the call being read
-        self._after_call = False  # whether the content so far since the last call's end is whitespace
 
     def pieces(self, text: str, final: bool = False) -> list[Piece]:
         out: list[Piece] = []
@@ -316,13 +324,6 @@ class HermesToolCallReader(ToolCallReader):
                 self._content(out, CALL_OPEN + call.body() + CALL_CLOSE)  # not a call after all
             self._call, text = None, after
 
-    def _content(self, out: list[Piece], text: str) -> None:
-        """Content outside calls, without the whitespace that follows a call (however the tokens split it)."""
-        if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
-        if text:
-            out.append(text)
 
 
 def join_tool_calls(deltas: list[DeltaToolCall]) -> list[ToolCall]:

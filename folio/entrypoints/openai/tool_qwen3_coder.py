@@ -310,7 +310,6 @@ class Qwen3CoderToolCallReader(ToolCallReader):
         self._signatures = None if tools is None else {t.function.name: Signature.of(t, strict=False) for t in tools}
         self._state = "outside"  # outside, head, between, name, value, function_end, skip
         self._held = ""  # text not consumed yet: an unfinished marker or name
-        self._after_call = False  # whether the content since the last call is whitespace so far
         self._index = 0  # the open call's
         self._signature = Signature((), None)  # the open call's function's
         self._written: set[str] = set()  # its parameters so far
@@ -484,11 +483,3 @@ class Qwen3CoderToolCallReader(ToolCallReader):
             last.function.arguments = (last.function.arguments or "") + text
         else:
             out.append(DeltaToolCall(index=self._index, function=DeltaFunctionCall(arguments=text)))
-
-    def _content(self, out: list[Piece], text: str) -> None:
-        """Content outside calls, without the whitespace that follows a call (however the tokens split it)."""
-        if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
-        if text:
-            out.append(text)
