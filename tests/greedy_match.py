@@ -1,4 +1,5 @@
-"""Check a tiny model's greedy outputs against Transformers' with chunked prefill and with preemption forced."""
+"""Check a tiny model's greedy outputs against Transformers' with chunked prefill and with preemption forced, and
+folio's greedy tokens and their logprobs (chunked prefill, 4-token blocks) to compare with Transformers'."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def assert_greedy_matches(folder: str, kv_block_bytes: int, max_tokens: int = 24
                     max_model_len=max_model_len)
     assert _tokens(preempted, prompts, max_tokens) == [e[:max_model_len - len(p)] for p, e in zip(prompts, expected)]
     assert preempted.llm_engine.scheduler.num_preemptions > 0
+
+
+def greedy_logprobs(folder: str, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs from folio (float32, chunks of 7 tokens, 4-token blocks), as
+    conftest.hf_greedy_logprobs gives Transformers'."""
+    llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=7, block_size=4)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1), use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outputs]

@@ -14,10 +14,9 @@ import shutil
 import pytest
 
 from conftest import build_tiny_model, hf_greedy_logprobs
-from folio import LLM, SamplingParams
 from folio.models.granite import GraniteForCausalLM
 from folio.models.model_config import ModelConfig
-from greedy_match import assert_greedy_matches
+from greedy_match import assert_greedy_matches, greedy_logprobs
 from test_tensor_parallel import GREEDY, _assert_same, _run
 
 KV_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # K and V, layers, kv heads, head_dim, fp32 bytes, block_size
@@ -39,11 +38,7 @@ def expected(granite_dirs) -> dict[str, list[tuple[list[int], list[float]]]]:
 
 
 def _logprobs(folder: str) -> list[tuple[list[int], list[float]]]:
-    llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=7, block_size=4)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1), use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outputs]
+    return greedy_logprobs(folder, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -6,31 +6,22 @@ not calls is content."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
-import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from folio.entrypoints.openai.server_options import ServerOptions
 from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolCallReader
-from folio.entrypoints.openai.tool_parser import CallEnd, join_tool_calls
-from server_fixture import MODEL_NAME, running_server
+from server_fixture import MODEL_NAME
+from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_responses_call, assert_valid, cut,
+                                 llguidance_backend, read_pieces, tool_server_fixture)
 
 NAMES = ["get_time", "get_weather"]
 
 
 def read(pieces: list[str], names=NAMES) -> tuple[str, list[tuple[str, dict]], list]:
     """The content and the calls (name, arguments) a choice's pieces give, and every piece read."""
-    parser = Llama3JsonToolCallReader(names)
-    out = []
-    for i, piece in enumerate(pieces):
-        out += parser.pieces(piece, final=i == len(pieces) - 1)
-    content = "".join(p for p in out if isinstance(p, str))
-    calls = join_tool_calls([p for p in out if not isinstance(p, (str, CallEnd))])
-    assert sum(isinstance(p, CallEnd) for p in out) == len(calls) == parser.num_calls
+    content, calls, out = read_pieces(Llama3JsonToolCallReader(names), pieces)
     return content, [(c.function.name, json.loads(c.function.arguments)) for c in calls], out
 
 
@@ -61,8 +52,7 @@ BITS = st.sampled_from(['{"name": "get_time", "parameters": {"tz": "UTC"}}', '{"
 @given(st.lists(BITS, max_size=8), st.lists(st.integers(0, 200), max_size=5))
 def test_any_pieces_read_as_the_whole(bits, cuts):
     text = "".join(bits)
-    cuts = sorted({min(c, len(text)) for c in cuts})
-    pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+    pieces = cut(text, cuts)
     assert read(pieces)[:2] == read([text])[:2]
 
 
@@ -84,18 +74,7 @@ def test_calls_go_out_as_each_completes():
 
 @pytest.fixture(scope="module")
 def backend(llama_dir):
-    from folio.structured_output.llguidance_backend import LLGuidanceBackend
-    from folio.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(llama_dir)
-    return tokenizer, LLGuidanceBackend(tokenizer, 512, frozenset({2}))
-
-
-def _accepts(backend, params, text: str) -> bool:
-    tokenizer, grammar_backend = backend
-    grammar = grammar_backend.compile(params)
-    return grammar.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) and \
-        grammar.accept_tokens([2]) and grammar.is_terminated()
+    return llguidance_backend(llama_dir)
 
 
 def test_the_grammars_take_what_the_reader_reads(backend):
@@ -107,26 +86,26 @@ def test_the_grammars_take_what_the_reader_reads(backend):
     weather_call = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}'
     auto = llama3_json_constraint(tools, "auto", True)
     for text in (time_call, f"{time_call}; {weather_call}", "It is noon.", "", " {"):
-        assert _accepts(backend, auto, text), text
+        assert accepts(backend, auto, text), text
     for text in ('{"name": "get_time", "parameters": {"tz": "PST"}}', '{"answer": 1}', f"{time_call};"):
-        assert not _accepts(backend, auto, text), text
+        assert not accepts(backend, auto, text), text
     formatted = llama3_json_constraint(tools, "auto", True, {"type": "object", "properties": {"answer": {
         "type": "integer"}}, "required": ["answer"]})
     for text in ('{"answer": 1}', time_call, f"{time_call}; {weather_call}"):  # a message in the format, or calls
-        assert _accepts(backend, formatted, text), text
-    assert not _accepts(backend, formatted, "It is noon.")
+        assert accepts(backend, formatted, text), text
+    assert not accepts(backend, formatted, "It is noon.")
     named = llama3_json_constraint(tools, NamedToolChoice(type="function", function=NamedFunction(name="get_time")),
                                    True)
-    assert _accepts(backend, named, time_call) and not _accepts(backend, named, weather_call)
-    assert not _accepts(backend, named, f"{time_call}; {time_call}")
+    assert accepts(backend, named, time_call) and not accepts(backend, named, weather_call)
+    assert not accepts(backend, named, f"{time_call}; {time_call}")
     required = llama3_json_constraint(tools, "required", False)
-    assert _accepts(backend, required, weather_call) and not _accepts(backend, required, "It is noon.")
-    assert not _accepts(backend, required, f"{time_call}; {weather_call}")
+    assert accepts(backend, required, weather_call) and not accepts(backend, required, "It is noon.")
+    assert not accepts(backend, required, f"{time_call}; {weather_call}")
     defs = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"tz": {"$ref": "#/$defs/Zone"}}, "required": ["tz"],
         "$defs": {"Zone": {"enum": ["UTC"]}}}}})  # the function's $refs still resolve
-    assert _accepts(backend, llama3_json_constraint([defs], "required", False),
-                    '{"name": "f", "parameters": {"tz": "UTC"}}')
+    assert accepts(backend, llama3_json_constraint([defs], "required", False),
+                   '{"name": "f", "parameters": {"tz": "UTC"}}')
 
 
 LLAMA_STYLE_TEMPLATE = """{%- for message in messages %}<|im_start|>{{ message.role }}
@@ -148,18 +127,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=120)
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("llama3-style"))
-    shutil.copytree(llama_dir, folder, dirs_exist_ok=True)
-    for name, changes in (("config.json", {"max_position_embeddings": 2048}),
-                          ("tokenizer_config.json", {"chat_template": LLAMA_STYLE_TEMPLATE})):
-        with open(os.path.join(folder, name)) as f:
-            content = json.load(f)
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump({**content, **changes}, f)
-    with running_server(folder, options=ServerOptions(tool_call_parser="llama3_json")) as s:
-        yield s
+server = tool_server_fixture("llama3_json", LLAMA_STYLE_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -167,27 +135,11 @@ def client(server):
     return server.openai()
 
 
-def _valid(call) -> None:
-    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
-    jsonschema.validate(json.loads(call.function.arguments), schema)
-
-
 @pytest.mark.parametrize("seed", [1, 2])
 def test_required_calls_stream_as_they_are_plain(client, seed):
     kwargs = dict(messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=seed, parallel_tool_calls=False,
                   **{**SAMPLING, "max_tokens": 250})
-    plain = client.chat.completions.create(**kwargs)
-    choice = plain.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
-    for call in choice.message.tool_calls:
-        _valid(call)
-    streamed: dict[int, dict] = {}
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for delta in chunk.choices[0].delta.tool_calls or ():
-            entry = streamed.setdefault(delta.index, {"name": delta.function.name, "arguments": ""})
-            entry["arguments"] += delta.function.arguments or ""
-    assert [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == \
-        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert_calls_stream_as_plain(client, **kwargs)
 
 
 def test_a_named_function_and_auto(client):
@@ -196,7 +148,7 @@ def test_a_named_function_and_auto(client):
                                            **SAMPLING)
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "get_time" and named.choices[0].finish_reason == "stop"
-    _valid(call)
+    assert_valid(call, TOOLS)
     for seed in range(4):
         auto = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, seed=seed,
                                               **{**SAMPLING, "max_tokens": 8})
@@ -207,11 +159,4 @@ def test_a_named_function_and_auto(client):
 
 
 def test_responses_give_function_call_items(client):
-    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
-    response = client.responses.create(model=MODEL_NAME, input="Weather?", tools=tools, tool_choice="required",
-                                       parallel_tool_calls=False, max_output_tokens=120, temperature=1.0,
-                                       extra_body={"seed": 5})
-    (call,) = response.output
-    assert call.type == "function_call" and call.status == "completed" and response.status == "completed"
-    schema = next(t["parameters"] for t in tools if t["name"] == call.name)
-    jsonschema.validate(json.loads(call.arguments), schema)
+    assert_responses_call(client, TOOLS, max_output_tokens=120)

@@ -8,30 +8,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
-import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from folio.entrypoints.openai.server_options import ServerOptions
 from folio.entrypoints.openai.tool_mistral import MistralTokens, MistralToolCallReader, mistral_constraint
-from folio.entrypoints.openai.tool_parser import CallEnd, join_tool_calls
-from server_fixture import MODEL_NAME, running_server
+from server_fixture import MODEL_NAME
+from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_responses_call, assert_valid, cut,
+                                 llguidance_backend, read_pieces, styled_model, tool_server)
 
 NAMES = ["get_time", "get_weather"]
 
 
 def read(pieces: list[str], names=NAMES) -> tuple[str, list[tuple[str, dict]], list]:
     """The content and the calls (name, arguments) a choice's pieces give, and every piece read."""
-    parser = MistralToolCallReader(names)
-    out = []
-    for i, piece in enumerate(pieces):
-        out += parser.pieces(piece, final=i == len(pieces) - 1)
-    content = "".join(p for p in out if isinstance(p, str))
-    calls = join_tool_calls([p for p in out if not isinstance(p, (str, CallEnd))])
-    assert sum(isinstance(p, CallEnd) for p in out) == len(calls) == parser.num_calls
+    content, calls, out = read_pieces(MistralToolCallReader(names), pieces)
     for call in calls:
         assert len(call.id) == 9 and call.id.isalnum()  # as Mistral's templates take ids back
     return content, [(c.function.name, json.loads(c.function.arguments)) for c in calls], out
@@ -97,8 +89,7 @@ BITS = st.sampled_from(["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[TOOL", "_CALLS]
 @given(st.lists(BITS, max_size=10), st.lists(st.integers(0, 200), max_size=6))
 def test_any_pieces_read_as_the_whole(bits, cuts):
     text = "".join(bits)
-    cuts = sorted({min(c, len(text)) for c in cuts})
-    pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+    pieces = cut(text, cuts)
     assert read(pieces)[:2] == read([text])[:2]
 
 
@@ -130,18 +121,11 @@ def mistral_folder(llama_dir: str, folder: str, v11: bool) -> str:
     the trained tokenizer leaves room for) and a Mistral-style template, for the v11 form or the one before."""
     from tokenizers import AddedToken, Tokenizer as Backend
 
-    shutil.copytree(llama_dir, folder, dirs_exist_ok=True)
+    styled_model(llama_dir, folder, MISTRAL_TEMPLATE.replace("v11", "true" if v11 else "false"))
     backend = Backend.from_file(os.path.join(folder, "tokenizer.json"))
     markers = ["[TOOL_CALLS]"] + (["[ARGS]", "[CALL_ID]"] if v11 else [])
     backend.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in markers])
     backend.save(os.path.join(folder, "tokenizer.json"))
-    template = MISTRAL_TEMPLATE.replace("v11", "true" if v11 else "false")
-    for name, changes in (("config.json", {"max_position_embeddings": 2048}),
-                          ("tokenizer_config.json", {"chat_template": template})):
-        with open(os.path.join(folder, name)) as f:
-            content = json.load(f)
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump({**content, **changes}, f)
     with open(os.path.join(folder, "config.json")) as f:
         assert max(backend.token_to_id(m) for m in markers) < json.load(f)["vocab_size"]
     return folder
@@ -162,18 +146,7 @@ def folder(request, llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backend(folder):
-    from folio.structured_output.llguidance_backend import LLGuidanceBackend
-    from folio.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(folder)
-    return tokenizer, LLGuidanceBackend(tokenizer, 512, frozenset({2}))
-
-
-def _accepts(backend, params, text: str) -> bool:
-    tokenizer, grammar_backend = backend
-    grammar = grammar_backend.compile(params)
-    return grammar.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) and \
-        grammar.accept_tokens([2]) and grammar.is_terminated()
+    return llguidance_backend(folder)
 
 
 def test_the_grammars_take_what_the_reader_reads(backend):
@@ -198,22 +171,22 @@ def test_the_grammars_take_what_the_reader_reads(backend):
         two_calls = time_call + weather_call
         other_form = '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "UTC"}}]'
     for text in (time_call, two_calls, "It is noon.", "", "It is " + time_call):
-        assert _accepts(backend, constraint("auto"), text), text
+        assert accepts(backend, constraint("auto"), text), text
         assert bool(read([text])[1]) == ("[TOOL_CALLS]" in text)
     for text in (time_call.replace("UTC", "PST"), other_form, time_call + " then", time_call.replace(
             "[TOOL_CALLS]", "[TOOL_CALLS] "), "a <|im_start|>"):  # (only the grammar's form; no other special token)
-        assert not _accepts(backend, constraint("auto"), text), text
+        assert not accepts(backend, constraint("auto"), text), text
     formatted = constraint("auto", schema={"type": "object", "properties": {"answer": {"type": "integer"}},
                                            "required": ["answer"]})
     for text in ('{"answer": 1}', time_call, two_calls):  # a message in the format, or calls
-        assert _accepts(backend, formatted, text), text
-    assert not _accepts(backend, formatted, "It is noon.")
+        assert accepts(backend, formatted, text), text
+    assert not accepts(backend, formatted, "It is noon.")
     named = constraint(NamedToolChoice(type="function", function=NamedFunction(name="get_time")))
-    assert _accepts(backend, named, time_call) and not _accepts(backend, named, weather_call)
-    assert not _accepts(backend, named, two_calls)
+    assert accepts(backend, named, time_call) and not accepts(backend, named, weather_call)
+    assert not accepts(backend, named, two_calls)
     required = constraint("required", parallel=False)
-    assert _accepts(backend, required, weather_call) and not _accepts(backend, required, "It is noon.")
-    assert not _accepts(backend, required, two_calls) and _accepts(backend, constraint("required"), two_calls)
+    assert accepts(backend, required, weather_call) and not accepts(backend, required, "It is noon.")
+    assert not accepts(backend, required, two_calls) and accepts(backend, constraint("required"), two_calls)
     # the marker must be the special token: the same characters written as plain text are refused
     as_text = tokenizer.encode("[TOOL", add_special_tokens=False) + tokenizer.encode(
         time_call.removeprefix("[TOOL"), add_special_tokens=False)
@@ -234,7 +207,7 @@ SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=120)
 
 @pytest.fixture(scope="module")
 def server(folder):
-    with running_server(folder, options=ServerOptions(tool_call_parser="mistral")) as s:
+    with tool_server(folder, "mistral") as s:
         yield s
 
 
@@ -252,28 +225,17 @@ def marker_id(folder):
 
 def _valid(call) -> None:
     assert len(call.id) == 9 and call.id.isalnum()
-    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
-    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert_valid(call, TOOLS)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_required_calls_stream_as_they_are_plain(client, seed):
     kwargs = dict(messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=seed, **{**SAMPLING, "max_tokens": 250})
-    plain = client.chat.completions.create(**kwargs)
-    choice = plain.choices[0]
     # the markers and the end-of-sequence token kept out of the content: none at all beside the calls
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
-    for call in choice.message.tool_calls:
+    calls, streamed_content = assert_calls_stream_as_plain(client, **kwargs)
+    for call in calls:
         _valid(call)
-    streamed: dict[int, dict] = {}
-    content = ""
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        content += chunk.choices[0].delta.content or ""
-        for delta in chunk.choices[0].delta.tool_calls or ():
-            entry = streamed.setdefault(delta.index, {"name": delta.function.name, "arguments": ""})
-            entry["arguments"] += delta.function.arguments or ""
-    assert content == "" and [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == \
-        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert streamed_content == ""
 
 
 def test_a_named_function(client):
@@ -322,12 +284,5 @@ def test_a_conversation_with_calls_goes_on(client):
 
 
 def test_responses_give_function_call_items(client):
-    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
-    response = client.responses.create(model=MODEL_NAME, input="Weather?", tools=tools, tool_choice="required",
-                                       parallel_tool_calls=False, max_output_tokens=120, temperature=1.0,
-                                       extra_body={"seed": 5})
-    (call,) = response.output
-    assert call.type == "function_call" and call.status == "completed" and response.status == "completed"
+    call = assert_responses_call(client, TOOLS, max_output_tokens=120)
     assert len(call.call_id) == 9
-    schema = next(t["parameters"] for t in tools if t["name"] == call.name)
-    jsonschema.validate(json.loads(call.arguments), schema)

@@ -7,9 +7,7 @@ items (responses); an answer that is not calls is content."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 
 import jsonschema
 import numpy as np
@@ -18,23 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.entrypoints.openai.protocol import ChatTool, NamedFunction, NamedToolChoice
-from folio.entrypoints.openai.server_options import ServerOptions
-from folio.entrypoints.openai.tool_parser import CallEnd, join_tool_calls
 from folio.entrypoints.openai.tool_pythonic import PythonicToolCallReader, pythonic_constraint
-from server_fixture import MODEL_NAME, running_server
+from server_fixture import MODEL_NAME
+from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_responses_call, assert_valid, cut,
+                                 llguidance_backend, read_pieces, tool_server_fixture)
 
 NAMES = ["get_time", "get_weather"]
 
 
 def read(pieces: list[str], names=NAMES) -> tuple[str, list[tuple[str, dict]], list]:
     """The content and the calls (name, arguments) a choice's pieces give, and every piece read."""
-    parser = PythonicToolCallReader(names)
-    out = []
-    for i, piece in enumerate(pieces):
-        out += parser.pieces(piece, final=i == len(pieces) - 1)
-    content = "".join(p for p in out if isinstance(p, str))
-    calls = join_tool_calls([p for p in out if not isinstance(p, (str, CallEnd))])
-    assert sum(isinstance(p, CallEnd) for p in out) == len(calls) == parser.num_calls
+    content, calls, out = read_pieces(PythonicToolCallReader(names), pieces)
     return content, [(c.function.name, json.loads(c.function.arguments)) for c in calls], out
 
 
@@ -82,16 +74,15 @@ BITS = st.sampled_from(['[get_time(tz="UTC")', "[get_weather(", 'city="a]b", ', 
 @given(st.lists(BITS, max_size=8), st.lists(st.integers(0, 200), max_size=5))
 def test_any_pieces_read_as_the_whole(bits, cuts):
     text = "".join(bits)
-    cuts = sorted({min(c, len(text)) for c in cuts})
-    pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+    pieces = cut(text, cuts)
     assert read(pieces)[:2] == read([text])[:2]
 
 
 def test_an_escape_split_between_pieces():
     text = '[get_time(tz="a\\"]", zone=\'b\\\']\')]'
     assert read([text])[1] == [("get_time", {"tz": 'a"]', "zone": "b']"})]
-    for cut in range(len(text) + 1):
-        assert read([text[:cut], text[cut:]])[:2] == read([text])[:2], cut
+    for at in range(len(text) + 1):
+        assert read([text[:at], text[at:]])[:2] == read([text])[:2], at
 
 
 def test_text_goes_out_once_it_cannot_be_calls():
@@ -134,18 +125,7 @@ ALL_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "everything", "pa
 
 @pytest.fixture(scope="module")
 def backend(llama_dir):
-    from folio.structured_output.llguidance_backend import LLGuidanceBackend
-    from folio.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(llama_dir)
-    return tokenizer, LLGuidanceBackend(tokenizer, 512, frozenset({2}))
-
-
-def _accepts(backend, params, text: str) -> bool:
-    tokenizer, grammar_backend = backend
-    grammar = grammar_backend.compile(params)
-    return grammar.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) and \
-        grammar.accept_tokens([2]) and grammar.is_terminated()
+    return llguidance_backend(llama_dir)
 
 
 def _tools(tools=TOOLS) -> list[ChatTool]:
@@ -159,24 +139,24 @@ def test_the_grammars_take_what_the_reader_reads(backend):
     auto = pythonic_constraint(tools, "auto", True)
     for text in (f"[{time_call}]", f"[{time_call}, {weather_call}]", '[get_time(tz="CET", offset=None)]',
                  "It is noon.", "", " ", "a [b", "<|python_start|> hi"):
-        assert _accepts(backend, auto, text), text
+        assert accepts(backend, auto, text), text
     for text in ('[get_time(tz="PST")]', '[get_time(tz="UTC", dst=true)]', "[get_time()]",  # PST, true, no tz
                  '[get_time(dst=True, tz="UTC")]', '[get_weather(unit="C", city="Oslo")]',  # not the schema's order
                  '[get_weather(city="Oslo", unit="C", extra=1)]', f"[{time_call},{weather_call}]",
                  " [x", "[1] is a reference", "<|python_start|>[", f"[{time_call}] and then"):
-        assert not _accepts(backend, auto, text), text
+        assert not accepts(backend, auto, text), text
     formatted = pythonic_constraint(tools, "auto", True, {"type": "object", "properties": {"answer": {
         "type": "integer"}}, "required": ["answer"]})
     for text in ('{"answer": 1}', f"[{time_call}]", f"[{time_call}, {weather_call}]"):
-        assert _accepts(backend, formatted, text), text
-    assert not _accepts(backend, formatted, "It is noon.")
+        assert accepts(backend, formatted, text), text
+    assert not accepts(backend, formatted, "It is noon.")
     named = pythonic_constraint(tools, NamedToolChoice(type="function", function=NamedFunction(name="get_time")),
                                 True)
-    assert _accepts(backend, named, f"[{time_call}]") and not _accepts(backend, named, f"[{weather_call}]")
-    assert not _accepts(backend, named, f"[{time_call}, {time_call}]")
+    assert accepts(backend, named, f"[{time_call}]") and not accepts(backend, named, f"[{weather_call}]")
+    assert not accepts(backend, named, f"[{time_call}, {time_call}]")
     required = pythonic_constraint(tools, "required", False)
-    assert _accepts(backend, required, f"[{weather_call}]") and not _accepts(backend, required, "It is noon.")
-    assert not _accepts(backend, required, f"[{time_call}, {weather_call}]")
+    assert accepts(backend, required, f"[{weather_call}]") and not accepts(backend, required, "It is noon.")
+    assert not accepts(backend, required, f"[{time_call}, {weather_call}]")
     assert pythonic_constraint(tools, "none", True) is None
 
 
@@ -197,8 +177,8 @@ def test_optional_properties_python_cannot_name_are_left_out(backend):
         "type": "object", "properties": {"from": {"type": "string"}, "x-y": {"type": "string"}, "x": False,
                                          "to": {"type": "string"}}}}}
     required = pythonic_constraint(_tools([tool]), "required", False)
-    assert _accepts(backend, required, '[f(to="a")]') and _accepts(backend, required, "[f()]")
-    assert not _accepts(backend, required, '[f(x="a")]')
+    assert accepts(backend, required, '[f(to="a")]') and accepts(backend, required, "[f()]")
+    assert not accepts(backend, required, '[f(x="a")]')
 
 
 def _walk(grammar, tokenizer, rng: random.Random, start: str = "", limit: int = 400) -> str | None:
@@ -258,7 +238,7 @@ def test_calls_written_as_the_grammar_writes_them_read_back(backend, arguments):
     written = ", ".join(f"{key}={_python(value)}" for key, value in sorted(arguments.items(),
                                                                           key=lambda kv: order.index(kv[0])))
     text = f"[everything({written})]"
-    assert _accepts(backend, pythonic_constraint(_tools(ALL_TOOLS), "required", False), text), text
+    assert accepts(backend, pythonic_constraint(_tools(ALL_TOOLS), "required", False), text), text
     assert read([text], names=["everything"])[1] == [("everything", arguments)]
 
 
@@ -280,18 +260,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=120)
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("pythonic"))
-    shutil.copytree(llama_dir, folder, dirs_exist_ok=True)
-    for name, changes in (("config.json", {"max_position_embeddings": 2048}),
-                          ("tokenizer_config.json", {"chat_template": PYTHONIC_TEMPLATE})):
-        with open(os.path.join(folder, name)) as f:
-            content = json.load(f)
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump({**content, **changes}, f)
-    with running_server(folder, options=ServerOptions(tool_call_parser="pythonic")) as s:
-        yield s
+server = tool_server_fixture("pythonic", PYTHONIC_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -299,26 +268,10 @@ def client(server):
     return server.openai()
 
 
-def _valid(call) -> None:
-    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
-    jsonschema.validate(json.loads(call.function.arguments), schema)
-
-
 @pytest.mark.parametrize("seed", [1, 2])
 def test_required_calls_stream_as_they_are_plain(client, seed):
     kwargs = dict(messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=seed, **{**SAMPLING, "max_tokens": 250})
-    plain = client.chat.completions.create(**kwargs)
-    choice = plain.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
-    for call in choice.message.tool_calls:
-        _valid(call)
-    streamed: dict[int, dict] = {}
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for delta in chunk.choices[0].delta.tool_calls or ():
-            entry = streamed.setdefault(delta.index, {"name": delta.function.name, "arguments": ""})
-            entry["arguments"] += delta.function.arguments or ""
-    assert [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == \
-        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert_calls_stream_as_plain(client, **kwargs)
 
 
 def test_a_named_function_and_auto(client):
@@ -327,7 +280,7 @@ def test_a_named_function_and_auto(client):
                                            **SAMPLING)
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "get_time" and named.choices[0].finish_reason == "stop"
-    _valid(call)
+    assert_valid(call, TOOLS)
     for seed in range(4):
         auto = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, seed=seed,
                                               **{**SAMPLING, "max_tokens": 8})
@@ -346,11 +299,4 @@ def test_a_tool_python_cannot_call_is_a_400(client):
 
 
 def test_responses_give_function_call_items(client):
-    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
-    response = client.responses.create(model=MODEL_NAME, input="Weather?", tools=tools, tool_choice="required",
-                                       parallel_tool_calls=False, max_output_tokens=120, temperature=1.0,
-                                       extra_body={"seed": 5})
-    (call,) = response.output
-    assert call.type == "function_call" and call.status == "completed" and response.status == "completed"
-    schema = next(t["parameters"] for t in tools if t["name"] == call.name)
-    jsonschema.validate(json.loads(call.arguments), schema)
+    assert_responses_call(client, TOOLS, max_output_tokens=120)

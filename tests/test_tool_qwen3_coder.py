@@ -7,9 +7,7 @@ and function_call items (responses)."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 
 import jsonschema
 import pytest
@@ -17,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.entrypoints.openai.protocol import ChatTool, NamedFunction, NamedToolChoice
-from folio.entrypoints.openai.server_options import ServerOptions
-from folio.entrypoints.openai.tool_parser import CallEnd, join_tool_calls
+from folio.entrypoints.openai.tool_parser import CallEnd
 from folio.entrypoints.openai.tool_qwen3_coder import Qwen3CoderToolCallReader, qwen3_coder_constraint
-from server_fixture import MODEL_NAME, running_server
+from server_fixture import MODEL_NAME
+from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_responses_call, assert_valid, cut,
+                                 llguidance_backend, read_pieces, streamed, tool_server_fixture)
 
 FORECAST = {"type": "object", "properties": {
     "city": {"type": "string", "description": "free text: raw"},
@@ -43,13 +42,7 @@ TOOLS = [ChatTool.model_validate({"type": "function", "function": {"name": name,
 
 def read(pieces: list[str], tools=TOOLS) -> tuple[str, list[tuple[str, str]], list]:
     """The content and the calls (name, arguments' JSON text) a choice's pieces give, and every piece read."""
-    reader = Qwen3CoderToolCallReader(tools)
-    out = []
-    for i, piece in enumerate(pieces):
-        out += reader.pieces(piece, final=i == len(pieces) - 1)
-    content = "".join(p for p in out if isinstance(p, str))
-    calls = join_tool_calls([p for p in out if not isinstance(p, (str, CallEnd))])
-    assert sum(isinstance(p, CallEnd) for p in out) == len(calls) == reader.num_calls
+    content, calls, out = read_pieces(Qwen3CoderToolCallReader(tools), pieces)
     return content, [(c.function.name, c.function.arguments) for c in calls], out
 
 
@@ -110,8 +103,7 @@ BITS = st.sampled_from([call("forecast", ("city", "Oslo"), ("days", "2")), "<too
 @given(st.lists(BITS, max_size=10), st.lists(st.integers(0, 300), max_size=6))
 def test_any_pieces_read_as_the_whole(bits, cuts):
     text = "".join(bits)
-    cuts = sorted({min(c, len(text)) for c in cuts})
-    pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+    pieces = cut(text, cuts)
     whole = read([text])
     assert read(pieces)[:2] == whole[:2]
     for _, arguments in whole[1]:
@@ -132,18 +124,7 @@ def test_a_call_streams_as_it_comes():
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_factory):
-    from folio.structured_output.llguidance_backend import LLGuidanceBackend
-    from folio.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(tiny_model_factory("llama"))
-    return tokenizer, LLGuidanceBackend(tokenizer, 512, frozenset({2}))
-
-
-def _accepts(backend, params, text: str) -> bool:
-    tokenizer, grammar_backend = backend
-    grammar = grammar_backend.compile(params)
-    return grammar.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) and \
-        grammar.accept_tokens([2]) and grammar.is_terminated()
+    return llguidance_backend(tiny_model_factory("llama"))
 
 
 def test_the_grammars_take_what_the_reader_reads(backend):
@@ -153,7 +134,7 @@ def test_the_grammars_take_what_the_reader_reads(backend):
     auto = qwen3_coder_constraint(TOOLS, "auto", True)
     for text in (time_call, f"{time_call}\n{weather_call}", "It is noon.", "", "Checking.\n\n" + time_call,
                  call("anything"), call("anything", ("n", "[1]"), ("n", "x"))):
-        assert _accepts(backend, auto, text), text
+        assert accepts(backend, auto, text), text
     for text in (call("get_time", ("tz", "PST")), call("get_time"),  # not in the enum; a required one missing
                  call("forecast", ("days", "3"), ("city", "Oslo")),  # not in the schema's order
                  call("forecast", ("city", "a\n</parameter>b"), ("days", "3")),  # a raw value holding its end
@@ -161,19 +142,19 @@ def test_the_grammars_take_what_the_reader_reads(backend):
                  call("forecast", ("city", "Oslo"), ("days", "3"), ("code", "ab")),  # a bounded string unquoted
                  call("forecast", ("city", "Oslo"), ("days", "3"), ("other", "1")),  # additionalProperties false
                  call("launch"), f"{time_call} and then", f"{time_call}{time_call}"):
-        assert not _accepts(backend, auto, text), text
+        assert not accepts(backend, auto, text), text
     formatted = qwen3_coder_constraint(TOOLS, "auto", True, {"type": "object", "properties": {
         "answer": {"type": "integer"}}, "required": ["answer"]})
     for text in ('{"answer": 1}', time_call, f"{time_call}\n{weather_call}"):  # a message in the format, or calls
-        assert _accepts(backend, formatted, text), text
-    assert not _accepts(backend, formatted, "It is noon.")
+        assert accepts(backend, formatted, text), text
+    assert not accepts(backend, formatted, "It is noon.")
     named = qwen3_coder_constraint(TOOLS, NamedToolChoice(type="function", function=NamedFunction(name="get_time")),
                                    True)
-    assert _accepts(backend, named, time_call) and not _accepts(backend, named, weather_call)
-    assert not _accepts(backend, named, f"{time_call}\n{time_call}")
+    assert accepts(backend, named, time_call) and not accepts(backend, named, weather_call)
+    assert not accepts(backend, named, f"{time_call}\n{time_call}")
     required = qwen3_coder_constraint(TOOLS, "required", False)
-    assert _accepts(backend, required, weather_call) and not _accepts(backend, required, "It is noon.")
-    assert not _accepts(backend, required, f"{time_call}\n{weather_call}")
+    assert accepts(backend, required, weather_call) and not accepts(backend, required, "It is noon.")
+    assert not accepts(backend, required, f"{time_call}\n{weather_call}")
 
 
 @pytest.mark.parametrize("parameters, problem", [
@@ -273,18 +254,7 @@ def test_the_template_renders_calls_the_reader_reads(tiny_model_factory):
     assert read([answer])[:2] == ("", [("forecast", json.dumps(arguments))])
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_factory, tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("qwen3-coder-style"))
-    shutil.copytree(tiny_model_factory("qwen3_moe"), folder, dirs_exist_ok=True)
-    for name, changes in (("config.json", {"max_position_embeddings": 2048}),
-                          ("tokenizer_config.json", {"chat_template": QWEN3_CODER_STYLE_TEMPLATE})):
-        with open(os.path.join(folder, name)) as f:
-            content = json.load(f)
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump({**content, **changes}, f)
-    with running_server(folder, options=ServerOptions(tool_call_parser="qwen3_coder")) as s:
-        yield s
+server = tool_server_fixture("qwen3_coder", QWEN3_CODER_STYLE_TEMPLATE, arch="qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -292,31 +262,11 @@ def client(server):
     return server.openai()
 
 
-def _valid(call) -> None:
-    schema = next(t["function"]["parameters"] for t in SERVER_TOOLS if t["function"]["name"] == call.function.name)
-    jsonschema.validate(json.loads(call.function.arguments), schema)
-
-
-def _streamed_calls(client, **kwargs) -> list[tuple[str, str]]:
-    streamed: dict[int, dict] = {}
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for delta in chunk.choices[0].delta.tool_calls or ():
-            entry = streamed.setdefault(delta.index, {"name": delta.function.name, "arguments": ""})
-            entry["arguments"] += delta.function.arguments or ""
-    return [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())]
-
-
 @pytest.mark.parametrize("seed", [1, 2])
 def test_required_calls_stream_as_they_are_plain(client, seed):
     kwargs = dict(messages=MESSAGES, tools=SERVER_TOOLS, tool_choice="required", seed=seed, parallel_tool_calls=False,
                   **SAMPLING)
-    plain = client.chat.completions.create(**kwargs)
-    choice = plain.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
-    for tool_call in choice.message.tool_calls:
-        _valid(tool_call)
-    assert _streamed_calls(client, **kwargs) == \
-        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert_calls_stream_as_plain(client, **kwargs)
 
 
 def test_a_raw_string_streams_as_it_comes_even_cut_off(client):
@@ -327,7 +277,7 @@ def test_a_raw_string_streams_as_it_comes_even_cut_off(client):
     (tool_call,) = plain.choices[0].message.tool_calls
     assert plain.choices[0].finish_reason == "length" and tool_call.function.name == "note"
     assert list(json.loads(tool_call.function.arguments)) == ["text"]  # (the value so far)
-    assert _streamed_calls(client, **kwargs) == [("note", tool_call.function.arguments)]
+    assert streamed(client, **kwargs)[1] == [("note", tool_call.function.arguments)]
 
 
 def test_a_named_function_and_auto(client):
@@ -336,7 +286,7 @@ def test_a_named_function_and_auto(client):
                                            **SAMPLING)
     (tool_call,) = named.choices[0].message.tool_calls
     assert tool_call.function.name == "get_time" and named.choices[0].finish_reason == "stop"
-    _valid(tool_call)
+    assert_valid(tool_call, SERVER_TOOLS)
     for seed in range(3):
         auto = client.chat.completions.create(messages=MESSAGES, tools=SERVER_TOOLS, seed=seed,
                                               **{**SAMPLING, "max_tokens": 8})
@@ -353,11 +303,4 @@ def test_a_schema_the_format_cannot_write_is_a_400(client):
 
 
 def test_responses_give_function_call_items(client):
-    tools = [{"type": "function", **tool["function"]} for tool in SERVER_TOOLS]
-    response = client.responses.create(model=MODEL_NAME, input="Weather?", tools=tools, tool_choice="required",
-                                       parallel_tool_calls=False, max_output_tokens=150, temperature=1.0,
-                                       extra_body={"seed": 5})
-    (item,) = response.output
-    assert item.type == "function_call" and item.status == "completed" and response.status == "completed"
-    schema = next(t["parameters"] for t in tools if t["name"] == item.name)
-    jsonschema.validate(json.loads(item.arguments), schema)
+    assert_responses_call(client, SERVER_TOOLS, max_output_tokens=150)
