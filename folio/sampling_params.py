@@ -16,6 +16,14 @@ from folio.structured_output.params import StructuredOutputsParams
 _GREEDY_EPS = 1e-5
 
 
+def check_truncate_prompt_tokens(value: object) -> None:
+    """ValueError unless value is None, -1 or a positive integer (the server checks a request's before its
+    SamplingParams exist: it truncates the prompt before checking its length)."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if value is not None and not (is_int and (value == -1 or value >= 1)):
+        raise ValueError(f"truncate_prompt_tokens must be -1 (as many as fit) or an integer >= 1, got {value!r}")
+
+
 @dataclass
 class SamplingParams:
     """Decoding parameters of one request.
@@ -33,6 +41,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None  # the only tokens that may be sampled
+    bad_words: Optional[list[str]] = None  # words the output may not contain (vLLM's rule: BadWords)
     seed: Optional[int] = None
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
@@ -45,7 +55,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    truncate_prompt_tokens: Optional[int] = None  # the prompt's last k tokens (-1: as many as fit beside one more)
     structured_outputs: Optional[StructuredOutputsParams] = None  # a JSON schema, regex, choice or grammar to follow
+    # bad_words as token sequences, with and without a leading space: the engine tokenizes them (InputProcessor)
+    bad_words_token_ids: Optional[list[list[int]]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +68,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -98,6 +115,15 @@ class SamplingParams:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {self.logit_bias!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must hold token ids >= 0")
+        check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
+            is_int(t) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
+              "must be a non-empty list of token ids >= 0")
+        check(self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+              "must hold words that are not blank")
+        check(self.bad_words_token_ids is None or all(
+            isinstance(word, list) and word and all(is_int(t) and t >= 0 for t in word)
+            for word in self.bad_words_token_ids), "bad_words_token_ids", "must hold non-empty lists of token ids")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "must be a StructuredOutputsParams")
         if self.structured_outputs is not None and self.min_tokens:

@@ -382,6 +382,26 @@ def test_logit_bias_adds_and_rejects_ids_outside_vocab():
             sample(torch.zeros(1, 5), [row(SamplingParams(logit_bias={bad: 1.0}))])
 
 
+def test_allowed_token_ids_forbid_every_other_token():
+    logits = [[1.0, 5.0, 2.0, 0.0, 4.0], [1.0, 5.0, 2.0, 0.0, 4.0]]
+    rows = [row(SamplingParams(allowed_token_ids=[0, 2])), row(SamplingParams())]
+    assert processed(logits, rows) == [[1.0, -math.inf, 2.0, -math.inf, -math.inf], logits[1]]
+    greedy = [row(SamplingParams(temperature=0, allowed_token_ids=[3, 0]))]
+    assert sample(torch.tensor(logits[:1]), greedy).sampled_token_ids == [0]
+    n = 300
+    random_rows = [row(SamplingParams(allowed_token_ids=[2, 3])) for _ in range(n)]
+    assert set(sample(torch.tensor(logits[:1]).expand(n, -1), random_rows).sampled_token_ids) == {2, 3}
+
+
+def test_bad_words_forbid_a_word_s_last_token_after_the_rest_of_it():
+    params = SamplingParams(bad_words_token_ids=[[4], [1, 2, 3]])  # a one-token word, and a three-token one
+    logits = [[0.0] * 5]
+    assert processed(logits, [row(params, output=[7])]) == [[0.0, 0.0, 0.0, 0.0, -math.inf]]
+    assert processed(logits, [row(params, output=[7, 1, 2])]) == [[0.0, 0.0, 0.0, -math.inf, -math.inf]]
+    assert processed(logits, [row(params, output=[1, 2, 7])]) == [[0.0, 0.0, 0.0, 0.0, -math.inf]]
+    assert processed(logits, [row(params, output=[2])]) == [[0.0, 0.0, 0.0, 0.0, -math.inf]]  # its start not out
+
+
 def test_min_tokens_holds_back_stop_ids_until_reached():
     logits = torch.tensor([[0.0, 1.0, 0.5, 0.0, 0.0, 3.0]])
     params = SamplingParams(temperature=0.0, min_tokens=3)

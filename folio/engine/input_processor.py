@@ -9,12 +9,13 @@ request that samples nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from folio.core.request import Request
 from folio.pooling_params import PoolingParams
-from folio.sampling_params import SamplingParams
+from folio.sampling_params import SamplingParams, check_truncate_prompt_tokens
 from folio.tokenizer import Tokenizer
 
 PromptType = Union[str, dict]
@@ -38,6 +39,26 @@ class ProcessedPrompt:
     cache_salt: Optional[str] = None
 
 
+def truncated(ids: list[int], keep: Optional[int], max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context holds beside one token
+    to generate; None: all)."""
+    check_truncate_prompt_tokens(keep)
+    if keep is None:
+        return ids
+    return ids[-(max_model_len - 1 if keep == -1 else keep):]
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's tokens as it starts the text, and as it follows a space, inside the text (the spelling
+    models mostly write), where the space makes other tokens of the word rather than a token of its own."""
+    sequences: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences += [bare] + ([spaced] if spaced != bare and spaced[1:] != bare else [])
+    return sequences
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
@@ -49,7 +70,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
 
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType, truncate_prompt_tokens: Optional[int] = None) -> ProcessedPrompt:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -69,6 +90,7 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        ids = truncated(ids, truncate_prompt_tokens, self.max_model_len)
         check_prompt_fits(len(ids), self.max_model_len)
         return ProcessedPrompt(text, ids, salt)
 
@@ -78,7 +100,8 @@ class InputProcessor:
         for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
-        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
@@ -89,6 +112,9 @@ class InputProcessor:
             return [Request(request_id, prompt.prompt_token_ids, None, priority=priority, arrival_time=arrival_time,
                             cache_salt=prompt.cache_salt, pooling_params=params)]
         self.check_params(params)
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer,
+                                                                                         params.bad_words))
         if params.n == 1:
             children = [(request_id, params)]
         else:

@@ -148,7 +148,8 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        processed = self.input_processor.process_prompt(prompt)
+        truncate = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+        processed = self.input_processor.process_prompt(prompt, truncate)
         requests = self.input_processor.make_requests(request_id, processed, params, priority, arrival_time)
         if isinstance(params, SamplingParams):  # a pooling request samples nothing, so nothing constrains it
             self.structured_output.validate(params.structured_outputs)

@@ -5,8 +5,9 @@ The sampler runs them in list order on its private float32 copy, after taking th
 reports those of the unprocessed distribution) and before temperature, min_p, top_k and top_p, which are the
 sampler's own. These are the processors that can change the argmax (vLLM's non-argmax-invariant ones), so a
 greedy request that uses one leaves the sampler's plain-argmax fast path. The default list, in vLLM's order:
-logit_bias, min_tokens, then the repetition/frequency/presence penalties. A new constraint on the choice of
-token (a grammar's token mask, say) is one more processor in this list; the sampler does not change.
+allowed_token_ids, bad_words, logit_bias, min_tokens, then the repetition/frequency/presence penalties. A new
+constraint on the choice of token (a grammar's token mask, say) is one more processor in this list; the sampler
+does not change.
 """
 
 from __future__ import annotations
@@ -34,6 +35,47 @@ class LogitsProcessor(ABC):
 def _index(row_ids: list[int], token_ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.tensor(row_ids, dtype=torch.long, device=device),
             torch.tensor(token_ids, dtype=torch.long, device=device))
+
+
+class AllowedTokenIds(LogitsProcessor):
+    """vLLM's allowed_token_ids: every other token is forbidden."""
+
+    def applies(self, request: RequestState) -> bool:
+        return request.params.allowed_token_ids is not None
+
+    def apply(self, logits: torch.Tensor, rows: list[int], requests: list[RequestState]) -> None:
+        keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
+        row_ids: list[int] = []
+        token_ids: list[int] = []
+        for i, request in enumerate(requests):
+            allowed = [t for t in request.params.allowed_token_ids if t < logits.shape[1]]  # (checked at admission)
+            row_ids += [i] * len(allowed)
+            token_ids += allowed
+        keep[_index(row_ids, token_ids, logits.device)] = True
+        with rows_in_place(logits, rows) as sub:
+            sub.masked_fill_(~keep, -math.inf)
+
+
+class BadWords(LogitsProcessor):
+    """vLLM's bad_words, as token sequences (SamplingParams.bad_words_token_ids): a word's last token is forbidden
+    wherever the output so far ends with the word's other tokens (a one-token word's, always). So the output never
+    completes a bad word, however the model reaches its last token."""
+
+    def applies(self, request: RequestState) -> bool:
+        return bool(request.params.bad_words_token_ids)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], requests: list[RequestState]) -> None:
+        row_ids: list[int] = []
+        token_ids: list[int] = []
+        for row, request in zip(rows, requests):
+            output = request.output_token_ids
+            for *start, last in request.params.bad_words_token_ids:
+                if last < logits.shape[1] and len(output) >= len(start) and \
+                        output[len(output) - len(start):] == start:
+                    row_ids.append(row)
+                    token_ids.append(last)
+        if row_ids:
+            logits[_index(row_ids, token_ids, logits.device)] = -math.inf
 
 
 class LogitBias(LogitsProcessor):
@@ -126,5 +168,6 @@ def rows_in_place(logits: torch.Tensor, row_ids: list[int]) -> Iterator[torch.Te
 
 
 def default_logits_processors() -> list[LogitsProcessor]:
-    """vLLM's order; min_tokens and logit_bias commute (a -inf stays -inf whatever is added)."""
-    return [LogitBias(), MinTokens(), Penalties()]
+    """vLLM's order: the masks first (allowed_token_ids, bad_words), then logit_bias, min_tokens (the two commute:
+    a -inf stays -inf whatever is added) and the penalties."""
+    return [AllowedTokenIds(), BadWords(), LogitBias(), MinTokens(), Penalties()]

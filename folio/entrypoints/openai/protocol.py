@@ -150,10 +150,10 @@ class SamplingRequest(RequestBody):
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None  # accepted whatever it names: there is one backend, llguidance
     guided_whitespace_pattern: Optional[str] = None  # refused when set
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = None  # the prompt's last k tokens (-1: as many as fit); not on responses
     # vLLM's other extras: refused when set (unsupported_fields.SAMPLING_UNSUPPORTED)
-    truncate_prompt_tokens: Optional[Any] = None
-    allowed_token_ids: Optional[Any] = None
-    bad_words: Optional[Any] = None
     logits_processors: Optional[Any] = None
     prompt_logprobs: Optional[Any] = None
     return_tokens_as_token_ids: Optional[Any] = None
@@ -205,8 +205,10 @@ class SamplingRequest(RequestBody):
     def check_limits(self, limits: RequestLimits) -> None:
         """The sizes a server option bounds; ValueError naming the field."""
         limits.stop([self.stop] if isinstance(self.stop, str) else self.stop)
+        limits.stop(self.bad_words, "bad_words")
         limits.logit_bias(self.logit_bias)
-        limits.stop_token_ids(self.stop_token_ids)
+        limits.token_id_set(self.stop_token_ids, "stop_token_ids")
+        limits.token_id_set(self.allowed_token_ids, "allowed_token_ids")
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -228,6 +230,8 @@ class SamplingRequest(RequestBody):
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             **{k: v for k, v in given.items() if v is not None})
 
 
@@ -259,8 +263,10 @@ class CompletionRequest(SamplingRequest):
         if self.best_of is not None and not self.use_beam_search:
             raise ValueError("best_of is supported as the beam width of use_beam_search only")
         if self.use_beam_search and (self.stream or self.echo or self.logprobs is not None
-                                     or self.structured_outputs is not None):
-            raise ValueError("use_beam_search cannot be combined with stream, echo, logprobs or structured_outputs")
+                                     or self.structured_outputs is not None or self.allowed_token_ids is not None
+                                     or self.bad_words is not None):
+            raise ValueError("use_beam_search cannot be combined with stream, echo, logprobs, structured_outputs, "
+                             "allowed_token_ids or bad_words")
         if self.best_of is not None and self.best_of < (self.n or 1):
             raise ValueError("best_of must be >= n")
         return self

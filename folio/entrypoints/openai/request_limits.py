@@ -58,14 +58,15 @@ class RequestLimits:
             raise ValueError(f"{field} holds {count} prompts; this server takes at most "
                              f"{self.options.max_prompts_per_request} per request")
 
-    def stop(self, stop: Optional[Sequence[str]]) -> None:
+    def stop(self, stop: Optional[Sequence[str]], field: str = "stop") -> None:
+        """Strings the output is matched against: stop, and bad_words (each checked at every step)."""
         stop = stop or ()
         if len(stop) > self.options.max_stop_strings:
-            raise ValueError(f"stop holds {len(stop)} strings; this server takes at most "
+            raise ValueError(f"{field} holds {len(stop)} strings; this server takes at most "
                              f"{self.options.max_stop_strings}")
         longest = max((len(s) for s in stop), default=0)
         if longest > self.options.max_stop_string_chars:
-            raise ValueError(f"stop holds a string of {longest} characters; this server takes at most "
+            raise ValueError(f"{field} holds a string of {longest} characters; this server takes at most "
                              f"{self.options.max_stop_string_chars}")
 
     def logit_bias(self, logit_bias: Optional[dict]) -> None:
@@ -77,7 +78,8 @@ class RequestLimits:
         if tools and len(tools) > self.options.max_tools:
             raise ValueError(f"tools holds {len(tools)} tools; this server takes at most {self.options.max_tools}")
 
-    def stop_token_ids(self, ids: Optional[Sequence[int]]) -> None:
-        """As many as the vocabulary has ids at most (more would be repeats)."""
+    def token_id_set(self, ids: Optional[Sequence[int]], field: str) -> None:
+        """A set of token ids (stop_token_ids, allowed_token_ids): as many as the vocabulary has at most (more would
+        be repeats)."""
         if ids and len(ids) > self.vocab_size:
-            raise ValueError(f"stop_token_ids holds {len(ids)} ids, more than the vocabulary's {self.vocab_size}")
+            raise ValueError(f"{field} holds {len(ids)} ids, more than the vocabulary's {self.vocab_size}")

@@ -26,8 +26,8 @@ class ServerOptions:
     # What one request may ask for: each is checked before any tokenizing, with a 400 naming the field.
     max_prompts_per_request: int = option(64, "most prompts (completions) or inputs (embeddings) in one request; "
                                               "n is capped at 16 apart from this")
-    max_stop_strings: int = option(64, "most stop strings in one request")
-    max_stop_string_chars: int = option(1024, "longest stop string, in characters")
+    max_stop_strings: int = option(64, "most stop strings (and most bad_words) in one request")
+    max_stop_string_chars: int = option(1024, "longest stop string (and bad word), in characters")
     max_logit_bias: int = option(300, "most logit_bias entries in one request (OpenAI's limit)")
     max_tools: int = option(128, "most tools in one chat request (OpenAI's limit)")
     # How chat requests are rendered and how their tool calls are read (vLLM's flags).

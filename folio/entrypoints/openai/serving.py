@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
-from folio.engine.input_processor import check_prompt_fits
+from folio.engine.input_processor import check_prompt_fits, truncated
 from folio.entrypoints.openai.errors import OpenAIError, engine_error_status, error_body
 from folio.entrypoints.openai.protocol import (ChatLogProb, CompletionTokensDetails, DeltaToolCall,
                                                PromptTokensDetails, SamplingRequest, TopLogProb, UsageInfo)
@@ -225,10 +225,16 @@ class OpenAIServing(ABC):
         request.check_limits(self.limits)
 
         def tokenize() -> tuple[list[Prompt], SamplingParams]:
-            prompts = self.prompts(request)
+            prompts = [self._truncated(prompt, request.truncate_prompt_tokens) for prompt in self.prompts(request)]
             return prompts, self._sampling_params(request, prompts)
 
         return await asyncio.to_thread(tokenize)
+
+    def _truncated(self, prompt: Prompt, keep: Optional[int]) -> Prompt:
+        """truncate_prompt_tokens applied here, before the prompt is checked against the context (the engine would
+        do the same); a truncated prompt's text is its tokens' (completions' echo gives what the model read)."""
+        ids = truncated(prompt.token_ids, keep, self.max_model_len)
+        return prompt if len(ids) == len(prompt.token_ids) else Prompt(None, ids)
 
     def _sampling_params(self, request: SamplingRequest, prompts: list[Prompt]) -> SamplingParams:
         if not prompts or any(not p.token_ids for p in prompts):

@@ -20,8 +20,8 @@ present or not. Values are Python literals of the property's schema:
     its strings escape only \\" \\\\ \\b \\f \\n \\r \\t, which Python reads as JSON does, and its numbers are
     Python's;
   * anything else (arrays, objects, oneOf, ...) is `%json` of the property's schema (and the function's $defs), the
-    only way to hold every JSON Schema keyword; its true/false/null, which Python would not read, the reader takes as JSON's values (so a
-    model writes True/False/None at the top level, and JSON's names inside containers only).
+    only way to hold every JSON Schema keyword; its true/false/null, which Python would not read, the reader takes
+    as JSON's values (so a model writes True/False/None at the top level, and JSON's names inside containers only).
 A tool whose call could not be written (a name, or a required property's name, that is not a Python identifier; a
 required property whose schema is `false`; a `parameters` keyword beside properties/required that keyword
 arguments cannot enforce) is refused with a ValueError (a 400) naming it. An optional property whose name is not

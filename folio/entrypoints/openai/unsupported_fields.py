@@ -43,9 +43,6 @@ def _medium(value: Any) -> bool:
 SAMPLING_UNSUPPORTED = (
     Unsupported("guided_whitespace_pattern", "is not supported: JSON is written with ', ' and ': ' separators and "
                                              "no free whitespace"),
-    Unsupported("truncate_prompt_tokens", "is not supported: a prompt that does not fit is refused"),
-    Unsupported("allowed_token_ids", "is not supported: use structured_outputs (a choice, a regex) or logit_bias"),
-    Unsupported("bad_words", "is not supported: use logit_bias (-100 bans a token) or stop"),
     Unsupported("logits_processors", "is not supported: a request cannot load code here"),
     Unsupported("prompt_logprobs", "is not supported here: completions' echo with logprobs gives the prompt's"),
     Unsupported("return_tokens_as_token_ids", "is not supported", lambda value: not value),
@@ -82,6 +79,8 @@ RESPONSES_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
     Unsupported("n", "is not a field of the Responses API: a response has one output",
                 lambda value: value in (None, 1)),
     Unsupported("max_tokens", "is not a field of the Responses API: use max_output_tokens"),
+    Unsupported("truncate_prompt_tokens", "is not supported on responses: truncation 'auto' drops the oldest "
+                                          "messages to fit"),
     Unsupported("text.verbosity", NO_VERBOSITY, _medium),
     Unsupported("reasoning.summary", NO_SUMMARY),
     Unsupported("reasoning.generate_summary", NO_SUMMARY),
