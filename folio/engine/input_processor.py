@@ -45,7 +45,7 @@ def truncated(ids: list[int], keep: Optional[int], max_model_len: int) -> list[i
     check_truncate_prompt_tokens(keep)
     if keep is None:
         return ids
-    return ids[-(max_model_len - 1 if keep == -1 else keep):]
+    return ids[-(max(max_model_len - 1, 1) if keep == -1 else keep):]
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
@@ -56,7 +56,7 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int
         bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         sequences += [bare] + ([spaced] if spaced != bare and spaced[1:] != bare else [])
-    return sequences
+    return [sequence for sequence in sequences if sequence]  # (a word of no tokens bans nothing)
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
