@@ -126,7 +126,6 @@ def test_bad_chat_requests(http, change, match, param):
     ({"use_beam_search": True}, "completions has it"),
     ({"chat_template": "{{ messages }}"}, "model's template"),
     ({"prompt_logprobs": 1}, "echo"),
-    ({"return_tokens_as_token_ids": True}, "not supported"),
 ])
 def test_openai_fields_this_server_cannot_honour_are_400s_naming_them(http, change, match):
     assert_error(http.post("/v1/chat/completions", json={**CHAT, **change}), 400, match, next(iter(change)))

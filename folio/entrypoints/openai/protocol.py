@@ -153,11 +153,11 @@ class SamplingRequest(RequestBody):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None  # the prompt's last k tokens (-1: as many as fit); not on responses
+    return_token_ids: Optional[bool] = None  # the prompt's and each choice's token ids in the response
+    return_tokens_as_token_ids: Optional[bool] = None  # logprobs' tokens written "token_id:<id>"
     # vLLM's other extras: refused when set (unsupported_fields.SAMPLING_UNSUPPORTED)
     logits_processors: Optional[Any] = None
     prompt_logprobs: Optional[Any] = None
-    return_tokens_as_token_ids: Optional[Any] = None
-    return_token_ids: Optional[Any] = None
     kv_transfer_params: Optional[Any] = None
     vllm_xargs: Optional[Any] = None
 
@@ -264,9 +264,9 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("best_of is supported as the beam width of use_beam_search only")
         if self.use_beam_search and (self.stream or self.echo or self.logprobs is not None
                                      or self.structured_outputs is not None or self.allowed_token_ids is not None
-                                     or self.bad_words is not None):
+                                     or self.bad_words is not None or self.return_token_ids):
             raise ValueError("use_beam_search cannot be combined with stream, echo, logprobs, structured_outputs, "
-                             "allowed_token_ids or bad_words")
+                             "allowed_token_ids, bad_words or return_token_ids")
         if self.best_of is not None and self.best_of < (self.n or 1):
             raise ValueError("best_of must be >= n")
         return self
@@ -277,14 +277,6 @@ class CompletionLogProbs(BaseModel):
     token_logprobs: list[Optional[float]] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None  # vLLM's extra: the stop string or token id that ended it
 
 
 class OmitsNullExtras(BaseModel):
@@ -300,6 +292,17 @@ class OmitsNullExtras(BaseModel):
             if data.get(name, 0) is None:
                 del data[name]
         return data
+
+
+class CompletionChoice(OmitsNullExtras):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None  # vLLM's extra: the stop string or token id that ended it
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids (streamed: in the choice's first chunk)
+    token_ids: Optional[list[int]] = None  # with return_token_ids: the generated tokens (streamed: the chunk's)
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids")
 
 
 class PromptTokensDetails(BaseModel):
@@ -559,21 +562,25 @@ class AssistantMessage(OmitsNullExtras):
     omitted_when_null: ClassVar[tuple[str, ...]] = ("reasoning", "reasoning_content")
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(OmitsNullExtras):
     index: int
     message: AssistantMessage
     logprobs: Optional[ChatChoiceLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = None  # with return_token_ids: the generated tokens, reasoning and calls too
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("token_ids",)
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(OmitsNullExtras):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids: the rendered prompt's
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
 
 
 class DeltaMessage(WithoutNulls):
@@ -584,21 +591,25 @@ class DeltaMessage(WithoutNulls):
     reasoning_content: Optional[str] = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(OmitsNullExtras):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatChoiceLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = None  # with return_token_ids: the chunk's generated tokens
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("token_ids",)
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(OmitsNullExtras):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids: in the first chunk
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
 
 
 # ---- models, tokenizer endpoints -------------------------------------------------------------------------

@@ -58,9 +58,12 @@ class ChoiceDelta:
     tool_calls: list[DeltaToolCall] = field(default_factory=list)  # chat: pieces of the tool calls read in the text
     reasoning: str = ""  # chat with a reasoning parser: the reasoning read out of the text
     num_reasoning_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)  # the tokens generated, as generated (return_token_ids)
+    prompt_token_ids: Optional[list[int]] = None  # the choice's prompt, on its first delta (return_token_ids)
 
     def extend(self, other: "ChoiceDelta") -> None:
         self.text += other.text
+        self.output_token_ids += other.output_token_ids
         self.reasoning += other.reasoning
         self.num_reasoning_tokens += other.num_reasoning_tokens
         self.tool_calls += other.tool_calls
@@ -76,20 +79,27 @@ def clamp_logprob(value: float) -> float:
     return max(value, -9999.0)
 
 
-def _top_logprob(lp: Logprob) -> TopLogProb:
-    token = lp.decoded_token or ""
+def logprob_token(token_id: int, text: Optional[str], as_id: bool) -> str:
+    """How a logprob names its token: its text, or with vLLM's return_tokens_as_token_ids "token_id:<id>" (a text
+    that is not valid UTF-8 on its own, a byte of a character, cannot be told apart otherwise)."""
+    return f"token_id:{token_id}" if as_id else text or ""
+
+
+def _top_logprob(token_id: int, lp: Logprob, as_id: bool) -> TopLogProb:
+    token = logprob_token(token_id, lp.decoded_token, as_id)
     return TopLogProb(token=token, logprob=clamp_logprob(lp.logprob), bytes=list(token.encode("utf-8")))
 
 
-def token_logprobs(token_ids: list[int], positions: SampleLogprobs, top_n: int) -> list[ChatLogProb]:
+def token_logprobs(token_ids: list[int], positions: SampleLogprobs, top_n: int,
+                   as_ids: bool = False) -> list[ChatLogProb]:
     """Each generated token's logprob and the top_n most likely at its position, in the shape chat completions and
-    the Responses API share."""
+    the Responses API share (as_ids: tokens named by id)."""
     content = []
     for token_id, position in zip(token_ids, positions):
-        chosen = _top_logprob(position[token_id])
-        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top_n),
-                     key=lambda lp: lp.rank)
-        content.append(ChatLogProb(**chosen.model_dump(), top_logprobs=[_top_logprob(lp) for lp in top]))
+        chosen = _top_logprob(token_id, position[token_id], as_ids)
+        top = sorted(((i, lp) for i, lp in position.items() if lp.rank is not None and lp.rank <= top_n),
+                     key=lambda item: item[1].rank)
+        content.append(ChatLogProb(**chosen.model_dump(), top_logprobs=[_top_logprob(i, lp, as_ids) for i, lp in top]))
     return content
 
 
@@ -167,17 +177,23 @@ class OpenAIServing(ABC):
 
     @abstractmethod
     def envelope(self, request_id: str, created: int, choices: list[BaseModel], usage: Optional[UsageInfo],
-                 stream: bool) -> BaseModel:
-        """A chunk (stream) or a full response around the choices."""
+                 stream: bool, prompt_token_ids: Optional[list[int]] = None) -> BaseModel:
+        """A chunk (stream) or a full response around the choices (prompt_token_ids: chat's, with
+        return_token_ids)."""
 
     def first_delta(self, request: SamplingRequest, prompt: Prompt, prompt_logprobs: list[PositionLogprobs],
                     delta: ChoiceDelta) -> ChoiceDelta:
         """A choice's first delta; completions' echo prepends the prompt here."""
         return delta
 
-    def opening_chunks(self, request_id: str, created: int, request: SamplingRequest) -> list[BaseModel]:
+    def opening_chunks(self, request_id: str, created: int, request: SamplingRequest,
+                       prompts: list[Prompt]) -> list[BaseModel]:
         """Chunks sent just before the first token's (chat's role announcement)."""
         return []
+
+    def response_prompt_token_ids(self, request: SamplingRequest, prompts: list[Prompt]) -> Optional[list[int]]:
+        """The prompt ids a whole response carries beside its choices (chat's, with return_token_ids)."""
+        return None
 
     def structured_outputs(self, request: SamplingRequest) -> Optional[StructuredOutputsParams]:
         """The constraint on the output (here the structured_outputs field), checked: ValueError naming the field."""
@@ -259,8 +275,10 @@ class OpenAIServing(ABC):
             for completion in output.outputs:
                 delta = ChoiceDelta(p * n + completion.index, completion.text, list(completion.token_ids),
                                     completion.logprobs, len(completion.token_ids), completion.finish_reason,
-                                    completion.stop_reason)
+                                    completion.stop_reason, output_token_ids=list(completion.token_ids))
                 if delta.index not in sent:
+                    if request.return_token_ids:
+                        delta.prompt_token_ids = prompts[p].token_ids
                     delta = self.first_delta(request, prompts[p], prompt_logprobs[p], delta)
                 delta.text_offset = sent.get(delta.index, 0)
                 sent[delta.index] = delta.text_offset + len(delta.text)
@@ -280,7 +298,7 @@ class OpenAIServing(ABC):
         completion_tokens = reasoning_tokens = 0
         # Held back until the first token (as vLLM does): clients time the first chunk as the first token, and a
         # chunk sent before the prefill would report the time to the headers instead.
-        opening = self.opening_chunks(request_id, created, request)
+        opening = self.opening_chunks(request_id, created, request, prompts)
         try:
             async for delta in deltas:
                 for chunk in opening:
@@ -288,7 +306,8 @@ class OpenAIServing(ABC):
                 opening = []
                 completion_tokens += delta.num_generated
                 reasoning_tokens += delta.num_reasoning_tokens
-                if delta.text or delta.reasoning or delta.finish_reason or delta.logprobs or delta.tool_calls:
+                if delta.text or delta.reasoning or delta.finish_reason or delta.logprobs or delta.tool_calls or \
+                        (request.return_token_ids and delta.output_token_ids):
                     choice = self.choice(request, delta, stream=True)
                     yield _event(self.envelope(request_id, created, [choice], None, stream=True))
             if request.include_usage_in_stream:
@@ -316,5 +335,5 @@ class OpenAIServing(ABC):
         usage = self.usage(prompts, sum(c.num_generated for c in ordered), cached,
                            sum(c.num_reasoning_tokens for c in ordered))
         body = self.envelope(request_id, created, [self.choice(request, c, stream=False) for c in ordered], usage,
-                             stream=False)
+                             stream=False, prompt_token_ids=self.response_prompt_token_ids(request, prompts))
         return Response(body.model_dump_json(), media_type="application/json")

@@ -133,13 +133,21 @@ class OpenAIServingChat(OpenAIServing):
     def logprob_counts(self, request: ChatCompletionRequest) -> tuple[Optional[int], Optional[int]]:
         return (request.top_logprobs or 0) if request.logprobs else None, None
 
-    def opening_chunks(self, request_id: str, created: int, request: ChatCompletionRequest) -> list[BaseModel]:
+    def opening_chunks(self, request_id: str, created: int, request: ChatCompletionRequest,
+                       prompts: list[Prompt]) -> list[BaseModel]:
+        """The role of each choice; the first also carries the prompt's ids, with return_token_ids."""
+        prompt_token_ids = self.response_prompt_token_ids(request, prompts)
         return [self.envelope(request_id, created, [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                                                    content=""))],
-                              None, stream=True) for i in range(request.n or 1)]
+                              None, stream=True, prompt_token_ids=None if i else prompt_token_ids)
+                for i in range(request.n or 1)]
+
+    def response_prompt_token_ids(self, request: ChatCompletionRequest, prompts: list[Prompt]) -> Optional[list[int]]:
+        return prompts[0].token_ids if request.return_token_ids else None
 
     def choice(self, request: ChatCompletionRequest, delta: ChoiceDelta, stream: bool) -> BaseModel:
-        logprobs = None if delta.logprobs is None else self._logprobs(delta, request.top_logprobs or 0)
+        logprobs = None if delta.logprobs is None else self._logprobs(delta, request)
+        token_ids = delta.output_token_ids if request.return_token_ids else None
         reasoning = delta.reasoning or None
         # null beside calls, as OpenAI's, and beside reasoning (a reasoning chunk, an output cut off in reasoning)
         content = delta.text if delta.text or not (delta.tool_calls or reasoning) else None
@@ -149,20 +157,19 @@ class OpenAIServingChat(OpenAIServing):
                                                                           reasoning=reasoning,
                                                                           reasoning_content=reasoning),
                                     logprobs=logprobs, finish_reason=delta.finish_reason,
-                                    stop_reason=delta.stop_reason)
+                                    stop_reason=delta.stop_reason, token_ids=token_ids)
         message = AssistantMessage(content=content, tool_calls=join_tool_calls(delta.tool_calls) or None,
                                    reasoning=reasoning, reasoning_content=reasoning)
         return ChatChoice(index=delta.index, message=message, logprobs=logprobs, finish_reason=delta.finish_reason,
-                          stop_reason=delta.stop_reason)
+                          stop_reason=delta.stop_reason, token_ids=token_ids)
 
     def envelope(self, request_id: str, created: int, choices: list[BaseModel], usage: Optional[UsageInfo],
-                 stream: bool) -> BaseModel:
-        if stream:
-            return ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
-                                       usage=usage)
-        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
-                                      usage=usage)
+                 stream: bool, prompt_token_ids: Optional[list[int]] = None) -> BaseModel:
+        kind = ChatCompletionChunk if stream else ChatCompletionResponse
+        return kind(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage,
+                    prompt_token_ids=prompt_token_ids)
 
     @staticmethod
-    def _logprobs(delta: ChoiceDelta, top_n: int) -> ChatChoiceLogProbs:
-        return ChatChoiceLogProbs(content=token_logprobs(delta.token_ids, delta.logprobs, top_n))
+    def _logprobs(delta: ChoiceDelta, request: ChatCompletionRequest) -> ChatChoiceLogProbs:
+        return ChatChoiceLogProbs(content=token_logprobs(delta.token_ids, delta.logprobs, request.top_logprobs or 0,
+                                                         bool(request.return_tokens_as_token_ids)))

@@ -22,7 +22,7 @@ from folio.entrypoints.openai.fill_in_the_middle import fim_prompt_ids
 from folio.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                                CompletionResponse, UsageInfo)
 from folio.entrypoints.openai.serving import (ChoiceDelta, OpenAIServing, PositionLogprobs, Prompt, cancel_on_disconnect,
-                                             clamp_logprob)
+                                             clamp_logprob, logprob_token)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -88,25 +88,29 @@ class OpenAIServingCompletion(OpenAIServing):
                                    logprobs=logprobs)
 
     def choice(self, request: CompletionRequest, delta: ChoiceDelta, stream: bool) -> CompletionChoice:
-        logprobs = None if delta.logprobs is None else self._logprobs(delta)
+        logprobs = None if delta.logprobs is None else self._logprobs(delta, bool(request.return_tokens_as_token_ids))
         return CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
-                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                                prompt_token_ids=delta.prompt_token_ids,
+                                token_ids=delta.output_token_ids if request.return_token_ids else None)
 
     def envelope(self, request_id: str, created: int, choices: list[BaseModel], usage: Optional[UsageInfo],
-                 stream: bool) -> CompletionResponse:
+                 stream: bool, prompt_token_ids: Optional[list[int]] = None) -> CompletionResponse:
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
 
-    def _logprobs(self, delta: ChoiceDelta) -> CompletionLogProbs:
-        """OpenAI's legacy shape: per token its text, logprob, top alternatives and offset in the choice's text."""
+    def _logprobs(self, delta: ChoiceDelta, as_ids: bool) -> CompletionLogProbs:
+        """OpenAI's legacy shape: per token its text, logprob, top alternatives and offset in the choice's text
+        (as_ids: tokens named "token_id:<id>", the offsets still in the text)."""
         out = CompletionLogProbs()
         offset = delta.text_offset
         for token_id, position in zip(delta.token_ids, delta.logprobs):
             chosen = position.get(token_id) if position is not None else None
-            token = chosen.decoded_token if chosen is not None else self.tokenizer.decode_token(token_id)
-            out.tokens.append(token)
+            text = chosen.decoded_token if chosen is not None else self.tokenizer.decode_token(token_id)
+            out.tokens.append(logprob_token(token_id, text, as_ids))
             out.text_offset.append(offset)
-            offset += len(token)
+            offset += len(text)
             out.token_logprobs.append(None if chosen is None else clamp_logprob(chosen.logprob))
             out.top_logprobs.append(None if position is None else
-                                    {lp.decoded_token: clamp_logprob(lp.logprob) for lp in position.values()})
+                                    {logprob_token(i, lp.decoded_token, as_ids): clamp_logprob(lp.logprob)
+                                     for i, lp in position.items()})
         return out

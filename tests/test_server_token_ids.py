@@ -1,0 +1,83 @@
+"""vLLM's return_token_ids and return_tokens_as_token_ids on completions and chat: the prompt's and each choice's
+token ids in the response (streamed: the prompt's in the first chunk, each chunk's own), and logprobs naming tokens
+by id; absent fields where not asked for; the Responses API refuses both."""
+
+from __future__ import annotations
+
+import pytest
+
+from server_fixture import MODEL_NAME, running_server
+from test_server_errors import assert_error
+
+PROMPT = [5, 6, 7, 8]
+MESSAGES = [{"role": "user", "content": "Count with me"}]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    with running_server(llama_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+def _extra(**body) -> dict:
+    return {"extra_body": {"ignore_eos": True, "seed": 7, **body}}
+
+
+def test_completions_give_the_prompt_and_the_choice_s_ids(client, server):
+    tokenizer = server.llm.engine.get_tokenizer()
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=9, temperature=1.0, n=2, **_extra(return_token_ids=True))
+    plain = client.completions.create(**kwargs)
+    for choice in plain.choices:
+        assert choice.model_extra["prompt_token_ids"] == PROMPT and len(choice.model_extra["token_ids"]) == 9
+        assert tokenizer.decode(choice.model_extra["token_ids"]) == choice.text
+    streamed: dict[int, dict] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            entry = streamed.setdefault(choice.index, {"prompt": choice.model_extra.get("prompt_token_ids"), "ids": []})
+            entry["ids"] += choice.model_extra.get("token_ids") or []
+    assert [(e["prompt"], e["ids"]) for _, e in sorted(streamed.items())] == \
+        [(PROMPT, c.model_extra["token_ids"]) for c in plain.choices]
+    bare = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+    assert "token_ids" not in bare.choices[0].model_extra and "prompt_token_ids" not in bare.choices[0].model_extra
+
+
+def test_chat_gives_the_rendered_prompt_s_ids_and_the_choice_s(client, server):
+    with server.http() as http:
+        prompt = http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES}).json()["tokens"]
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=1.0, **_extra(return_token_ids=True))
+    plain = client.chat.completions.create(**kwargs)
+    assert plain.model_extra["prompt_token_ids"] == prompt
+    ids = plain.choices[0].model_extra["token_ids"]
+    assert len(ids) == plain.usage.completion_tokens == 8
+    first, *rest = list(client.chat.completions.create(stream=True, **kwargs))
+    assert first.model_extra["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in chunk.model_extra for chunk in rest)
+    assert [t for chunk in rest for c in chunk.choices for t in c.model_extra.get("token_ids") or []] == ids
+    bare = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
+    assert "prompt_token_ids" not in bare.model_extra and "token_ids" not in bare.choices[0].model_extra
+
+
+def test_logprobs_name_tokens_by_id(client):
+    completion = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, logprobs=2,
+                                           **_extra(return_tokens_as_token_ids=True, return_token_ids=True))
+    choice = completion.choices[0]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
+    assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, logprobs=True,
+                                          top_logprobs=2, **_extra(return_tokens_as_token_ids=True,
+                                                                   return_token_ids=True))
+    content = chat.choices[0].logprobs.content
+    assert [lp.token for lp in content] == [f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]]
+    assert all(top.token.startswith("token_id:") for lp in content for top in lp.top_logprobs)
+
+
+@pytest.mark.parametrize("field", ["return_token_ids", "return_tokens_as_token_ids"])
+def test_the_responses_api_refuses_them(server, field):
+    with server.http() as http:
+        assert_error(http.post("/v1/responses", json={"model": MODEL_NAME, "input": "hi", field: True}), 400, field)
