@@ -187,7 +187,7 @@ class ParallelOptions:
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance",)
-REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")  # folio.reasoning_parser
+REASONING_PARSER_NAMES = ("deepseek_r1", "mistral", "qwen3")  # folio.reasoning_parser
 
 
 @dataclass
@@ -198,7 +198,7 @@ class StructuredOutputsOptions:
     structured_outputs_backend: str = option("llguidance", "grammar library that builds the token masks",
                                              choices=STRUCTURED_OUTPUTS_BACKENDS)
     reasoning_parser: Optional[str] = option(
-        None, "the reasoning model family: its <think> block becomes the server's reasoning (chat's `reasoning`, "
+        None, "the reasoning model family: its think block becomes the server's reasoning (chat's `reasoning`, "
               "a Responses reasoning item), and structured outputs and tool grammars start after it",
         default_means="none: all output is content", choices=REASONING_PARSER_NAMES)
 

@@ -8,11 +8,20 @@ them all: the output starts in reasoning unless the prompt's last turn already c
 an opening tag the model writes first is dropped; the output up to the closing tag is reasoning, the rest
 content. An output cut off before the closing tag is all reasoning (as vLLM's parsers have it).
 
+Magistral (Mistral's reasoning models, from Small 2507 on) thinks between `[THINK]` and `[/THINK]`, special tokens
+of its tokenizer, and writes `[THINK]` itself when it thinks, as its system prompt asks; an answer that does not
+open with it is all content. So a parser whose model opens the block itself (`model_opens`) starts in content, a
+`[THINK]` at the output's start (after whitespace) opens the reasoning, and only a prompt that ends inside an open
+block (an assistant prefill) starts in it. Its tags being special tokens, the server decodes its requests with
+special tokens kept (`keeps_special_tokens`, as the Mistral tool-call format does); the end-of-sequence token that
+ends an output stays out of the text all the same (folio.detokenizer).
+
 Two parts of folio read it:
 - the server splits each choice's text (`ReasoningSplitter`: `reasoning` beside `content` in chat, a reasoning
   item before the message in the Responses API; tool calls are read in the content only);
 - the engine's structured outputs start their grammar after the closing tag (`EndTagWatcher` on token ids), so a
-  constrained answer (a JSON schema, a tool call) still lets the model think first.
+  constrained answer (a JSON schema, a tool call) still lets the model think first
+  (folio.structured_output.reasoning_gate).
 
 Whitespace at the seams is dropped: around the reasoning, and before the content. A streamed choice holds back
 only what could still be the start of a tag or whitespace before one, so its pieces join to the full response's.
@@ -22,10 +31,10 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from folio.config import REASONING_PARSER_NAMES
+from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
 
 logger = logging.getLogger("folio")
@@ -46,50 +55,75 @@ def _ends_with(ids: list[int], end: int, tag: tuple[int, ...]) -> bool:
 
 @dataclass(frozen=True)
 class ReasoningParser:
-    """The tags that delimit a model family's reasoning."""
+    """The tags that delimit a model family's reasoning, and how the family writes them."""
 
     name: str
     start_tag: str = "<think>"
     end_tag: str = "</think>"
+    # The model writes the opening tag itself when it thinks, and an output without it is all content (Magistral);
+    # otherwise the output starts in reasoning unless the prompt closed the block.
+    model_opens: bool = False
+    # The tags are special tokens, which decoding leaves out of the text unless told to keep them.
+    keeps_special_tokens: bool = False
 
     def check(self, tokenizer: Tokenizer) -> None:
-        """At start: ValueError where the tokenizer makes the closing tag a special token, which decoding leaves
-        out of the text (the answer would be read as reasoning); a warning where the tag is several tokens (the
-        model may spell it otherwise, and then the text ends the reasoning where the grammars do not see it)."""
+        """At start: ValueError where the tokenizer hides the closing tag (a special token, which decoding leaves
+        out of the text unless the parser keeps them: the answer would be read as reasoning), or where a model that
+        opens the block itself has no one-token opening tag (its first token's mask allows that token beside the
+        grammar's); a warning where the closing tag is several tokens (the model may spell it otherwise, and then
+        the text ends the reasoning where the grammars do not see it)."""
         ids = self.end_tag_ids(tokenizer)
-        if tokenizer.decode(list(ids)) != self.end_tag:
+        if not self.keeps_special_tokens and tokenizer.decode(list(ids)) != self.end_tag:
             raise ValueError(f"reasoning_parser {self.name!r} reads {self.end_tag!r} in the text, and this model's "
                              "tokenizer makes it a special token, which decoding leaves out")
+        if self.model_opens and len(self.start_tag_ids(tokenizer)) != 1:
+            raise ValueError(f"reasoning_parser {self.name!r} needs {self.start_tag!r} as one token, and this "
+                             "model's tokenizer does not have it")
         if len(ids) > 1:
             logger.warning("reasoning_parser %r: %r is %d tokens in this tokenizer, not one; structured outputs "
                            "start after these tokens only", self.name, self.end_tag, len(ids))
+
+    def start_tag_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
+        return _tag_ids(tokenizer, self.start_tag)
 
     def end_tag_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
         """The closing tag's tokens (one added token in the families above)."""
         return _tag_ids(tokenizer, self.end_tag)
 
+    def reading(self, params: SamplingParams) -> SamplingParams:
+        """The SamplingParams of a request whose output this parser splits: special tokens kept in the text where
+        the tags are some (as ToolCallFormat.reading does for a format's markers)."""
+        return replace(params, skip_special_tokens=False) if self.keeps_special_tokens else params
+
     def starts_in_reasoning(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> bool:
         """Whether the output starts inside the think block. Read back from the prompt's end: the closing tag
         first means the last turn closed it (thinking switched off, or an assistant prefill after the block); the
-        opening tag, or a special token (where a turn starts: an earlier turn's tags are not this one's), means
-        it is open."""
-        end, start = self.end_tag_ids(tokenizer), _tag_ids(tokenizer, self.start_tag)
+        opening tag means it is open; a special token (where a turn starts: an earlier turn's tags are not this
+        one's), or the prompt's start, means the turn has no tag yet: open, unless the model opens it itself."""
+        end, start = self.end_tag_ids(tokenizer), self.start_tag_ids(tokenizer)
         ids = list(prompt_token_ids[-_PROMPT_SCAN_TOKENS:])
         for i in range(len(ids), 0, -1):
-            if ids[i - 1] in tokenizer.all_special_ids or _ends_with(ids, i, start):
+            if _ends_with(ids, i, start):
                 return True
             if _ends_with(ids, i, end):
                 return False
-        return True
+            if ids[i - 1] in tokenizer.all_special_ids:
+                break
+        return not self.model_opens
 
     def splitter(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> "ReasoningSplitter":
         """A splitter for one choice of a request with this prompt."""
-        opened = self.starts_in_reasoning(tokenizer, prompt_token_ids)
-        return ReasoningSplitter(self, opened, self.end_tag_ids(tokenizer) if opened else ())
+        return ReasoningSplitter(self, self.starts_in_reasoning(tokenizer, prompt_token_ids),
+                                 self.end_tag_ids(tokenizer))
 
 
-# vLLM's names. The families differ only in their templates, which starts_in_reasoning reads.
-REASONING_PARSERS = {name: ReasoningParser(name) for name in REASONING_PARSER_NAMES}
+# vLLM's names (folio.config.REASONING_PARSER_NAMES). Qwen3's and DeepSeek-R1's differ only in their templates,
+# which starts_in_reasoning reads.
+REASONING_PARSERS = {parser.name: parser for parser in (
+    ReasoningParser("deepseek_r1"),
+    ReasoningParser("mistral", "[THINK]", "[/THINK]", model_opens=True, keeps_special_tokens=True),  # Magistral
+    ReasoningParser("qwen3"),
+)}
 
 
 def reasoning_parser(name: Optional[str]) -> Optional[ReasoningParser]:
@@ -145,17 +179,16 @@ class ReasoningSplitter:
     def __init__(self, parser: ReasoningParser, in_reasoning: bool, end_tag_ids: tuple[int, ...] = ()) -> None:
         self.parser = parser
         self.in_reasoning = in_reasoning
+        self._may_open = parser.model_opens and not in_reasoning  # no content yet: the opening tag may still come
         self._section_start = True  # nothing of the current section handed out yet: its leading whitespace goes
         self._held = ""  # text that may still turn out to be (the start of) a tag
+        self._end_tag_ids = end_tag_ids
         self._tokens = EndTagWatcher(end_tag_ids if in_reasoning else ())
 
     def feed(self, text: str, token_ids: Sequence[int] = (), final: bool = False) -> ReasoningSplit:
         """The reasoning and content that `text` and its tokens (after what was fed before) let out; with `final`,
         everything."""
         out = ReasoningSplit()
-        if not self._tokens.done:
-            taken = self._tokens.feed(token_ids)
-            out.num_reasoning_tokens = len(token_ids) if taken is None else taken
         text, self._held = self._held + text, ""
         start, end = self.parser.start_tag, self.parser.end_tag
         while text:
@@ -163,6 +196,16 @@ class ReasoningSplitter:
                 if self._section_start:
                     text = text.lstrip()
                     self._section_start = not text
+                if self._may_open and text:
+                    opens = text.startswith(start)
+                    if not opens and start.startswith(text) and not final:
+                        self._held = text
+                        break
+                    self._may_open = False
+                    if opens:  # the model opened the block: its tokens count from this piece's
+                        text, self.in_reasoning, self._section_start = text[len(start):], True, True
+                        self._tokens = EndTagWatcher(self._end_tag_ids)
+                        continue
                 out.content += text
                 break
             if self._section_start:
@@ -188,6 +231,9 @@ class ReasoningSplitter:
             self._held = head[len(sent):] + text[len(head):]
             self._add_reasoning(out, sent)
             break
+        if not self._tokens.done:
+            taken = self._tokens.feed(token_ids)
+            out.num_reasoning_tokens = len(token_ids) if taken is None else taken
         return out
 
     def _add_reasoning(self, out: ReasoningSplit, text: str) -> None:

@@ -20,6 +20,11 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def allow_token(row: np.ndarray, token_id: int) -> None:
+    """Set a token's bit in a bitmask row (in place)."""
+    row.view(np.uint32)[token_id // 32] |= np.uint32(1 << (token_id % 32))
+
+
 class Grammar(ABC):
     """One request's matcher: the state of the grammar after the tokens it accepted so far."""
 

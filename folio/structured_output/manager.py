@@ -10,7 +10,8 @@
 - `grammar_bitmask` builds each step's token bitmask for the constrained requests that sample in it (one row per
   sampled position), which travels to the model runner in the SchedulerOutput. Unconstrained requests get no
   row and pay nothing, nor do constrained ones still reasoning (under a reasoning parser, a request whose prompt
-  leaves it reasoning is constrained from the token after the closing tag on).
+  leaves it reasoning is constrained from the token after the closing tag on; where the model opens the block
+  itself, the first token's row also allows the opening tag: folio.structured_output.reasoning_gate).
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import numpy as np
 from folio.config import StructuredOutputsOptions
 from folio.core.request import Request
 from folio.core.step_contract import GrammarBitmask, SchedulerOutput
-from folio.reasoning_parser import EndTagWatcher, reasoning_parser
-from folio.structured_output.backend import BitmaskFill, Grammar, StructuredOutputBackend, bitmask_width
+from folio.reasoning_parser import reasoning_parser
+from folio.structured_output.backend import (BitmaskFill, Grammar, StructuredOutputBackend, allow_token,
+                                             bitmask_width)
 from folio.structured_output.params import DESCRIPTIONS, StructuredOutputsParams
+from folio.structured_output.reasoning_gate import ReasoningGate
 from folio.structured_output.request import StructuredOutputRequest
 from folio.tokenizer import Tokenizer
 
@@ -102,12 +105,18 @@ class StructuredOutputManager:
         for request in requests:
             params = request.sampling_params.structured_outputs
             if params is not None:
-                reasoning = None
-                if self.reasoning_parser is not None and self.reasoning_parser.starts_in_reasoning(
-                        self.tokenizer, request.prompt_token_ids):
-                    reasoning = EndTagWatcher(self.reasoning_parser.end_tag_ids(self.tokenizer))
-                request.structured_output = StructuredOutputRequest(request.request_id, self._compiled(params),
-                                                                    reasoning)
+                request.structured_output = StructuredOutputRequest(
+                    request.request_id, self._compiled(params), self._reasoning_gate(request.prompt_token_ids))
+
+    def _reasoning_gate(self, prompt_token_ids: list[int]) -> Optional[ReasoningGate]:
+        """Where the grammar of a request with this prompt starts; None: at its first token."""
+        parser, tokenizer = self.reasoning_parser, self.tokenizer
+        if parser is None:
+            return None
+        end = parser.end_tag_ids(tokenizer)
+        if parser.starts_in_reasoning(tokenizer, prompt_token_ids):
+            return ReasoningGate(end)
+        return ReasoningGate(end, parser.start_tag_ids(tokenizer)[0]) if parser.model_opens else None
 
     def _compiled(self, params: StructuredOutputsParams) -> "Future[Grammar]":
         key = params.key()
@@ -135,6 +144,7 @@ class StructuredOutputManager:
     def grammar_bitmask(self, out: SchedulerOutput, requests: dict[str, Request]) -> Optional[GrammarBitmask]:
         """The bitmask of the constrained requests that sample in this step, or None when there are none."""
         fills: list[BitmaskFill] = []
+        openings: list[tuple[int, int, int]] = []  # (a first position's row, the grammar's start row, a token)
         rows: dict[str, int] = {}
         num_rows = 0
         for item in out.scheduled:
@@ -142,20 +152,28 @@ class StructuredOutputManager:
             so = request.structured_output
             if so is None or item.num_computed_tokens + item.num_tokens < request.num_tokens:
                 continue  # unconstrained, or a prompt chunk that does not reach the end yet
-            free = so.free_positions(item.draft_token_ids)
-            if free is None:
+            grammar_from, opening = so.plan(item.draft_token_ids)
+            if grammar_from is None and opening is None:
                 continue  # still reasoning after every draft
             grammar = so.grammar
             if grammar is None:
                 continue  # compiling failed: its first token aborts it (StructuredOutputRequest.advance)
             rows[item.request_id] = num_rows  # the free positions' rows stay all ones
-            fills.append(BitmaskFill(grammar, num_rows + free, item.draft_token_ids[free:]))
+            # With the opening tag drafted first and no closing tag after it, only the first row is the grammar's.
+            first = grammar_from or 0
+            fills.append(BitmaskFill(grammar, num_rows + first,
+                                     item.draft_token_ids[first:] if grammar_from is not None else []))
+            if opening is not None:  # (the grammar has taken no token: the row it starts at is the first's too)
+                openings.append((num_rows, num_rows + first, opening))
             num_rows += 1 + len(item.draft_token_ids)
         if not fills:
             return None
         start = time.perf_counter()
         bitmask = np.full((num_rows, bitmask_width(self.vocab_size)), -1, dtype=np.int32)
         self.backend.fill_bitmask(fills, bitmask)
+        for row, grammar_row, token_id in openings:
+            bitmask[row] = bitmask[grammar_row]
+            allow_token(bitmask[row], token_id)
         self.stats.num_bitmask_steps += 1
         self.stats.num_bitmask_rows += num_rows
         self.stats.bitmask_s += time.perf_counter() - start

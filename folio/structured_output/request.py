@@ -5,7 +5,7 @@ nothing to rebuild: a preempted request keeps its output tokens (its KV is recom
 resampled), and its matcher has accepted exactly those tokens. The runner only ever sees bitmask rows.
 
 Under a reasoning parser the grammar waits for the reasoning to end: the tokens up to the closing tag are free,
-and the grammar follows the tokens after it.
+and the grammar follows the tokens after it (folio.structured_output.reasoning_gate).
 """
 
 from __future__ import annotations
@@ -15,26 +15,24 @@ from concurrent.futures import Future
 from typing import Optional
 
 from folio.core.request import RequestStatus
-from folio.reasoning_parser import EndTagWatcher
 from folio.structured_output.backend import Grammar
+from folio.structured_output.reasoning_gate import ReasoningGate, StepPlan
 
 logger = logging.getLogger("folio")
 
 
 class StructuredOutputRequest:
     def __init__(self, request_id: str, compiled: "Future[Grammar]",
-                 reasoning: Optional[EndTagWatcher] = None) -> None:
+                 reasoning: Optional[ReasoningGate] = None) -> None:
         self.request_id = request_id
         self._compiled = compiled  # the cache's shared grammar at its start, being compiled or done
         self._grammar: Optional[Grammar] = None
-        self.reasoning = reasoning  # while the output is reasoning (not done), the grammar waits
+        self.reasoning = reasoning  # where the grammar starts; None: at the first token
 
-    def free_positions(self, draft_token_ids: list[int]) -> Optional[int]:
-        """Of this step's sampled positions (the next token, then one after each draft), how many come before the
-        grammar starts: 0 once the reasoning has ended, None when it does not end within the drafts."""
-        if self.reasoning is None or self.reasoning.done:
-            return 0
-        return self.reasoning.find(draft_token_ids)
+    def plan(self, draft_token_ids: list[int]) -> StepPlan:
+        """Which of this step's sampled positions (the next token, then one after each draft) the grammar
+        constrains."""
+        return StepPlan(0, None) if self.reasoning is None else self.reasoning.plan(draft_token_ids)
 
     @property
     def ready(self) -> bool:
@@ -53,8 +51,7 @@ class StructuredOutputRequest:
         FINISHED_ABORTED if the token breaks the grammar (under the mask it cannot, unless compiling failed; the
         other processors never empty a row: min_tokens, which could, is refused with structured outputs). Tokens of
         the reasoning pass freely."""
-        if self.reasoning is not None and not self.reasoning.done:
-            self.reasoning.feed([token_id])
+        if self.reasoning is not None and self.reasoning.takes(token_id):
             return None
         grammar = self.grammar
         if grammar is None or not grammar.accept_tokens([token_id]):

@@ -89,10 +89,12 @@ class OpenAIServingChat(OpenAIServing):
                                  request.structured_outputs_field)
 
     def _sampling_params(self, request: ChatCompletionRequest, prompts: list[Prompt]) -> SamplingParams:
-        """With tools (and tool_choice not "none"), as the tool format reads the text."""
+        """With tools (and tool_choice not "none"), as the tool format reads the text; with a reasoning parser, as
+        the parser reads it."""
         params = super()._sampling_params(request, prompts)
         tool_choice = resolve_tool_choice(request.tools, request.tool_choice, self.auto_tool_choice)
-        return params if tool_choice == "none" else self.tool_format.reading(params)
+        params = params if tool_choice == "none" else self.tool_format.reading(params)
+        return params if self.reasoning_parser is None else self.reasoning_parser.reading(params)
 
     async def read_deltas(self, request: ChatCompletionRequest, prompts: list[Prompt],
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:

@@ -184,7 +184,8 @@ class OpenAIServingResponses:
             raise ValueError(f"{asked} asks for the message's logprobs, "
                              "which are not given beside tool calls: set tool_choice to 'none', or leave them out")
         params = request.to_sampling_params(max_tokens, request.logprobs, structured_outputs=constraint)
-        return ids, self.tool_format.reading(params) if reads_calls else params, reads_calls
+        params = self.tool_format.reading(params) if reads_calls else params
+        return ids, params if self.reasoning_parser is None else self.reasoning_parser.reading(params), reads_calls
 
     def _prompt_ids(self, request: ResponsesRequest, conversation: list[ChatMessage],
                     tools: Optional[list[ChatTool]]) -> list[int]:
