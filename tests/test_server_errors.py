@@ -125,12 +125,9 @@ def test_bad_chat_requests(http, change, match, param):
     ({"add_special_tokens": True}, "chat template writes"),
     ({"use_beam_search": True}, "completions has it"),
     ({"chat_template": "{{ messages }}"}, "model's template"),
-    ({"prompt_logprobs": 1}, "echo"),
 ])
 def test_openai_fields_this_server_cannot_honour_are_400s_naming_them(http, change, match):
     assert_error(http.post("/v1/chat/completions", json={**CHAT, **change}), 400, match, next(iter(change)))
-    if next(iter(change)) in ("prompt_logprobs",):  # vLLM's, on every API
-        assert_error(http.post("/v1/completions", json={**COMPLETION, **change}), 400, match, next(iter(change)))
 
 
 def test_every_unsupported_field_is_a_field_of_its_request():

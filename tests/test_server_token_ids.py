@@ -1,6 +1,6 @@
-"""vLLM's return_token_ids and return_tokens_as_token_ids on completions and chat: the prompt's and each choice's
-token ids in the response (streamed: the prompt's in the first chunk, each chunk's own), and logprobs naming tokens
-by id; absent fields where not asked for; the Responses API refuses both."""
+"""vLLM's return_token_ids, return_tokens_as_token_ids and prompt_logprobs on completions and chat: the prompt's and
+each choice's token ids in the response (streamed: the prompt's in the first chunk, each chunk's own), logprobs
+naming tokens by id, and the prompt's logprobs; absent fields where not asked for; the Responses API refuses them."""
 
 from __future__ import annotations
 
@@ -77,7 +77,37 @@ def test_logprobs_name_tokens_by_id(client):
     assert all(top.token.startswith("token_id:") for lp in content for top in lp.top_logprobs)
 
 
-@pytest.mark.parametrize("field", ["return_token_ids", "return_tokens_as_token_ids"])
-def test_the_responses_api_refuses_them(server, field):
+def test_prompt_logprobs_are_echo_s_and_come_first_when_streamed(client, server):
+    echo = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, echo=True, logprobs=2)
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, extra_body={"prompt_logprobs": 2})
+    positions = client.completions.create(**kwargs).choices[0].model_extra["prompt_logprobs"]
+    assert len(positions) == len(PROMPT) and positions[0] is None
+    for i, position in enumerate(positions[1:], 1):
+        assert position[str(PROMPT[i])]["logprob"] == pytest.approx(echo.choices[0].logprobs.token_logprobs[i])
+        assert 2 <= len(position) <= 3 and sorted(lp["rank"] for lp in position.values())[:2] == [1, 2]
+    first = next(iter(client.completions.create(stream=True, **kwargs)))
+    assert first.choices[0].model_extra["prompt_logprobs"] == positions
     with server.http() as http:
-        assert_error(http.post("/v1/responses", json={"model": MODEL_NAME, "input": "hi", field: True}), 400, field)
+        prompt = http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES}).json()["tokens"]
+    chat = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    plain = client.chat.completions.create(**chat).model_extra["prompt_logprobs"]
+    assert len(plain) == len(prompt) and all(str(t) in p for t, p in zip(prompt[1:], plain[1:]))
+    assert next(iter(client.chat.completions.create(stream=True, **chat))).model_extra["prompt_logprobs"] == plain
+    assert "prompt_logprobs" not in client.chat.completions.create(**{**chat, "extra_body": {}}).model_extra
+
+
+@pytest.mark.parametrize("field", ["return_token_ids", "return_tokens_as_token_ids", "prompt_logprobs"])
+def test_the_responses_api_refuses_them(server, field):
+    value = 1 if field == "prompt_logprobs" else True
+    with server.http() as http:
+        assert_error(http.post("/v1/responses", json={"model": MODEL_NAME, "input": "hi", field: value}), 400, field)
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"echo": True, "logprobs": 1, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+])
+def test_prompt_logprobs_refused(server, body, match):
+    with server.http() as http:
+        assert_error(http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, **body}), 400, match)

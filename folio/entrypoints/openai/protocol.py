@@ -155,9 +155,9 @@ class SamplingRequest(RequestBody):
     truncate_prompt_tokens: Optional[int] = None  # the prompt's last k tokens (-1: as many as fit); not on responses
     return_token_ids: Optional[bool] = None  # the prompt's and each choice's token ids in the response
     return_tokens_as_token_ids: Optional[bool] = None  # logprobs' tokens written "token_id:<id>"
+    prompt_logprobs: Optional[int] = None  # the top-k logprobs at each prompt position, and the prompt token's
     # vLLM's other extras: refused when set (unsupported_fields.SAMPLING_UNSUPPORTED)
     logits_processors: Optional[Any] = None
-    prompt_logprobs: Optional[Any] = None
     kv_transfer_params: Optional[Any] = None
     vllm_xargs: Optional[Any] = None
 
@@ -264,9 +264,13 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("best_of is supported as the beam width of use_beam_search only")
         if self.use_beam_search and (self.stream or self.echo or self.logprobs is not None
                                      or self.structured_outputs is not None or self.allowed_token_ids is not None
-                                     or self.bad_words is not None or self.return_token_ids):
+                                     or self.bad_words is not None or self.return_token_ids
+                                     or self.prompt_logprobs is not None):
             raise ValueError("use_beam_search cannot be combined with stream, echo, logprobs, structured_outputs, "
-                             "allowed_token_ids, bad_words or return_token_ids")
+                             "allowed_token_ids, bad_words, return_token_ids or prompt_logprobs")
+        if self.prompt_logprobs is not None and self.echo and self.logprobs is not None:
+            raise ValueError("prompt_logprobs cannot be combined with echo and logprobs, which give the prompt's "
+                             "logprobs in the choice's logprobs")
         if self.best_of is not None and self.best_of < (self.n or 1):
             raise ValueError("best_of must be >= n")
         return self
@@ -294,6 +298,17 @@ class OmitsNullExtras(BaseModel):
         return data
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: a token's logprob at a prompt position, its rank and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+PromptLogprobs = Optional[list[Optional[dict[int, PromptLogprob]]]]  # per prompt position; the first has none
+
+
 class CompletionChoice(OmitsNullExtras):
     index: int
     text: str
@@ -302,7 +317,8 @@ class CompletionChoice(OmitsNullExtras):
     stop_reason: Union[int, str, None] = None  # vLLM's extra: the stop string or token id that ended it
     prompt_token_ids: Optional[list[int]] = None  # with return_token_ids (streamed: in the choice's first chunk)
     token_ids: Optional[list[int]] = None  # with return_token_ids: the generated tokens (streamed: the chunk's)
-    omitted_when_null: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids")
+    prompt_logprobs: PromptLogprobs = None  # with prompt_logprobs (streamed: in the choice's first chunk)
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids", "prompt_logprobs")
 
 
 class PromptTokensDetails(BaseModel):
@@ -580,7 +596,8 @@ class ChatCompletionResponse(OmitsNullExtras):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: Optional[list[int]] = None  # with return_token_ids: the rendered prompt's
-    omitted_when_null: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
+    prompt_logprobs: PromptLogprobs = None  # with prompt_logprobs
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "prompt_logprobs")
 
 
 class DeltaMessage(WithoutNulls):
@@ -609,7 +626,8 @@ class ChatCompletionChunk(OmitsNullExtras):
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
     prompt_token_ids: Optional[list[int]] = None  # with return_token_ids: in the first chunk
-    omitted_when_null: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
+    prompt_logprobs: PromptLogprobs = None  # with prompt_logprobs: in the first chunk
+    omitted_when_null: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "prompt_logprobs")
 
 
 # ---- models, tokenizer endpoints -------------------------------------------------------------------------

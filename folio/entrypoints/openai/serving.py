@@ -26,7 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
 from folio.engine.input_processor import check_prompt_fits, truncated
 from folio.entrypoints.openai.errors import OpenAIError, engine_error_status, error_body
-from folio.entrypoints.openai.protocol import (ChatLogProb, CompletionTokensDetails, DeltaToolCall,
+from folio.entrypoints.openai.protocol import (ChatLogProb, CompletionTokensDetails, DeltaToolCall, PromptLogprob,
                                                PromptTokensDetails, SamplingRequest, TopLogProb, UsageInfo)
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.outputs import Logprob, SampleLogprobs
@@ -60,6 +60,7 @@ class ChoiceDelta:
     num_reasoning_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)  # the tokens generated, as generated (return_token_ids)
     prompt_token_ids: Optional[list[int]] = None  # the choice's prompt, on its first delta (return_token_ids)
+    prompt_logprobs: Optional[list[PositionLogprobs]] = None  # the prompt's, on its first delta (prompt_logprobs)
 
     def extend(self, other: "ChoiceDelta") -> None:
         self.text += other.text
@@ -101,6 +102,16 @@ def token_logprobs(token_ids: list[int], positions: SampleLogprobs, top_n: int,
                      key=lambda item: item[1].rank)
         content.append(ChatLogProb(**chosen.model_dump(), top_logprobs=[_top_logprob(i, lp, as_ids) for i, lp in top]))
     return content
+
+
+def prompt_logprobs_field(positions: Optional[list[PositionLogprobs]]) -> Optional[list[Optional[dict]]]:
+    """vLLM's prompt_logprobs in a response: per prompt position (the first has none) its top tokens and the
+    prompt's own, by id, each with its logprob, rank and text."""
+    if positions is None:
+        return None
+    return [None if position is None else
+            {token_id: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+             for token_id, lp in position.items()} for position in positions]
 
 
 def _event(payload: Union[BaseModel, dict]) -> str:
@@ -177,9 +188,9 @@ class OpenAIServing(ABC):
 
     @abstractmethod
     def envelope(self, request_id: str, created: int, choices: list[BaseModel], usage: Optional[UsageInfo],
-                 stream: bool, prompt_token_ids: Optional[list[int]] = None) -> BaseModel:
-        """A chunk (stream) or a full response around the choices (prompt_token_ids: chat's, with
-        return_token_ids)."""
+                 stream: bool, prompt: Optional[ChoiceDelta] = None) -> BaseModel:
+        """A chunk (stream) or a full response around the choices; `prompt`: a choice's first delta, whose prompt
+        fields (return_token_ids, prompt_logprobs) chat gives beside its choices."""
 
     def first_delta(self, request: SamplingRequest, prompt: Prompt, prompt_logprobs: list[PositionLogprobs],
                     delta: ChoiceDelta) -> ChoiceDelta:
@@ -187,13 +198,9 @@ class OpenAIServing(ABC):
         return delta
 
     def opening_chunks(self, request_id: str, created: int, request: SamplingRequest,
-                       prompts: list[Prompt]) -> list[BaseModel]:
-        """Chunks sent just before the first token's (chat's role announcement)."""
+                       first: ChoiceDelta) -> list[BaseModel]:
+        """Chunks sent just before the first delta, `first` (chat's role announcement)."""
         return []
-
-    def response_prompt_token_ids(self, request: SamplingRequest, prompts: list[Prompt]) -> Optional[list[int]]:
-        """The prompt ids a whole response carries beside its choices (chat's, with return_token_ids)."""
-        return None
 
     def structured_outputs(self, request: SamplingRequest) -> Optional[StructuredOutputsParams]:
         """The constraint on the output (here the structured_outputs field), checked: ValueError naming the field."""
@@ -279,6 +286,8 @@ class OpenAIServing(ABC):
                 if delta.index not in sent:
                     if request.return_token_ids:
                         delta.prompt_token_ids = prompts[p].token_ids
+                    if request.prompt_logprobs is not None:
+                        delta.prompt_logprobs = list(prompt_logprobs[p])
                     delta = self.first_delta(request, prompts[p], prompt_logprobs[p], delta)
                 delta.text_offset = sent.get(delta.index, 0)
                 sent[delta.index] = delta.text_offset + len(delta.text)
@@ -298,12 +307,13 @@ class OpenAIServing(ABC):
         completion_tokens = reasoning_tokens = 0
         # Held back until the first token (as vLLM does): clients time the first chunk as the first token, and a
         # chunk sent before the prefill would report the time to the headers instead.
-        opening = self.opening_chunks(request_id, created, request, prompts)
+        opened = False
         try:
             async for delta in deltas:
-                for chunk in opening:
-                    yield _event(chunk)
-                opening = []
+                if not opened:
+                    for chunk in self.opening_chunks(request_id, created, request, delta):
+                        yield _event(chunk)
+                    opened = True
                 completion_tokens += delta.num_generated
                 reasoning_tokens += delta.num_reasoning_tokens
                 if delta.text or delta.reasoning or delta.finish_reason or delta.logprobs or delta.tool_calls or \
@@ -335,5 +345,5 @@ class OpenAIServing(ABC):
         usage = self.usage(prompts, sum(c.num_generated for c in ordered), cached,
                            sum(c.num_reasoning_tokens for c in ordered))
         body = self.envelope(request_id, created, [self.choice(request, c, stream=False) for c in ordered], usage,
-                             stream=False, prompt_token_ids=self.response_prompt_token_ids(request, prompts))
+                             stream=False, prompt=ordered[0] if ordered else None)
         return Response(body.model_dump_json(), media_type="application/json")

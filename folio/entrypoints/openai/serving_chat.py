@@ -17,7 +17,8 @@ from folio.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, Cha
 from folio.entrypoints.openai.output_constraint import MessageFormat, output_constraint
 from folio.entrypoints.openai.reasoning_effort import effort_template_kwargs
 from folio.entrypoints.openai.request_limits import RequestLimits
-from folio.entrypoints.openai.serving import ChoiceDelta, OpenAIServing, Prompt, token_logprobs
+from folio.entrypoints.openai.serving import (ChoiceDelta, OpenAIServing, Prompt, prompt_logprobs_field,
+                                             token_logprobs)
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
 from folio.entrypoints.openai.tool_call_format import ToolCallFormat
 from folio.entrypoints.openai.tool_parser import ToolCallReader, join_tool_calls
@@ -133,19 +134,16 @@ class OpenAIServingChat(OpenAIServing):
         return self.max_model_len - longest_prompt if requested is None else requested  # default: the rest of the context
 
     def logprob_counts(self, request: ChatCompletionRequest) -> tuple[Optional[int], Optional[int]]:
-        return (request.top_logprobs or 0) if request.logprobs else None, None
+        return (request.top_logprobs or 0) if request.logprobs else None, request.prompt_logprobs
 
     def opening_chunks(self, request_id: str, created: int, request: ChatCompletionRequest,
-                       prompts: list[Prompt]) -> list[BaseModel]:
-        """The role of each choice; the first also carries the prompt's ids, with return_token_ids."""
-        prompt_token_ids = self.response_prompt_token_ids(request, prompts)
+                       first: ChoiceDelta) -> list[BaseModel]:
+        """The role of each choice; the first also carries the prompt's fields (return_token_ids,
+        prompt_logprobs)."""
         return [self.envelope(request_id, created, [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                                                    content=""))],
-                              None, stream=True, prompt_token_ids=None if i else prompt_token_ids)
+                              None, stream=True, prompt=None if i else first)
                 for i in range(request.n or 1)]
-
-    def response_prompt_token_ids(self, request: ChatCompletionRequest, prompts: list[Prompt]) -> Optional[list[int]]:
-        return prompts[0].token_ids if request.return_token_ids else None
 
     def choice(self, request: ChatCompletionRequest, delta: ChoiceDelta, stream: bool) -> BaseModel:
         logprobs = None if delta.logprobs is None else self._logprobs(delta, request)
@@ -166,10 +164,11 @@ class OpenAIServingChat(OpenAIServing):
                           stop_reason=delta.stop_reason, token_ids=token_ids)
 
     def envelope(self, request_id: str, created: int, choices: list[BaseModel], usage: Optional[UsageInfo],
-                 stream: bool, prompt_token_ids: Optional[list[int]] = None) -> BaseModel:
+                 stream: bool, prompt: Optional[ChoiceDelta] = None) -> BaseModel:
         kind = ChatCompletionChunk if stream else ChatCompletionResponse
         return kind(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage,
-                    prompt_token_ids=prompt_token_ids)
+                    prompt_token_ids=None if prompt is None else prompt.prompt_token_ids,
+                    prompt_logprobs=None if prompt is None else prompt_logprobs_field(prompt.prompt_logprobs))
 
     @staticmethod
     def _logprobs(delta: ChoiceDelta, request: ChatCompletionRequest) -> ChatChoiceLogProbs:

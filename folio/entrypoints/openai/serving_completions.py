@@ -22,7 +22,7 @@ from folio.entrypoints.openai.fill_in_the_middle import fim_prompt_ids
 from folio.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                                CompletionResponse, UsageInfo)
 from folio.entrypoints.openai.serving import (ChoiceDelta, OpenAIServing, PositionLogprobs, Prompt, cancel_on_disconnect,
-                                             clamp_logprob, logprob_token)
+                                             clamp_logprob, logprob_token, prompt_logprobs_field)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -72,7 +72,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
 
     def logprob_counts(self, request: CompletionRequest) -> tuple[Optional[int], Optional[int]]:
-        return request.logprobs, request.logprobs if request.echo else None
+        """prompt_logprobs, or echo's: echo with logprobs gives the prompt's in the choice's logprobs."""
+        return request.logprobs, request.logprobs if request.echo and request.logprobs is not None else \
+            request.prompt_logprobs
 
     def first_delta(self, request: CompletionRequest, prompt: Prompt, prompt_logprobs: list[PositionLogprobs],
                     delta: ChoiceDelta) -> ChoiceDelta:
@@ -92,10 +94,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
                                 prompt_token_ids=delta.prompt_token_ids,
-                                token_ids=delta.output_token_ids if request.return_token_ids else None)
+                                token_ids=delta.output_token_ids if request.return_token_ids else None,
+                                prompt_logprobs=prompt_logprobs_field(delta.prompt_logprobs))
 
     def envelope(self, request_id: str, created: int, choices: list[BaseModel], usage: Optional[UsageInfo],
-                 stream: bool, prompt_token_ids: Optional[list[int]] = None) -> CompletionResponse:
+                 stream: bool, prompt: Optional[ChoiceDelta] = None) -> CompletionResponse:
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
 
     def _logprobs(self, delta: ChoiceDelta, as_ids: bool) -> CompletionLogProbs:

@@ -44,7 +44,6 @@ SAMPLING_UNSUPPORTED = (
     Unsupported("guided_whitespace_pattern", "is not supported: JSON is written with ', ' and ': ' separators and "
                                              "no free whitespace"),
     Unsupported("logits_processors", "is not supported: a request cannot load code here"),
-    Unsupported("prompt_logprobs", "is not supported here: completions' echo with logprobs gives the prompt's"),
     Unsupported("kv_transfer_params", "is not supported: this server has no disaggregated prefill"),
     Unsupported("vllm_xargs", "is not supported"),
 )
@@ -79,6 +78,7 @@ RESPONSES_UNSUPPORTED = SAMPLING_UNSUPPORTED + (
     Unsupported("max_tokens", "is not a field of the Responses API: use max_output_tokens"),
     Unsupported("truncate_prompt_tokens", "is not supported on responses: truncation 'auto' drops the oldest "
                                           "messages to fit"),
+    Unsupported("prompt_logprobs", "is not supported on responses (completions and chat have it)"),
     Unsupported("return_token_ids", "is not supported on responses (completions and chat have it)",
                 lambda value: not value),
     Unsupported("return_tokens_as_token_ids", "is not supported on responses (completions and chat have it)",
