@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from folio.entrypoints.openai.protocol import ChatTool, NamedToolChoice
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice, hermes_constraint
-from folio.entrypoints.openai.tool_parser import CallEnd, HermesToolCallReader, join_tool_calls
+from folio.entrypoints.openai.tool_parser import BracketEnd, CallEnd, HermesToolCallReader, join_tool_calls
+from tool_format_fixture import accepts, llguidance_backend
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"x": {}}]}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
@@ -203,3 +204,40 @@ def test_any_split_of_the_text_gives_what_the_whole_text_gives(text_and_cuts, na
     bounds = sorted(set(cuts) | {0, len(text)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     assert _normalised(HermesToolCallReader(names), pieces) == _normalised(HermesToolCallReader(names), [text])
+
+
+def test_the_arguments_are_an_object_whatever_the_schema_says(llama_dir):
+    """A schema without "type": "object" takes any JSON value: the grammar still writes an object (a string would
+    be no call); a schema whose type is not an object's is refused (a 400 naming the tool)."""
+    backend = llguidance_backend(llama_dir)
+    untyped = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+    required = hermes_constraint([untyped], "required", False)
+    assert accepts(backend, required, '<tool_call>\n{"name": "f", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert not accepts(backend, required, '<tool_call>\n{"name": "f", "arguments": "Paris"}\n</tool_call>')
+    nullable = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "type": ["object", "null"]}}})
+    assert not accepts(backend, hermes_constraint([nullable], "required", False),
+                       '<tool_call>\n{"name": "f", "arguments": null}\n</tool_call>')
+    array = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}})
+    with pytest.raises(ValueError, match="'f' are of type 'array', not an object"):
+        hermes_constraint([array], "required", False)
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"arguments": ARGUMENTS, "name": "f"}</tool_call>',  # another key order: sent whole
+    '<tool_call>\n{"name": "f", "arguments": ARGUMENTS}',  # stopped before </tool_call>: whole all the same
+])
+def test_calls_sent_whole_keep_the_arguments_as_written(text):
+    """Numbers Python would change (1e999 to inf, which no JSON holds) or could not read (5000 digits) stay the
+    model's."""
+    arguments = '{"n": 1e999, "i": ' + "9" * 5000 + "}"
+    _, calls, _ = parse(text.replace("ARGUMENTS", arguments), 7)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("f", arguments)]
+
+
+def test_an_empty_piece_keeps_a_pending_escape():
+    end = BracketEnd()
+    assert end.feed('{"a\\') == -1 and end.feed("") == -1
+    assert end.feed('"}') == -1  # the quote was escaped: the string goes on
+    assert end.feed('"}') == 2

@@ -108,6 +108,31 @@ def test_the_grammars_take_what_the_reader_reads(backend):
                    '{"name": "f", "parameters": {"tz": "UTC"}}')
 
 
+def test_the_parameters_are_an_object_whatever_the_schema_says(backend):
+    """A schema without "type": "object" takes any JSON value: the grammar still writes an object, which the
+    reader reads; a schema whose type is not an object's is refused."""
+    from folio.entrypoints.openai.protocol import ChatTool
+    from folio.entrypoints.openai.tool_llama3_json import llama3_json_constraint
+
+    untyped = ChatTool.model_validate({"type": "function", "function": {"name": "get_time", "parameters": {
+        "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}})
+    required = llama3_json_constraint([untyped], "required", False)
+    assert accepts(backend, required, '{"name": "get_time", "parameters": {"tz": "UTC"}}')
+    assert not accepts(backend, required, '{"name": "get_time", "parameters": "UTC"}')
+    array = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}})
+    with pytest.raises(ValueError, match="'f' are of type 'array', not an object"):
+        llama3_json_constraint([array], "required", False)
+
+
+def test_parameters_go_out_as_written():
+    """Numbers Python would change (1e999 to inf, which no JSON holds) or could not read (5000 digits) are the
+    model's: the arguments are the parameters' JSON text as written."""
+    parameters = '{"n": 1e999, "m": 1.0000000000000000001, "i": ' + "9" * 5000 + "}"
+    text = '{"name": "get_time", "parameters": ' + parameters + "}"
+    content, (tool_call,), _ = read_pieces(Llama3JsonToolCallReader(NAMES), cut(text, [3, 40, 1000]))
+    assert content == "" and tool_call.function.arguments == parameters
+
+
 LLAMA_STYLE_TEMPLATE = """{%- for message in messages %}<|im_start|>{{ message.role }}
 {% if message.role == 'user' and tools %}Call a function by answering with {"name": ..., "parameters": ...}:
 {% for tool in tools %}{{ tool | tojson }}

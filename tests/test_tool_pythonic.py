@@ -50,7 +50,7 @@ def read(pieces: list[str], names=NAMES) -> tuple[str, list[tuple[str, dict]], l
     ("[get_time(), launch()]", "[get_time(), launch()]", []),  # all calls or none
     ("[get_time('UTC')]", "[get_time('UTC')]", []),  # a positional argument
     ("[get_time(tz=now())]", "[get_time(tz=now())]", []),  # not a literal
-    ("[get_time(x=1e999)]", "[get_time(x=1e999)]", []),  # not JSON's
+    ("[get_time(x=1_0e999)]", "[get_time(x=1_0e999)]", []),  # not JSON's, and inf
     ("[get_time(x={1: 2})]", "[get_time(x={1: 2})]", []),  # a key that is not a string
     ("[get_time(**{'a': 1})]", "[get_time(**{'a': 1})]", []),
     ("[get_time(a=1, a=2)]", "[get_time(a=1, a=2)]", []),
@@ -83,6 +83,18 @@ def test_an_escape_split_between_pieces():
     assert read([text])[1] == [("get_time", {"tz": 'a"]', "zone": "b']"})]
     for at in range(len(text) + 1):
         assert read([text[:at], text[at:]])[:2] == read([text])[:2], at
+
+
+def test_numbers_go_out_as_written():
+    """A number is its text where that is JSON's, whatever Python would make of it (1e999 is inf, which no JSON
+    holds; 1.0000000000000000001 is 1.0), its value where it is only Python's (0x10, 1_000, 1.)."""
+    big = "9" * 4000
+    text = (f"[get_time(n=1e999, m=-1.0000000000000000001E-2, h=0x10, u=1_000, f=1., p=+2, i={big}, "
+            "a=[2.50, {'k': -0e0}, true], s='\\u00e9')]")
+    content, (tool_call,), _ = read_pieces(PythonicToolCallReader(NAMES), [text])
+    assert content == "" and tool_call.function.arguments == (
+        f'{{"n": 1e999, "m": -1.0000000000000000001E-2, "h": 16, "u": 1000, "f": 1.0, "p": 2, "i": {big}, '
+        '"a": [2.50, {"k": -0e0}, true], "s": "\u00e9"}')
 
 
 def test_text_goes_out_once_it_cannot_be_calls():
@@ -166,6 +178,8 @@ def test_the_grammars_take_what_the_reader_reads(backend):
                                   "required": ["from"]}}, "'from'"),
     ({"name": "f", "parameters": {"type": "object", "properties": {"x": False}, "required": ["x"]}}, "'x'"),
     ({"name": "f", "parameters": {"type": "object", "minProperties": 1}}, "minProperties"),
+    ({"name": "f", "parameters": {"type": "array"}}, "not an object"),
+    ({"name": "f", "parameters": {"type": "object", "required": ["a"], "additionalProperties": False}}, "'a'"),
 ])
 def test_tools_it_cannot_write_are_refused(tool, refused):
     with pytest.raises(ValueError, match=refused):
@@ -179,6 +193,30 @@ def test_optional_properties_python_cannot_name_are_left_out(backend):
     required = pythonic_constraint(_tools([tool]), "required", False)
     assert accepts(backend, required, '[f(to="a")]') and accepts(backend, required, "[f()]")
     assert not accepts(backend, required, '[f(x="a")]')
+
+
+def test_a_required_name_properties_leave_out_takes_additional_properties(backend):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["a"], "additionalProperties": {"type": "integer"}}}}
+    required = pythonic_constraint(_tools([tool]), "required", False)
+    assert accepts(backend, required, "[f(a=1)]") and not accepts(backend, required, '[f(a="x")]')
+
+
+def test_a_recursive_schema_compiles(backend):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/A"}},
+        "$defs": {"A": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/A"}]}}}}}
+    required = pythonic_constraint(_tools([tool]), "required", False)
+    assert accepts(backend, required, '[f(x="a")]') and not accepts(backend, required, "[f(x=1)]")
+
+
+def test_numbers_python_cannot_hold_are_calls(backend):
+    """The grammar writes JSON's numbers, 1e999 too, which go out as written (Python's would be inf)."""
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"]}}}
+    text = "[get_time(n=1e999)]"
+    assert accepts(backend, pythonic_constraint(_tools([tool]), "required", False), text)
+    assert read_pieces(PythonicToolCallReader(NAMES), [text])[1][0].function.arguments == '{"n": 1e999}'
 
 
 def _walk(grammar, tokenizer, rng: random.Random, start: str = "", limit: int = 400) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import jsonschema
 import pytest
@@ -122,6 +123,68 @@ def test_a_call_streams_as_it_comes():
     assert end[0].function.arguments == "}" and end[1] == CallEnd(0)
 
 
+def test_a_long_value_is_joined_once_however_finely_it_comes():
+    """Work per piece is the piece's length: a value is kept as its pieces and joined once, when it ends (a raw
+    string that may be null, only while it may: 4 characters), never again with each piece (a long value in
+    small pieces would cost the square of its length, on the server's event loop)."""
+    array, note = json.dumps(["ab"] * 3000), "word " * 3000
+    text = call("forecast", ("tags", array), ("note", note), ("extra", array))
+    reader, out, joins = Qwen3CoderToolCallReader(TOOLS), [], 0
+
+    def count_joins(frame, event, arg) -> None:
+        nonlocal joins
+        joins += event == "c_call" and getattr(arg, "__name__", "") == "join"
+
+    sys.setprofile(count_joins)
+    try:
+        for i in range(0, len(text), 3):
+            out += reader.pieces(text[i:i + 3])
+        out += reader.pieces("", final=True)
+    finally:
+        sys.setprofile(None)
+    assert joins <= 4  # (the two JSON values once each, and the first two pieces of the note)
+    arguments = "".join(p.function.arguments for p in out if not isinstance(p, CallEnd))
+    assert json.loads(arguments) == {"tags": ["ab"] * 3000, "note": note, "extra": ["ab"] * 3000}
+
+
+@pytest.mark.parametrize("parameter, written, arguments", [
+    ("ratio", "1e999", "1e999"), ("ratio", "-1.0000000000000000001E-2", "-1.0000000000000000001E-2"),
+    ("days", "9" * 5000, "9" * 5000), ("days", "2.0", "2.0"), ("days", "2.5", '"2.5"'),  # (2.0 is an integer)
+    ("tags", '[1e999, "a"]', '[1e999, "a"]'), ("extra", "1e999", "1e999"), ("ratio", "Infinity", '"Infinity"'),
+])
+def test_json_values_go_out_as_written(parameter, written, arguments):
+    """A JSON value is its text as written, whatever Python would make of it (1e999 is inf, which no JSON holds;
+    5000 digits are past its limit); text that is not JSON of the schema's type is the string."""
+    assert read([call("forecast", (parameter, written))])[1] == [("forecast", f'{{"{parameter}": {arguments}}}')]
+
+
+def test_a_recursive_schema_is_written_as_json(backend):
+    """A $ref that comes back to itself is not strings only (looking for its strings would not end)."""
+    tools = [ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/A"}, "y": {"$ref": "#/$defs/B"}},
+        "$defs": {"A": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/A"}]},
+                  "B": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/C"}]},
+                  "C": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/B"}]}}}}})]
+    required = qwen3_coder_constraint(tools, "required", False)
+    text = call("f", ("x", '"a"'), ("y", "null"))
+    assert accepts(backend, required, text) and not accepts(backend, required, call("f", ("x", "a")))
+    assert read([text], tools)[1] == [("f", '{"x": "a", "y": null}')]
+
+
+@pytest.mark.parametrize("nothing", [{"anyOf": []}, {"enum": []}, {"oneOf": []}, False])
+def test_a_parameter_no_value_fits_is_left_out_or_refused(backend, nothing):
+    """No value can be written for it: left out where optional (the grammar would not compile), a 400 naming it
+    where required."""
+    def tool(required: list[str]) -> ChatTool:
+        return ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": nothing, "b": {"type": "integer"}}, "required": required}}})
+
+    optional = qwen3_coder_constraint([tool([])], "required", False)
+    assert accepts(backend, optional, call("f", ("b", "1"))) and not accepts(backend, optional, call("f", ("a", "1")))
+    with pytest.raises(ValueError, match="required parameter 'a' cannot be written"):
+        qwen3_coder_constraint([tool(["a"])], "required", False)
+
+
 @pytest.fixture(scope="module")
 def backend(tiny_model_factory):
     return llguidance_backend(tiny_model_factory("llama"))
@@ -162,6 +225,7 @@ def test_the_grammars_take_what_the_reader_reads(backend):
     ({"type": "object", "properties": {"a>b": {"type": "string"}}, "required": ["a>b"]}, "'a>b'"),
     ({"type": "object", "required": ["a"], "additionalProperties": False}, "'a'"),
     ({"type": "array"}, "not an object"),
+    ({"type": ["array", "null"]}, "not an object"),
 ])
 def test_schemas_the_format_cannot_write_are_refused(parameters, problem):
     tool = ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": parameters}})

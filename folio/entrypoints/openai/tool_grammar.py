@@ -1,8 +1,8 @@
 """Tool calling's grammars: what tool_choice allows the model to write, enforced token by token.
 
 This module writes the grammars of the Hermes format, the default of folio.entrypoints.openai.tool_call_format,
-and holds what every format's grammars share (the tools a tool_choice allows, the `call` rule, Lark literals and
-JSON). Qwen2.5 and Qwen3 (and Hermes, and many fine-tunes) were trained on the format, and
+and holds what every format's grammars share (the tools a tool_choice allows, the `call` rule, a call's arguments'
+schema, Lark literals and JSON). Qwen2.5 and Qwen3 (and Hermes, and many fine-tunes) were trained on the format, and
 folio.entrypoints.openai.tool_parser reads it back:
 
     <tool_call>
@@ -30,7 +30,9 @@ from folio.structured_output.params import StructuredOutputsParams
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-ANY_ARGUMENTS = {"type": "object"}
+# JSON Schema's keywords that describe a value and constrain nothing.
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
+                         "$comment"})
 
 ToolChoice = Union[str, NamedToolChoice]
 
@@ -44,11 +46,27 @@ def grammar_json(schema: dict) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
 
+def arguments_schema(tool: ChatTool) -> dict:
+    """The schema of a call's arguments: the function's parameters, an object. Every format's reader takes only an
+    object for arguments (OpenAI's are one), but a schema that does not say "type": "object" takes any JSON value
+    (a string, a number), which a grammar would let the model write, and which would then be no call; so the
+    type is added where the schema names none, narrowed to "object" where it names several, and a schema whose
+    type leaves out objects is refused (ValueError, a 400 naming the tool)."""
+    schema = tool.function.parameters or {}
+    types = schema.get("type")
+    if types == "object":
+        return schema
+    if types is not None and not (isinstance(types, list) and "object" in types):
+        raise ValueError(f"tools: the parameters of {tool.function.name!r} are of type {types!r}, not an object "
+                         "(a call's arguments are a JSON object)")
+    return {**schema, "type": "object"}
+
+
 def _call_rule(tool: ChatTool) -> str:
     """One call's text after CALL_OPEN: the name forced, the arguments constrained by the tool's schema."""
     begin = '\n{"name": ' + json.dumps(tool.function.name) + ', "arguments": '
     end = "}\n" + CALL_CLOSE
-    arguments = grammar_json(tool.function.parameters or ANY_ARGUMENTS)
+    arguments = grammar_json(arguments_schema(tool))
     return f"{grammar_literal(begin)} {arguments} {grammar_literal(end)}"
 
 

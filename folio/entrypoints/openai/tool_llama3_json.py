@@ -17,26 +17,24 @@ JSON format and a call share their first characters without the grammar choosing
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from typing import Collection, Optional
 
-from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
-from folio.entrypoints.openai.tool_grammar import (ANY_ARGUMENTS, ToolChoice, call_alternatives, chosen_tools,
+from folio.entrypoints.openai.protocol import ChatTool
+from folio.entrypoints.openai.tool_grammar import (ToolChoice, arguments_schema, call_alternatives, chosen_tools,
                                                    grammar_json, grammar_literal)
-from folio.entrypoints.openai.tool_parser import BracketEnd, CallEnd, Piece, ToolCallReader, arguments_text, may_name
+from folio.entrypoints.openai.tool_parser import (JSON_SPACE, BracketEnd, CallEnd, Piece, ToolCallReader,
+                                                  call_opening, json_members, may_name)
 from folio.structured_output.params import StructuredOutputsParams
 
 SEPARATOR = "; "
-_JSON_SPACE = " \t\r\n"  # (str.strip() would also take Unicode spaces, which JSON does not allow)
 _GAP = re.compile(r"[ \t\r\n]*(;[ \t\r\n]*)?")  # what may come between two calls
 
 
 def _call_rule(tool: ChatTool) -> str:
     """One call as a JSON document: {"name": the function's, "parameters": its schema's}. The function's $defs move
     to the document's root, where its $refs point."""
-    parameters = dict(tool.function.parameters or ANY_ARGUMENTS)
+    parameters = dict(arguments_schema(tool))
     definitions = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return grammar_json({"type": "object", "properties": {"name": {"const": tool.function.name},
                                                           "parameters": parameters},
@@ -87,7 +85,7 @@ class Llama3JsonToolCallReader(ToolCallReader):
             out.append(text)
         if final and self._mode == "calls":
             self._to_content(out, "".join(self._object) if self._object_end else
-                             self._gap.strip(_JSON_SPACE + ";"))
+                             self._gap.strip(JSON_SPACE + ";"))
         return out
 
     def _read_gap(self, text: str, out: list[Piece]) -> str:
@@ -96,7 +94,7 @@ class Llama3JsonToolCallReader(ToolCallReader):
         self._gap += text if start == -1 else text[:start]
         gap_ok = _GAP.fullmatch(self._gap) is not None and (self.num_calls == 0 or start == -1 or ";" in self._gap)
         if not gap_ok:
-            self._to_content(out, self._gap.lstrip(_JSON_SPACE) + (text[start:] if start != -1 else ""))
+            self._to_content(out, self._gap.lstrip(JSON_SPACE) + (text[start:] if start != -1 else ""))
             return ""
         if start == -1:
             return ""
@@ -118,20 +116,18 @@ class Llama3JsonToolCallReader(ToolCallReader):
         return text[end:]
 
     def _call(self, body: str) -> Optional[list[Piece]]:
-        """A closed object's call pieces, or None where it is not a call of the request's functions."""
-        try:
-            call = json.loads(body)
-        except (ValueError, RecursionError):
+        """A closed object's call pieces (the parameters' text as written), or None where it is not a call of the
+        request's functions."""
+        call = json_members(body)
+        if call is None or set(call) - {"name", "parameters", "arguments"}:
             return None
-        parameters = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
-        if not isinstance(parameters, dict) or not may_name(self._names, call.get("name")) or \
-                set(call) - {"name", "parameters", "arguments"}:
+        parameters = call.get("parameters", call.get("arguments"))
+        if parameters is None or not isinstance(parameters[0], dict) or \
+                not may_name(self._names, call.get("name", (None,))[0]):
             return None
         index = self.num_calls
         self.num_calls += 1
-        return [DeltaToolCall(index=index, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
-                              function=DeltaFunctionCall(name=call["name"], arguments=arguments_text(parameters))),
-                CallEnd(index)]
+        return [call_opening(index, call["name"][0], parameters[1]), CallEnd(index)]
 
     def _to_content(self, out: list[Piece], text: str) -> None:
         """The rest of the choice is content, starting with text."""

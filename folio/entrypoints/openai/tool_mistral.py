@@ -4,6 +4,7 @@ reader that reads them back.
 Mistral models open their calls with the control token [TOOL_CALLS], in one of two forms by tokenizer version:
   * before v11 (Mistral-7B-Instruct-v0.3, Mistral-Nemo, Mistral-Small-24B-2501): a JSON list of calls,
         [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": ...}]
+    (Mistral-7B-v0.3, a SentencePiece model, writes a space before the list: the grammar allows one);
   * v11 and later (Mistral-Small-3.2, Magistral, Devstral 2507+: their vocabulary has [ARGS]): one marker a call,
         [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}
     (some versions write [CALL_ID] and an id before [ARGS]).
@@ -23,23 +24,25 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from dataclasses import dataclass
 from typing import Callable, Collection, Optional
 
-from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
-from folio.entrypoints.openai.tool_grammar import (ANY_ARGUMENTS, ToolChoice, call_alternatives, chosen_tools,
+from folio.entrypoints.openai.protocol import ChatTool
+from folio.entrypoints.openai.tool_grammar import (ToolChoice, arguments_schema, call_alternatives, chosen_tools,
                                                    grammar_json, grammar_literal)
-from folio.entrypoints.openai.tool_parser import (BracketEnd, CallEnd, Piece, ToolCallReader, arguments_text,
-                                                  may_name, pending_prefix)
+from folio.entrypoints.openai.tool_parser import (JSON_SPACE, BracketEnd, CallEnd, Piece, ToolCallReader,
+                                                  call_opening, json_members, may_name, pending_prefix)
 from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_MARKERS = (TOOL_CALLS, ARGS, CALL_ID)
+_MARKER = re.compile("|".join(re.escape(marker) for marker in _MARKERS))
 _ID_CHARS = string.ascii_letters + string.digits
 _NAME_CHARS = frozenset(_ID_CHARS + "_-")  # OpenAI's function names: ^[a-zA-Z0-9_-]{1,64}$
 _MAX_NAME = 64
-_SPACE = " \t\r\n"
 
 
 @dataclass(frozen=True)
@@ -68,13 +71,13 @@ def mistral_call_id() -> str:
 def _list_call_rule(tool: ChatTool) -> str:
     """One call of the list form: {"name": the function's, "arguments": its schema's}."""
     begin = '{"name": ' + json.dumps(tool.function.name) + ', "arguments": '
-    return f"{grammar_literal(begin)} {grammar_json(tool.function.parameters or ANY_ARGUMENTS)} {grammar_literal('}')}"
+    return f"{grammar_literal(begin)} {grammar_json(arguments_schema(tool))} {grammar_literal('}')}"
 
 
 def _v11_call_rule(args_id: int) -> Callable[[ChatTool], str]:
     """One call of the v11 form after its [TOOL_CALLS]: the name, [ARGS], the arguments."""
     return lambda tool: (f"{grammar_literal(tool.function.name)} <[{args_id}]> "
-                         f"{grammar_json(tool.function.parameters or ANY_ARGUMENTS)}")
+                         f"{grammar_json(arguments_schema(tool))}")
 
 
 def mistral_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
@@ -86,9 +89,9 @@ def mistral_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_
         return None
     tools, several = chosen_tools(tools, tool_choice, parallel_tool_calls)
     open_calls = f"<[{tokens.tool_calls}]>"
-    if tokens.args is None:
+    if tokens.args is None:  # (a space may follow the marker: Mistral-7B-v0.3, a SentencePiece model, writes "▁[")
         more = f" ({grammar_literal(', ')} call)*" if several else ""
-        lines = [f'calls: {open_calls} "[" call{more} "]"', *call_alternatives(tools, _list_call_rule)]
+        lines = [f'calls: {open_calls} " "? "[" call{more} "]"', *call_alternatives(tools, _list_call_rule)]
     else:
         more = f" ({open_calls} call)*" if several else ""
         lines = [f"calls: {open_calls} call{more}", *call_alternatives(tools, _v11_call_rule(tokens.args))]
@@ -104,12 +107,14 @@ def mistral_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_
 class MistralToolCallReader(ToolCallReader):
     """One choice's reader, for both forms. Text is content until [TOOL_CALLS]; what follows is read as the list
     form where it starts with "[", as the v11 form otherwise, each call sent whole as soon as its object closes
-    (with a fresh id of Mistral's shape). Whitespace around calls is dropped; text after them is content, and a
-    further [TOOL_CALLS] opens calls again. Where what follows the marker stops being a call of the request's
-    functions (a character the form does not allow there, an object that is not a call, the end of the text), the
-    text from the marker (or from the last call in a list) up to there is content, and reading goes on from there
-    as text. Work per piece is the piece's length: objects are followed as they come and parsed once, when they
-    close."""
+    (with a fresh id of Mistral's shape, and its arguments' text as the model wrote it). Whitespace around calls
+    is dropped; text after them is content, and a further [TOOL_CALLS] opens calls again. Where what follows the
+    marker stops being a call of the request's functions (a character the form does not allow there, an object
+    that is not a call, the end of the text: a call cut by max_tokens), the text from the marker (or from the
+    last call in a list) up to there is content, and reading goes on from there as text. The markers themselves
+    are never content: they are special tokens, in the text only because the format keeps those (vLLM's reader
+    drops them too). Work per piece is the piece's length: objects are followed as they come and parsed once,
+    when they close."""
 
     def __init__(self, names: Optional[Collection[str]] = None) -> None:
         super().__init__()
@@ -137,14 +142,15 @@ class MistralToolCallReader(ToolCallReader):
                 return out
 
     def _read_text(self, text: str, final: bool, out: list[Piece]) -> str:
-        """Content up to the next [TOOL_CALLS] (a trailing start of one held back): what follows it."""
+        """Content up to the next [TOOL_CALLS], without the other markers (a trailing start of one held back): what
+        follows it."""
         start = text.find(TOOL_CALLS)
         if start == -1:
-            keep = 0 if final else pending_prefix(text, TOOL_CALLS)
-            self._content(out, text[:len(text) - keep])
+            keep = 0 if final else max(pending_prefix(text, marker) for marker in _MARKERS)
+            self._content(out, _MARKER.sub("", text[:len(text) - keep]))
             self._held = text[len(text) - keep:]
             return ""
-        self._content(out, text[:start])
+        self._content(out, _MARKER.sub("", text[:start]))
         self._mode, self._raw = "open", [TOOL_CALLS]
         return text[start + len(TOOL_CALLS):]
 
@@ -154,7 +160,7 @@ class MistralToolCallReader(ToolCallReader):
             return self._read_object(text, out)
         if self._mode in ("name", "id"):
             return self._read_name(text, out)
-        stripped = text.lstrip(_SPACE)
+        stripped = text.lstrip(JSON_SPACE)
         self._raw.append(text[:len(text) - len(stripped)])
         if not stripped:
             return ""
@@ -215,20 +221,15 @@ class MistralToolCallReader(ToolCallReader):
             return ""
         body = "".join(self._object_parts)
         self._object, self._object_parts = None, []
-        try:
-            value = json.loads(body)
-        except (ValueError, RecursionError):
-            value = None
-        call = _list_call(value, self._names) if self._list else \
-            ((self._name, value) if isinstance(value, dict) else None)
+        members = json_members(body)
+        call = _list_call(members, self._names) if self._list else \
+            ((self._name, body) if members is not None else None)
         if call is None:
             self._raw.append(body)
             return self._fail(out, text[end:])
         index = self.num_calls
         self.num_calls += 1
-        out += [DeltaToolCall(index=index, id=mistral_call_id(), type="function",
-                              function=DeltaFunctionCall(name=call[0], arguments=arguments_text(call[1]))),
-                CallEnd(index)]
+        out += [call_opening(index, call[0], call[1], mistral_call_id()), CallEnd(index)]
         self._raw, self._after_call = [], True
         if self._list:
             self._item_done = True
@@ -237,8 +238,9 @@ class MistralToolCallReader(ToolCallReader):
         return text[end:]
 
     def _fail(self, out: list[Piece], rest: str) -> str:
-        """The calls being read are not calls from here on: their text is content, and rest is read as text."""
-        self._content(out, "".join(self._raw + self._object_parts))
+        """The calls being read are not calls from here on: their text is content (the markers left out), and rest
+        is read as text."""
+        self._content(out, _MARKER.sub("", "".join(self._raw + self._object_parts)))
         self._mode, self._raw, self._after_call = "text", [], False  # (what follows is not after a call)
         self._item_done, self._name, self._object, self._object_parts = False, "", None, []
         return rest
@@ -247,12 +249,14 @@ class MistralToolCallReader(ToolCallReader):
         self._mode, self._raw, self._name = "text", [], ""
 
 
-def _list_call(value: object, names: Optional[frozenset[str]]) -> Optional[tuple[str, dict]]:
-    """A parsed object of the list form as (name, arguments), where it is a call of the request's functions: a
-    name, an arguments object, and perhaps the id Mistral's own prompts give calls (read past)."""
-    if not isinstance(value, dict) or set(value) - {"name", "arguments", "id"}:
+def _list_call(members: Optional[dict[str, tuple[object, str]]], names: Optional[frozenset[str]]) \
+        -> Optional[tuple[str, str]]:
+    """An object of the list form (its members, json_members') as (name, arguments' text as written), where it is
+    a call of the request's functions: a name, an arguments object, and perhaps the id Mistral's own prompts give
+    calls (read past)."""
+    if members is None or set(members) - {"name", "arguments", "id"}:
         return None
-    arguments = value.get("arguments")
-    if not isinstance(arguments, dict) or not may_name(names, value.get("name")):
+    name, arguments = members.get("name", (None, "")), members.get("arguments", (None, ""))
+    if not isinstance(arguments[0], dict) or not may_name(names, name[0]):
         return None
-    return value["name"], arguments
+    return name[0], arguments[1]

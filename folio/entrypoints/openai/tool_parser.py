@@ -7,10 +7,10 @@ call; whitespace after a call is dropped). Inside a call, the first delta carrie
 as soon as `{"name": "...", "arguments": ` has arrived, then each delta carries the next piece of the arguments'
 JSON text, as OpenAI streams them; closing braces at the end are held back until the call closes, since the last
 one closes the call's object rather than the arguments. A call the grammar did not write (a call in another key
-order) is sent whole when it closes; one that does not parse, or names no function of the request's tools, stays
-content. When the text ends (`final`), what was held back goes out: a call whose object is whole (the text
-stopped at a stop string or end of sequence before </tool_call>) is a call like any other, one cut inside its
-arguments keeps them as they are, and one cut before its name is the content it was.
+order) is sent whole when it closes, its arguments' text as written; one that does not parse, or names no
+function of the request's tools, stays content. When the text ends (`final`), what was held back goes out: a call
+whose object is whole (the text stopped at a stop string or end of sequence before </tool_call>) is a call like
+any other, one cut inside its arguments keeps them as they are, and one cut before its name is the content it was.
 
 Work per piece of text is the piece's length (a call's text is joined whole only where it is needed whole), so a
 long call's arguments stream at a constant cost a token.
@@ -23,13 +23,16 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Collection, Optional, Union
 
 from folio.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from folio.entrypoints.openai.tool_grammar import CALL_CLOSE, CALL_OPEN
 
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-_CLOSERS = " \t\r\n}"  # what may end a call's arguments and close its object (JSON's whitespace, braces)
+JSON_SPACE = " \t\r\n"  # JSON's whitespace (str.strip() would also take Unicode spaces, which JSON does not allow)
+_SPACES = re.compile(f"[{JSON_SPACE}]*")
+_CLOSERS = JSON_SPACE + "}"  # what may end a call's arguments and close its object
 HEAD_LIMIT = 1024  # characters of a call's start searched for its header while it streams (a name is at most 64)
 
 
@@ -68,7 +71,7 @@ class BracketEnd:
     def feed(self, text: str) -> int:
         """The index just past the closing bracket in text, or -1 while the text stays open."""
         i = 0
-        if self._escaped:
+        if self._escaped and text:  # (an empty piece leaves the escape pending)
             self._escaped, i = False, 1
         while (match := self._significant.search(text, i)) is not None:
             i, char = match.end(), match.group()
@@ -111,13 +114,89 @@ def arguments_text(arguments: object) -> str:
     return text if _is_text(text) else json.dumps(arguments)
 
 
-def _call_object(text: str) -> Optional[dict]:
-    """text as a call's JSON object ({"name": ..., "arguments": ...}), or None."""
+@dataclass(frozen=True)
+class JsonNumber:
+    """A JSON number as its text. Read as Python's int or float, a number would change (1.0000000000000000001 is
+    1.0, 1e999 is inf, which no JSON text holds) or fail (an integer past Python's 4300 digits), and written back
+    it would not be the number the model wrote: readers send a value's text as written, and read numbers as
+    this only to check what kind of value a text is."""
+
+    text: str
+
+    def is_integer(self) -> bool:
+        """Whether the number is an integer (JSON Schema's "integer": 1.0 and 1e2 are)."""
+        try:
+            number = Decimal(self.text)
+            return number == number.to_integral_value()
+        except ArithmeticError:  # an exponent past Decimal's: an integer where it is positive
+            return "-" not in self.text.lower().partition("e")[2]
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_int=JsonNumber, parse_float=JsonNumber, parse_constant=_refuse_constant)
+
+
+def read_json(text: str) -> object:
+    """text's JSON value, numbers as JsonNumber; ValueError where text is not JSON (Python's NaN and Infinity
+    included, and nesting deeper than Python recurses)."""
     try:
-        call = json.loads(text)
-    except (ValueError, RecursionError):  # (a model without the tools' grammar can nest without end)
+        return _DECODER.decode(text)
+    except RecursionError as e:
+        raise ValueError("nested too deep") from e
+
+
+def json_members(text: str) -> Optional[dict[str, tuple[object, str]]]:
+    """The members of the JSON object that text is (whitespace around it allowed), each key's value (read_json's)
+    and its text as written, so that a call's arguments go out as the model wrote them; None where text is not a
+    JSON object. A key written twice is its last value's, as JSON readers take it."""
+    members: dict[str, tuple[object, str]] = {}
+    i = _SPACES.match(text).end()
+    if not text.startswith("{", i):
         return None
-    return call if isinstance(call, dict) and "name" in call else None
+    i = _SPACES.match(text, i + 1).end()
+    if text.startswith("}", i):
+        return members if _SPACES.fullmatch(text, i + 1) else None
+    try:
+        while True:
+            if not text.startswith('"', i):
+                return None
+            key, i = _DECODER.raw_decode(text, i)
+            i = _SPACES.match(text, i).end()
+            if not text.startswith(":", i):
+                return None
+            start = _SPACES.match(text, i + 1).end()
+            value, i = _DECODER.raw_decode(text, start)
+            members[key] = (value, text[start:i])
+            i = _SPACES.match(text, i).end()
+            if text.startswith("}", i):
+                break
+            if not text.startswith(",", i):
+                return None
+            i = _SPACES.match(text, i + 1).end()
+    except (ValueError, RecursionError):
+        return None
+    return members if _SPACES.fullmatch(text, i + 1) else None
+
+
+def new_call_id() -> str:
+    """A new call id, of the shape OpenAI's have."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def call_opening(index: int, name: str, arguments: str = "", call_id: Optional[str] = None) -> DeltaToolCall:
+    """A call's first delta: its id (a new one where none is given), type and name, and the arguments' first
+    text."""
+    return DeltaToolCall(index=index, id=call_id or new_call_id(), type="function",
+                         function=DeltaFunctionCall(name=name, arguments=arguments))
+
+
+def _call_object(text: str) -> Optional[dict[str, tuple[object, str]]]:
+    """text as a call's JSON object ({"name": ..., "arguments": ...}): its members (json_members'), or None."""
+    call = json_members(text)
+    return call if call is not None and "name" in call else None
 
 
 @dataclass
@@ -128,7 +207,7 @@ class _Call:
 
     index: int
     names: Optional[Collection[str]]  # the functions a call may name (None: any)
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
     parts: list[str] = field(default_factory=list)  # the call's text so far
     head: Optional[str] = ""  # its start while the header may still come; None once it cannot
     named: bool = False  # the header came: the opening delta went out
@@ -240,19 +319,17 @@ class _Call:
         return name if may_name(self.names, name) else None
 
     def _opening(self, name: str) -> DeltaToolCall:
-        return DeltaToolCall(index=self.index, id=self.id, type="function",
-                             function=DeltaFunctionCall(name=name, arguments=""))
+        return call_opening(self.index, name, call_id=self.id)
 
     def _whole(self, body: str) -> list[DeltaToolCall]:
-        """A call the header did not match (another key order), sent whole once it closed."""
+        """A call the header did not match (another key order), sent whole once it closed: its arguments' text as
+        written (a JSON string's text where the arguments are one)."""
         call = _call_object(body)
-        if call is None or not may_name(self.names, call["name"]):
+        if call is None or not may_name(self.names, call["name"][0]):
             return []
-        arguments = call.get("arguments", {})
-        opening = self._opening(call["name"])
-        opening.function.arguments = arguments if isinstance(arguments, str) and _is_text(arguments) else \
-            arguments_text(arguments)
-        return [opening]
+        arguments, written = call.get("arguments", ({}, "{}"))
+        return [call_opening(self.index, call["name"][0], arguments if _is_text(arguments) else written,
+                             self.id)]
 
 
 class ToolCallReader(ABC):

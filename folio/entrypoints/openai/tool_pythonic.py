@@ -12,20 +12,20 @@ By tool_choice, the grammar (llguidance's Lark dialect, as tool_grammar's) allow
   * "auto": calls, or text whose first non-space character is not "[" (nor "[" after <|python_start|>); with a JSON
     format for the message, that message or calls.
 A call's keyword arguments come in the order of the schema's `properties` (then any `required` name that
-`properties` leaves out), `name=value` with ", " between them: the required ones always, each optional one
-present or not. Values are Python literals of the property's schema:
+`properties` leaves out, of the additionalProperties' schema), `name=value` with ", " between them: the required
+ones always, each optional one present or not. Values are Python literals of the property's schema:
   * boolean and null are True/False and None; an enum or const of scalars is its members as Python literals; an
     `anyOf` is any of its branches' values; a `$ref` alone (Pydantic's Enum) is what it points to;
   * strings and numbers are llguidance's JSON of their schema (`%json`, so pattern, format, lengths and bounds hold):
     its strings escape only \\" \\\\ \\b \\f \\n \\r \\t, which Python reads as JSON does, and its numbers are
-    Python's;
+    Python's (the reader sends a number's text as written: Python's value of 1e999 would be inf);
   * anything else (arrays, objects, oneOf, ...) is `%json` of the property's schema (and the function's $defs), the
     only way to hold every JSON Schema keyword; its true/false/null, which Python would not read, the reader takes
     as JSON's values (so a model writes True/False/None at the top level, and JSON's names inside containers only).
 A tool whose call could not be written (a name, or a required property's name, that is not a Python identifier; a
 required property whose schema is `false`; a `parameters` keyword beside properties/required that keyword
-arguments cannot enforce) is refused with a ValueError (a 400) naming it. An optional property whose name is not
-an identifier is left out.
+arguments cannot enforce; parameters whose type is not an object) is refused with a ValueError (a 400) naming
+it. An optional property whose name is not an identifier is left out.
 """
 
 from __future__ import annotations
@@ -36,27 +36,26 @@ import keyword
 import math
 import re
 import unicodedata
-import uuid
 from dataclasses import dataclass, field
 from typing import Collection, Optional
 
-from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
-from folio.entrypoints.openai.tool_grammar import ToolChoice, chosen_tools, grammar_json, grammar_literal
-from folio.entrypoints.openai.tool_parser import BracketEnd, CallEnd, Piece, ToolCallReader, arguments_text, may_name
+from folio.entrypoints.openai.protocol import ChatTool
+from folio.entrypoints.openai.tool_grammar import (ANNOTATIONS, ToolChoice, arguments_schema, chosen_tools,
+                                                   grammar_json, grammar_literal)
+from folio.entrypoints.openai.tool_parser import (JSON_SPACE, BracketEnd, CallEnd, Piece, ToolCallReader,
+                                                  arguments_text, call_opening, may_name)
 from folio.structured_output.params import StructuredOutputsParams
 
 SEPARATOR = ", "
 LIST_OPEN = "<|python_start|>"  # Llama 4's wrapper, read (never written) around a list
 LIST_CLOSE = "<|python_end|>"
-_SPACE = " \t\r\n"
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
-                          "$comment"})
 _SCALAR_TYPES = frozenset({"string", "integer", "number", "boolean", "null"})
 _SCALAR_KEYWORDS = frozenset({"type", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
                               "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})  # none applies to bool/null
 _PARAMETERS_KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "$defs", "definitions",
-                                  "$schema", "$id"}) | _ANNOTATIONS
-_JSON_NAMES = {"true": True, "false": False, "null": None}  # what %json writes inside containers
+                                  "$schema", "$id"}) | ANNOTATIONS
+_JSON_NAMES = frozenset({"true", "false", "null"})  # what %json writes inside containers
+_JSON_NUMBER = re.compile(r"(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # (the sign is an operator in Python)
 # The start of a list that may still be calls: "[", a name, "(" (the name checked once whole).
 _MAY_START = re.compile(r"\[[ \t\r\n]*([^\W\d]\w*[ \t\r\n]*)?")
 _CALL_START = re.compile(r"\[[ \t\r\n]*([^\W\d]\w*)[ \t\r\n]*\(")
@@ -93,7 +92,7 @@ def _value(schema: object, defs: dict, seen: frozenset = frozenset()) -> Optiona
         schema = {}
     if not isinstance(schema, dict):
         return None
-    keys = set(schema) - _ANNOTATIONS
+    keys = set(schema) - ANNOTATIONS
     ref = schema.get("$ref")
     if keys == {"$ref"} and isinstance(ref, str) and ref not in seen:
         kind, _, name = ref.removeprefix("#/").partition("/")
@@ -126,7 +125,7 @@ def _call_rules(i: int, tool: ChatTool) -> list[str]:
     name = tool.function.name
     if not _is_keyword_name(name):
         raise ValueError(f"function {name!r}: the pythonic tool-call format calls functions by Python names")
-    parameters = tool.function.parameters or {}
+    parameters = arguments_schema(tool)
     extra = sorted(set(parameters) - _PARAMETERS_KEYWORDS)
     if extra:
         raise ValueError(f"function {name!r}: the pythonic tool-call format writes keyword arguments from its "
@@ -136,7 +135,7 @@ def _call_rules(i: int, tool: ChatTool) -> list[str]:
     defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
     arguments = []  # (rule body, required)
     for prop in dict.fromkeys([*properties, *required]):
-        value = _value(properties.get(prop, True), defs)
+        value = _value(properties.get(prop, parameters.get("additionalProperties", True)), defs)
         if prop in required and (value is None or not _is_keyword_name(prop)):
             why = "its schema allows no value" if value is None else "it is not a Python name"
             raise ValueError(f"function {name!r}: its required parameter {prop!r} cannot be written as a keyword "
@@ -178,42 +177,70 @@ class _NotCall(Exception):
     """A list element, or a value in it, that is not a call of the request's functions with literal arguments."""
 
 
-def _json_value(node: ast.expr) -> object:
-    """A Python literal's JSON value: strings, finite numbers, True/False/None (and JSON's true/false/null names),
-    lists, dicts with string keys."""
-    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, bool, int, float))):
-        value = node.value
-    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and \
+class _Source:
+    """The text ast parsed, to take a node's own text from (ast gives lines, and columns in UTF-8 bytes)."""
+
+    def __init__(self, text: str) -> None:
+        self._bytes = text.encode("utf-8", "surrogatepass")
+        self._line_starts = [0] + [match.end() for match in re.finditer(rb"\r\n|\r|\n", self._bytes)]
+
+    def text(self, node: ast.expr) -> str:
+        start = self._line_starts[node.lineno - 1] + node.col_offset
+        return self._bytes[start:self._line_starts[node.end_lineno - 1] + node.end_col_offset].decode("utf-8")
+
+
+def _number_text(node: ast.Constant, source: _Source) -> str:
+    """A number literal's JSON text: as written where it is JSON's (Python's value may differ: 1e999 is inf,
+    1.0000000000000000001 is 1.0), else the number's (0x10 is 16, 1_000 is 1000)."""
+    written = source.text(node)
+    if _JSON_NUMBER.fullmatch(written):
+        return written
+    if isinstance(node.value, float) and not math.isfinite(node.value):  # (1_0e999), which JSON cannot carry
+        raise _NotCall
+    return repr(node.value)
+
+
+def _json_text(node: ast.expr, source: _Source) -> str:
+    """A Python literal's JSON text: strings, numbers (their text: _number_text), True/False/None (and JSON's
+    true/false/null names), lists, dicts with string keys (a key written twice has its last value, as in
+    Python)."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return _number_text(node, source)
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, bool))):
+        return arguments_text(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and \
             isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
-        value = -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
-    elif isinstance(node, ast.Name) and node.id in _JSON_NAMES:
-        value = _JSON_NAMES[node.id]
-    elif isinstance(node, ast.List):
-        return [_json_value(element) for element in node.elts]
-    elif isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str)
-                                            for k in node.keys):
-        return {k.value: _json_value(v) for k, v in zip(node.keys, node.values)}
-    else:
-        raise _NotCall
-    if isinstance(value, float) and not math.isfinite(value):  # (1e999), which JSON cannot carry
-        raise _NotCall
-    return value
+        return ("-" if isinstance(node.op, ast.USub) else "") + _number_text(node.operand, source)
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return node.id
+    if isinstance(node, ast.List):
+        return "[" + ", ".join(_json_text(element, source) for element in node.elts) + "]"
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                          for k in node.keys):
+        return _object_text({k.value: _json_text(v, source) for k, v in zip(node.keys, node.values)})
+    raise _NotCall
 
 
-def _read_calls(text: str, names: Optional[Collection[str]]) -> Optional[list[tuple[str, dict]]]:
-    """A closed list's calls (name, arguments), or None where it is not a list of calls of the request's functions
-    with keyword arguments that are literals."""
+def _object_text(members: dict[str, str]) -> str:
+    """A JSON object's text from its members' keys and values' JSON text."""
+    return "{" + ", ".join(f"{arguments_text(key)}: {value}" for key, value in members.items()) + "}"
+
+
+def _read_calls(text: str, names: Optional[Collection[str]]) -> Optional[list[tuple[str, str]]]:
+    """A closed list's calls (name, arguments' JSON text), or None where it is not a list of calls of the request's
+    functions with keyword arguments that are literals."""
     try:
         tree = ast.parse(text, mode="eval").body
         if not isinstance(tree, ast.List) or not tree.elts:
             return None
+        source = _Source(text)
         calls = []
         for call in tree.elts:
             if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args or \
                     not may_name(names, call.func.id) or any(k.arg is None for k in call.keywords) or \
                     len({k.arg for k in call.keywords}) < len(call.keywords):  # (ast leaves repeats to the compiler)
                 return None
-            calls.append((call.func.id, {k.arg: _json_value(k.value) for k in call.keywords}))
+            calls.append((call.func.id, _object_text({k.arg: _json_text(k.value, source) for k in call.keywords})))
         return calls
     except (_NotCall, SyntaxError, ValueError, RecursionError, MemoryError):  # (a model without the grammar may nest
         return None  # without end, or write an integer past Python's digit limit)
@@ -234,7 +261,7 @@ class _Skip:
         """The text from its first character that is not skipped (a suffix of text, or the tag's false start and
         the rest); None while all of it was skipped or may be."""
         self.parts.append(text)
-        rest = text if self.tag_part else text.lstrip(_SPACE)
+        rest = text if self.tag_part else text.lstrip(JSON_SPACE)
         if not self.after_tag and (self.tag_part or rest.startswith(self.tag[0])):
             seen = self.tag_part + rest
             if len(seen) < len(self.tag) and self.tag.startswith(seen):
@@ -242,7 +269,7 @@ class _Skip:
                 return None
             if not seen.startswith(self.tag):
                 return seen
-            self.tag_part, self.after_tag, rest = "", True, seen[len(self.tag):].lstrip(_SPACE)
+            self.tag_part, self.after_tag, rest = "", True, seen[len(self.tag):].lstrip(JSON_SPACE)
         return rest or None
 
     def text(self) -> str:
@@ -312,9 +339,7 @@ class PythonicToolCallReader(ToolCallReader):
             self._to_content(out, self._before + "".join(self._list) + text[len(own):])
             return ""
         for name, arguments in calls:
-            out += [DeltaToolCall(index=self.num_calls, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
-                                  function=DeltaFunctionCall(name=name, arguments=arguments_text(arguments))),
-                    CallEnd(self.num_calls)]
+            out += [call_opening(self.num_calls, name, arguments), CallEnd(self.num_calls)]
             self.num_calls += 1
         self._mode, self._list, self._skip = "after", [], _Skip(LIST_CLOSE)
         return text[end:]

@@ -26,7 +26,8 @@ text "null" for None where the schema also takes null (Optional[str], as the tem
 read as JSON where it parses, else as the string, for a schema that takes anything; and the value's JSON text for
 every other schema: numbers, booleans, arrays, objects, and strings the raw form cannot bound (pattern,
 maxLength, format, a mix of strings and other types), which are then written JSON-quoted. The reader reads each
-form back as its grammar wrote it, so whatever the grammar allows reads back as arguments valid by the schema.
+form back as its grammar wrote it, so whatever the grammar allows reads back as arguments valid by the schema (a
+JSON value goes into them as its text as written: Python would make 1e999 inf, which no JSON holds).
 
 By tool_choice, the grammar (llguidance's Lark dialect, as tool_grammar's) allows:
   * "required": calls only (one, or several with parallel_tool_calls, a newline between them);
@@ -38,22 +39,22 @@ shows the model), each required one written, each optional one written or left o
 properties do not declare follow, in `required`'s order. A schema without properties takes further parameters by
 any plain name (of its additionalProperties' schema). Top-level keywords that constrain the object as a whole
 (anyOf, minProperties, patternProperties, ...) and a required property whose name holds ">" (which would end
-the name) cannot be written this way: such tools are a 400 naming them (an optional such property is left out).
+the name) or whose schema takes no value (false, an empty enum or anyOf) cannot be written this way: such tools
+are a 400 naming them (an optional such property is left out).
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
-from folio.entrypoints.openai.tool_grammar import (CALL_CLOSE, CALL_OPEN, ToolChoice, call_alternatives,
-                                                   chosen_tools, grammar_json, grammar_literal, tagged_calls_start)
-from folio.entrypoints.openai.tool_parser import (CallEnd, Piece, ToolCallReader, arguments_text, may_name,
-                                                  pending_prefix)
+from folio.entrypoints.openai.tool_grammar import (ANNOTATIONS, CALL_CLOSE, CALL_OPEN, ToolChoice, arguments_schema,
+                                                   call_alternatives, chosen_tools, grammar_json, grammar_literal,
+                                                   tagged_calls_start)
+from folio.entrypoints.openai.tool_parser import (JSON_SPACE, CallEnd, JsonNumber, Piece, ToolCallReader,
+                                                  arguments_text, call_opening, may_name, pending_prefix, read_json)
 from folio.structured_output.params import StructuredOutputsParams
 
 FUNCTION_OPEN = "<function="
@@ -62,11 +63,8 @@ PARAMETER_OPEN = "<parameter="
 NEWLINE = "\n"
 VALUE_END = "\n</parameter>"  # what ends a value: the first one after it begins
 NAME_LIMIT = 256  # characters of a function's or parameter's name read before the call is taken as not one
-_SPACE = " \t\r\n"
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
-                          "$comment"})
-_OBJECT_KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "$defs",
-                                   "definitions", "$schema"}
+_OBJECT_KEYWORDS = ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "$defs", "definitions",
+                                  "$schema"}
 _EXTRA_NAME = r"/[A-Za-z_][A-Za-z0-9_.\-]{0,63}/"  # a parameter's name beyond the declared ones
 _LOCAL_REF = re.compile(r"#/(\$defs|definitions)/([^/~]+)")
 _JSON_TYPES = {type(None): "null", bool: "boolean", str: "string", list: "array", dict: "object"}
@@ -88,26 +86,36 @@ class _Strings:
             (self.every and (other.every or bool(other.some))) or (other.every and bool(self.some))
 
 
-def _resolved(schema: Any, defs: dict, depth: int = 0) -> Any:
-    """schema, with a local $ref (beside annotations only) or a one-branch allOf followed to what it stands for."""
-    if not isinstance(schema, dict) or depth > 16 or set(schema) - _ANNOTATIONS - {"$ref", "allOf"}:
-        return schema
-    if "$ref" in schema and "allOf" not in schema:
-        match = _LOCAL_REF.fullmatch(schema["$ref"]) if isinstance(schema["$ref"], str) else None
-        target = defs.get(match.group(1), {}).get(match.group(2)) if match else None
-        return schema if target is None else _resolved(target, defs, depth + 1)
-    if "allOf" in schema and "$ref" not in schema and isinstance(schema["allOf"], list) and len(schema["allOf"]) == 1:
-        return _resolved(schema["allOf"][0], defs, depth + 1)
-    return schema
+def _resolved(schema: Any, defs: dict, seen: frozenset) -> tuple[Any, frozenset]:
+    """schema, with a local $ref (beside annotations only) or a one-branch allOf followed to what it stands for, and
+    the refs followed to it, `seen` included; None for a ref already followed (a recursive schema's, whose values
+    are then not read as raw strings)."""
+    while isinstance(schema, dict) and not set(schema) - ANNOTATIONS - {"$ref", "allOf"}:
+        if "$ref" in schema and "allOf" not in schema:
+            ref = schema["$ref"]
+            match = _LOCAL_REF.fullmatch(ref) if isinstance(ref, str) else None
+            target = defs.get(match.group(1), {}).get(match.group(2)) if match else None
+            if target is None:
+                break
+            if ref in seen:
+                return None, seen
+            schema, seen = target, seen | {ref}
+        elif "allOf" in schema and "$ref" not in schema and isinstance(schema["allOf"], list) and \
+                len(schema["allOf"]) == 1:
+            schema = schema["allOf"][0]
+        else:
+            break
+    return schema, seen
 
 
-def _strings(schema: Any, defs: dict) -> Optional[_Strings]:
+def _strings(schema: Any, defs: dict, seen: frozenset = frozenset()) -> Optional[_Strings]:
     """What a schema takes, where that is strings and null only and nothing narrows the strings but an enum; None
-    otherwise (the value is then written as JSON)."""
-    schema = _resolved(schema, defs)
+    otherwise (the value is then written as JSON). seen: the refs followed to schema (a recursive schema is not
+    strings only, whatever its branches)."""
+    schema, seen = _resolved(schema, defs, seen)
     if not isinstance(schema, dict):
         return None
-    keys = set(schema) - _ANNOTATIONS
+    keys = set(schema) - ANNOTATIONS
     types = schema.get("type", ["string", "null"])
     types = [types] if isinstance(types, str) else types
     if not isinstance(types, list) or not types or set(types) - {"string", "null"}:
@@ -122,7 +130,8 @@ def _strings(schema: Any, defs: dict) -> Optional[_Strings]:
                         None in values and "null" in types)
     if len(keys) == 1 and keys <= {"anyOf", "oneOf"}:
         branches = schema.get("anyOf", schema.get("oneOf"))
-        parts = [_strings(branch, defs) for branch in branches] if isinstance(branches, list) and branches else [None]
+        parts = [_strings(branch, defs, seen) for branch in branches] if isinstance(branches, list) and branches \
+            else [None]
         if any(part is None for part in parts):
             return None
         if "oneOf" in keys and any(a.overlaps(b) for i, a in enumerate(parts) for b in parts[i + 1:]):
@@ -134,25 +143,22 @@ def _strings(schema: Any, defs: dict) -> Optional[_Strings]:
     return None
 
 
-def _strict_json(text: str) -> Any:
-    """text's JSON value; ValueError where it is not JSON (NaN and Infinity, which Python reads, included)."""
-    def refuse(constant: str) -> Any:
-        raise ValueError(constant)
-
-    try:
-        return json.loads(text, parse_constant=refuse)
-    except RecursionError as e:
-        raise ValueError("too deep") from e
+def _allows_nothing(schema: Any) -> bool:
+    """Whether a schema takes no value at all (false, an empty enum or anyOf or oneOf), which no grammar can
+    write."""
+    if schema is False:
+        return True
+    return isinstance(schema, dict) and any(schema.get(key) == [] for key in ("enum", "anyOf", "oneOf"))
 
 
 def _has_type(value: Any, schema: Any) -> bool:
-    """Whether value is of a type the schema names (any where it names none)."""
+    """Whether a value (read_json's) is of a type the schema names (any where it names none)."""
     types = schema.get("type") if isinstance(schema, dict) else None
     if types is None:
         return True
     types = [types] if isinstance(types, str) else types
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return "number" in types or ("integer" in types and float(value).is_integer())
+    if isinstance(value, JsonNumber):
+        return "number" in types or ("integer" in types and value.is_integer())
     return _JSON_TYPES.get(type(value)) in types
 
 
@@ -163,7 +169,8 @@ class ValueForm:
     kind "text": raw text, the string itself (within `choices` where given; "null" is None where `nullable`);
     "any": raw text, its JSON value where it parses, else the string (a schema that takes anything);
     "json": the value's JSON text, of `schema` (read leniently where the grammar did not write it: the text
-    itself where it is not JSON of the schema's type)."""
+    itself where it is not JSON of the schema's type). A JSON value goes into the arguments as its text, as
+    written: its numbers are the model's, whatever Python would make of them (1e999, 5000 digits)."""
 
     kind: str
     schema: Any = None
@@ -179,7 +186,7 @@ class ValueForm:
         if strings is not None and (strings.some or strings.null) and not (strings.null and "null" in strings.some) \
                 and not any(VALUE_END in choice for choice in strings.some):
             return ValueForm("text", choices=tuple(sorted(strings.some)), nullable=strings.null)
-        if schema is True or (isinstance(schema, dict) and not set(schema) - _ANNOTATIONS):
+        if schema is True or (isinstance(schema, dict) and not set(schema) - ANNOTATIONS):
             return ValueForm("any")
         return ValueForm("json", {**schema, **defs} if isinstance(schema, dict) else schema)
 
@@ -193,14 +200,15 @@ class ValueForm:
         choices = self.choices + (("null",) if self.nullable else ())
         return "(" + " | ".join(grammar_literal(choice + end) for choice in choices) + ")"
 
-    def read(self, text: str) -> Any:
+    def json_text(self, text: str) -> str:
+        """The value's JSON text in the arguments, from its text in the call."""
         if self.kind == "text":
-            return None if self.nullable and text == "null" else text
+            return "null" if self.nullable and text == "null" else arguments_text(text)
         try:
-            value = _strict_json(text)
+            value = read_json(text)
         except ValueError:
-            return text
-        return value if self.kind == "any" or _has_type(value, self.schema) else text
+            return arguments_text(text)
+        return text.strip(JSON_SPACE) if self.kind == "any" or _has_type(value, self.schema) else arguments_text(text)
 
     def streams(self) -> bool:
         """Whether the value's text goes out as it comes (a raw string's, once it cannot be "null")."""
@@ -229,7 +237,7 @@ class Signature:
     def of(tool: ChatTool, strict: bool = True) -> "Signature":
         """strict: ValueError where the format cannot write every call the schema takes (the grammar's use); not
         strict, the forms the reader reads by, whatever the schema."""
-        name, schema = tool.function.name, tool.function.parameters or {}
+        name, schema = tool.function.name, arguments_schema(tool) if strict else tool.function.parameters or {}
         defs = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)}
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         required = [key for key in schema.get("required", ()) if isinstance(key, str)]
@@ -238,7 +246,7 @@ class Signature:
         parameters = []
         for key in list(properties) + [key for key in required if key not in properties]:
             property_schema = properties.get(key, additional)
-            if ">" in key or len(key) > NAME_LIMIT or property_schema is False:
+            if ">" in key or len(key) > NAME_LIMIT or _allows_nothing(property_schema):
                 if key in required:
                     problem = problem or f"its required parameter {key!r} cannot be written"
                 continue
@@ -258,10 +266,8 @@ class Signature:
 
 
 def _object_problem(schema: dict) -> Optional[str]:
-    """Why the parameters' schema constrains its object beyond what parameter by parameter can write, or None."""
-    types = schema.get("type", "object")
-    if types != "object" and not (isinstance(types, list) and "object" in types):
-        return f"its parameters are of type {types!r}, not an object"
+    """Why the parameters' schema (an object's: arguments_schema's) constrains its object beyond what parameter by
+    parameter can write, or None."""
     beyond = sorted(set(schema) - _OBJECT_KEYWORDS)
     return f"its parameters' schema has {', '.join(beyond)}" if beyond else None
 
@@ -342,7 +348,7 @@ class Qwen3CoderToolCallReader(ToolCallReader):
 
     def _head(self, out: list[Piece], final: bool) -> bool:
         """After <tool_call>: `<function=NAME>`, the name one of the request's functions."""
-        head = self._held.lstrip(_SPACE)
+        head = self._held.lstrip(JSON_SPACE)
         name_end = head.find(">") if head.startswith(FUNCTION_OPEN) else -1
         name = head[len(FUNCTION_OPEN):name_end] if name_end != -1 else head[len(FUNCTION_OPEN):]
         names = None if self._signatures is None else self._signatures.keys()
@@ -361,7 +367,7 @@ class Qwen3CoderToolCallReader(ToolCallReader):
 
     def _between(self, out: list[Piece], final: bool) -> bool:
         """Between parameters: the next one, or </function>."""
-        self._held = self._held.lstrip(_SPACE)
+        self._held = self._held.lstrip(JSON_SPACE)
         for marker, state in ((PARAMETER_OPEN, "name"), (FUNCTION_CLOSE, "function_end")):
             if self._held.startswith(marker):
                 self._held, self._state = self._held[len(marker):], state
@@ -401,7 +407,7 @@ class Qwen3CoderToolCallReader(ToolCallReader):
 
     def _function_end(self, out: list[Piece], final: bool) -> bool:
         """After </function>: </tool_call>."""
-        self._held = self._held.lstrip(_SPACE)
+        self._held = self._held.lstrip(JSON_SPACE)
         if self._held.startswith(CALL_CLOSE):
             self._held = self._held[len(CALL_CLOSE):]
             self._close_call(out)
@@ -437,8 +443,7 @@ class Qwen3CoderToolCallReader(ToolCallReader):
         self._index = self.num_calls
         self._signature = Signature((), None) if self._signatures is None else self._signatures[name]
         self._written, self._parameter, self._sent_any = set(), None, False
-        out.append(DeltaToolCall(index=self._index, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
-                                 function=DeltaFunctionCall(name=name, arguments="")))
+        out.append(call_opening(self._index, name))
 
     def _add_value(self, out: list[Piece], text: str) -> None:
         if self._parameter is None or not text:
@@ -448,8 +453,10 @@ class Qwen3CoderToolCallReader(ToolCallReader):
             self._arguments(out, arguments_text(text)[1:-1])
             return
         self._value.append(text)
-        value = "".join(self._value)
-        if form.streams() and not (form.nullable and "null".startswith(value)):
+        if not form.streams():
+            return  # (joined once, when it ends)
+        value = "".join(self._value)  # (joined only while it may be "null": 4 characters and the piece)
+        if not (form.nullable and "null".startswith(value)):
             self._arguments(out, f"{self._separator()}{arguments_text(key)}: {arguments_text(value)[:-1]}")
             self._value, self._streaming = [], True
 
@@ -460,8 +467,7 @@ class Qwen3CoderToolCallReader(ToolCallReader):
         if self._streaming:
             self._arguments(out, '"')
         else:
-            value = form.read("".join(self._value))
-            self._arguments(out, f"{self._separator()}{arguments_text(key)}: {arguments_text(value)}")
+            self._arguments(out, f"{self._separator()}{arguments_text(key)}: {form.json_text(''.join(self._value))}")
         self._parameter, self._value, self._streaming = None, [], False
 
     def _separator(self) -> str:
