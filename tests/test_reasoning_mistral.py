@@ -17,6 +17,7 @@ from folio import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from folio.config import REASONING_PARSER_NAMES
 from folio.core.step_contract import ScheduledRequestData, SchedulerOutput
 from folio.reasoning_parser import REASONING_PARSERS, ReasoningSplitter
+import test_reasoning_parser
 from reasoning_fixture import build_magistral_model, build_reasoning_model, token_id
 
 PARSER = REASONING_PARSERS["mistral"]
@@ -38,12 +39,7 @@ def split_whole(text: str, in_reasoning: bool = False) -> tuple[str, str]:
 
 
 def split_streamed(pieces: list[str], in_reasoning: bool = False) -> tuple[str, str]:
-    splitter = ReasoningSplitter(PARSER, in_reasoning)
-    reasoning = content = ""
-    for i, piece in enumerate(pieces):
-        out = splitter.feed(piece, final=i == len(pieces) - 1)
-        reasoning, content = reasoning + out.reasoning, content + out.content
-    return reasoning, content
+    return test_reasoning_parser.split_streamed(pieces, in_reasoning, PARSER)
 
 
 @pytest.mark.parametrize("text, in_reasoning, expected", [

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from folio import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from folio.core.step_contract import ScheduledRequestData, SchedulerOutput
-from folio.reasoning_parser import REASONING_PARSERS, EndTagWatcher, ReasoningSplitter
+from folio.reasoning_parser import REASONING_PARSERS, EndTagWatcher, ReasoningParser, ReasoningSplitter
 from reasoning_fixture import build_reasoning_model, end_tag_id
 
 PARSER = REASONING_PARSERS["qwen3"]
@@ -33,8 +33,10 @@ def split_whole(text: str, in_reasoning: bool = True) -> tuple[str, str]:
     return reasoning.rstrip(), content.lstrip() if tag else ""
 
 
-def split_streamed(pieces: list[str], in_reasoning: bool = True) -> tuple[str, str]:
-    splitter = ReasoningSplitter(PARSER, in_reasoning)
+def split_streamed(pieces: list[str], in_reasoning: bool = True,
+                   parser: ReasoningParser = PARSER) -> tuple[str, str]:
+    """The reasoning and content that the pieces, fed in turn, give."""
+    splitter = ReasoningSplitter(parser, in_reasoning)
     reasoning = content = ""
     for i, piece in enumerate(pieces):
         out = splitter.feed(piece, final=i == len(pieces) - 1)
