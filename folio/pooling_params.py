@@ -10,6 +10,9 @@ those of a trained embedding model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from folio.sampling_params import check_truncate_prompt_tokens
 
 POOLING_TYPES = ("last", "mean")
 
@@ -18,12 +21,14 @@ POOLING_TYPES = ("last", "mean")
 class PoolingParams:
     pooling_type: str = "last"
     normalize: bool = True
+    truncate_prompt_tokens: Optional[int] = None  # the prompt's last k tokens (-1: as many as fit beside one more)
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a boolean, got {self.normalize!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     @property
     def needs_every_position(self) -> bool:

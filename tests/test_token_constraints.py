@@ -99,6 +99,35 @@ def test_through_the_server(server, llama_dir):
     assert chat.usage.prompt_tokens == 3
 
 
+def test_prompts_longer_than_the_context_are_truncated_not_refused(server):
+    client = server.openai()
+    max_model_len = server.llm.engine.max_model_len
+    long = [5 + i % 50 for i in range(max_model_len + 40)]
+    out = client.completions.create(model=MODEL_NAME, prompt=long, max_tokens=2,
+                                    extra_body={"truncate_prompt_tokens": 8})
+    assert out.usage.prompt_tokens == 8
+    words = "word " * (max_model_len + 40)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": words}],
+                                          max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert chat.usage.prompt_tokens == max_model_len - 1
+    whole = client.embeddings.create(model=MODEL_NAME, input=[long[-16:]], encoding_format="float")
+    cut = client.embeddings.create(model=MODEL_NAME, input=[long], encoding_format="float",
+                                   extra_body={"truncate_prompt_tokens": 16})
+    assert cut.usage.prompt_tokens == 16 and cut.data[0].embedding == whole.data[0].embedding
+    with server.http() as http:  # without truncation, refused as before
+        assert_error(http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": long}), 400, "prompt")
+
+
+def test_offline_embeddings_truncate_too(llm):
+    from folio import PoolingParams
+
+    long = {"prompt_token_ids": list(range(3, 60))}
+    cut = llm.embed(long, PoolingParams(truncate_prompt_tokens=6), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == list(range(54, 60))
+    assert cut.outputs.embedding == llm.embed({"prompt_token_ids": list(range(54, 60))},
+                                              use_tqdm=False)[0].outputs.embedding
+
+
 @pytest.mark.parametrize("path, body, field", [
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [10 ** 9]}, "allowed_token_ids"),

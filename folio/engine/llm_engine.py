@@ -24,6 +24,7 @@ from folio.executor import make_executor
 from folio.executor.executor import Executor
 from folio.outputs import EngineOutput
 from folio.platforms import current_platform
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 from folio.structured_output.manager import StructuredOutputManager
 from folio.tokenizer import Tokenizer
@@ -148,8 +149,8 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        truncate = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
-        processed = self.input_processor.process_prompt(prompt, truncate)
+        truncate = params.truncate_prompt_tokens if isinstance(params, (SamplingParams, PoolingParams)) else None
+        processed = self.input_processor.process_prompt(prompt, truncate)  # (make_requests refuses other params)
         requests = self.input_processor.make_requests(request_id, processed, params, priority, arrival_time)
         if isinstance(params, SamplingParams):  # a pooling request samples nothing, so nothing constrains it
             self.structured_output.validate(params.structured_outputs)

@@ -20,6 +20,7 @@ class EmbeddingRequest(RequestBody):
     pooling_type: str = "last"  # or "mean" (folio.pooling_params)
     normalize: bool = True
     priority: int = 0
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: each input's last k tokens (-1: as many as fit)
 
     def check_limits(self, limits: RequestLimits) -> None:
         if isinstance(self.input, list) and self.input and not isinstance(self.input[0], int):

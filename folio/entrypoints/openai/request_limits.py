@@ -9,6 +9,8 @@ Every check raises ValueError naming the field, which the routes answer with a 4
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -34,6 +36,14 @@ class RequestLimits:
     def build(cls, options: ServerOptions, tokenizer: Tokenizer, max_model_len: int,
               vocab_size: int) -> "RequestLimits":
         return cls(options, max_model_len, vocab_size, max_model_len * longest_token_chars(tokenizer))
+
+    def for_prompts(self, truncate_prompt_tokens: Optional[int]) -> "RequestLimits":
+        """The limits of a request's prompts: these, or where the request truncates its prompts
+        (truncate_prompt_tokens) none on their length, which truncation brings within the context (the body's
+        size still bounds them)."""
+        if truncate_prompt_tokens is None:
+            return self
+        return dataclasses.replace(self, max_model_len=sys.maxsize, max_prompt_chars=sys.maxsize)
 
     def text(self, text: str, field: str = "prompt") -> None:
         if len(text) > self.max_prompt_chars:

@@ -72,8 +72,9 @@ class OpenAIServingChat(OpenAIServing):
     def prompts(self, request: ChatCompletionRequest) -> list[Prompt]:
         template_kwargs = effort_template_kwargs(self.tokenizer, request.reasoning_effort, "reasoning_effort",
                                                  request.chat_template_kwargs)
-        return [Prompt(None, chat_prompt_ids(self.tokenizer, self.limits, request.messages,
-                                             request.add_generation_prompt, request.tools, template_kwargs,
+        limits = self.limits.for_prompts(request.truncate_prompt_tokens)
+        return [Prompt(None, chat_prompt_ids(self.tokenizer, limits, request.messages, request.add_generation_prompt,
+                                             request.tools, template_kwargs,
                                              continue_final_message=request.continue_final_message))]
 
     def structured_outputs(self, request: ChatCompletionRequest) -> Optional[StructuredOutputsParams]:

@@ -58,7 +58,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
         for item in raw:
-            self.limits.prompt(item + (request.suffix or "") if isinstance(item, str) else item)
+            self.limits.for_prompts(request.truncate_prompt_tokens).prompt(
+                item + (request.suffix or "") if isinstance(item, str) else item)
         if request.suffix is not None:
             if not all(isinstance(item, str) for item in raw):
                 raise ValueError("suffix needs the prompt as text, not token ids")

@@ -18,7 +18,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from folio.engine.async_llm import AsyncLLM, EngineError, RequestStream
-from folio.engine.input_processor import check_prompt_fits
+from folio.engine.input_processor import check_prompt_fits, truncated
 from folio.engine.output_processor import OutputKind
 from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.protocol_embeddings import (EmbeddingData, EmbeddingRequest, EmbeddingResponse,
@@ -49,7 +49,7 @@ class OpenAIServingEmbedding:
         try:
             request.check_limits(self.limits)
             inputs = await asyncio.to_thread(self._token_ids, request)
-            params = PoolingParams(request.pooling_type, request.normalize)
+            params = PoolingParams(request.pooling_type, request.normalize, request.truncate_prompt_tokens)
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
         request_id = f"embd-{uuid.uuid4().hex}"
@@ -68,9 +68,11 @@ class OpenAIServingEmbedding:
         raw = request.input
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
+        limits = self.limits.for_prompts(request.truncate_prompt_tokens)
         for item in raw:
-            self.limits.prompt(item, "input")
-        inputs = [self.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in raw]
+            limits.prompt(item, "input")
+        inputs = [truncated(self.tokenizer.encode(item) if isinstance(item, str) else list(item),
+                            request.truncate_prompt_tokens, self.max_model_len) for item in raw]
         if not inputs or any(not ids for ids in inputs):
             raise ValueError("input must not be empty")
         check_prompt_fits(max(len(ids) for ids in inputs), self.max_model_len, "input")
