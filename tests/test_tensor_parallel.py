@@ -217,12 +217,10 @@ def test_server_over_two_ranks(folders):
     assert answers[1] == answers[0]
 
 
-def _hold_memory_and_spin(megabytes: int, seconds: float) -> None:
-    import time
-
+def _hold_memory_and_spin(megabytes: int, ready, stop) -> None:
     held = bytearray(b"\x01" * (megabytes << 20))  # written: resident
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    ready.set()
+    while not stop.is_set():
         held[0] = (held[0] + 1) % 256
 
 
@@ -239,13 +237,20 @@ def test_the_benchmarks_count_live_worker_processes():
     gc.collect()  # earlier tests' engines: their finalizers stop their workers, whose ending would skew the counts
     assert not multiprocessing.active_children()
     before_memory, before_cpu = peak_resident_bytes(), noise._own_seconds()
-    worker = multiprocessing.get_context("spawn").Process(target=_hold_memory_and_spin, args=(300, 4.0))
+    context = multiprocessing.get_context("spawn")
+    ready, stop = context.Event(), context.Event()
+    worker = context.Process(target=_hold_memory_and_spin, args=(300, ready, stop))
     worker.start()
-    time.sleep(2.5)
-    assert worker.is_alive()
-    assert peak_resident_bytes() - before_memory >= 300 << 20
-    assert noise._own_seconds() - before_cpu >= 0.5  # its spinning, while it lives
-    worker.join()
+    try:
+        assert ready.wait(120), "the worker did not start"  # (a loaded machine spawns slowly)
+        assert peak_resident_bytes() - before_memory >= 300 << 20
+        deadline = time.monotonic() + 60
+        while noise._own_seconds() - before_cpu < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert worker.is_alive() and noise._own_seconds() - before_cpu >= 0.5  # its spinning, while it lives
+    finally:
+        stop.set()
+        worker.join()
 
 
 def test_throughput_bench_over_two_ranks(folders, tmp_path, capsys):
