@@ -1,6 +1,7 @@
-"""vLLM's return_token_ids, return_tokens_as_token_ids and prompt_logprobs on completions and chat: the prompt's and
-each choice's token ids in the response (streamed: the prompt's in the first chunk, each chunk's own), logprobs
-naming tokens by id, and the prompt's logprobs; absent fields where not asked for; the Responses API refuses them."""
+"""vLLM's return_token_ids, return_tokens_as_token_ids, prompt_logprobs and continuous_usage_stats on completions
+and chat: the prompt's and each choice's token ids in the response (streamed: the prompt's in the first chunk, each
+chunk's own), logprobs naming tokens by id, the prompt's logprobs, and the usage so far in every chunk; absent
+fields where not asked for; the Responses API refuses the first three."""
 
 from __future__ import annotations
 
@@ -111,3 +112,14 @@ def test_the_responses_api_refuses_them(server, field):
 def test_prompt_logprobs_refused(server, body, match):
     with server.http() as http:
         assert_error(http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, **body}), 400, match)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, stream=True, **_extra())
+    chunks = list(client.completions.create(stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            **kwargs))
+    counted = [chunk.usage.completion_tokens for chunk in chunks if chunk.choices]
+    assert counted == sorted(counted) and counted[-1] == 6 and all(c.usage.prompt_tokens == 4 for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
+    plain = list(client.completions.create(stream_options={"include_usage": True}, **kwargs))
+    assert all(chunk.usage is None for chunk in plain if chunk.choices)

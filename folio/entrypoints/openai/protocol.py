@@ -99,6 +99,7 @@ def _known_fields(model: type[BaseModel]) -> frozenset[str]:
 
 class StreamOptions(RequestModel):
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False  # vLLM's: with include_usage, the usage so far in every chunk
 
 
 class StructuredOutputsRequest(RequestModel):
@@ -213,6 +214,10 @@ class SamplingRequest(RequestBody):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage_in_stream and bool(self.stream_options.continuous_usage_stats)
 
     def to_sampling_params(self, max_tokens: int, logprobs: Optional[int] = None,
                            prompt_logprobs: Optional[int] = None,

@@ -319,7 +319,9 @@ class OpenAIServing(ABC):
                 if delta.text or delta.reasoning or delta.finish_reason or delta.logprobs or delta.tool_calls or \
                         (request.return_token_ids and delta.output_token_ids):
                     choice = self.choice(request, delta, stream=True)
-                    yield _event(self.envelope(request_id, created, [choice], None, stream=True))
+                    usage = self.usage(prompts, completion_tokens, cached, reasoning_tokens) \
+                        if request.usage_in_every_chunk else None
+                    yield _event(self.envelope(request_id, created, [choice], usage, stream=True))
             if request.include_usage_in_stream:
                 usage = self.usage(prompts, completion_tokens, cached, reasoning_tokens)
                 yield _event(self.envelope(request_id, created, [], usage, stream=True))
