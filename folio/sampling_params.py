@@ -129,6 +129,10 @@ class SamplingParams:
         if self.structured_outputs is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where the "
                              "output may end")
+        for name in ("allowed_token_ids", "bad_words"):
+            if self.structured_outputs is not None and getattr(self, name) is not None:
+                raise ValueError(f"{name} cannot be combined with structured_outputs: the grammar decides which "
+                                 "tokens may come (together they could leave none)")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched on the text)")
 

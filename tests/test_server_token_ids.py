@@ -123,3 +123,21 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
     plain = list(client.completions.create(stream_options={"include_usage": True}, **kwargs))
     assert all(chunk.usage is None for chunk in plain if chunk.choices)
+
+
+def test_prompt_fields_stream_even_when_the_first_piece_has_no_text(client, server):
+    """A first token that decodes to nothing yet (here: the only one allowed, a byte of a character or none at
+    all) still sends the choice's prompt fields."""
+    tokenizer = server.llm.engine.get_tokenizer()
+    empty = next(t for t in range(3, 500) if tokenizer.decode([t]) == "")  # (a special token, or a partial byte)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, stream=True,
+                                            extra_body={"prompt_logprobs": 0, "allowed_token_ids": [empty],
+                                                        "return_token_ids": True}))
+    first = chunks[0].choices[0].model_extra
+    assert first["prompt_token_ids"] == PROMPT and len(first["prompt_logprobs"]) == len(PROMPT)
+
+
+def test_echo_of_zero_tokens_returns_no_token_ids(client):
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True,
+                                    extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == [] and out.usage.completion_tokens == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from folio import LLM, SamplingParams
+from folio import LLM, SamplingParams, StructuredOutputsParams
 from folio.engine.input_processor import bad_words_token_ids
 from server_fixture import MODEL_NAME, running_server
 from test_server_errors import assert_error
@@ -139,3 +139,24 @@ def test_offline_embeddings_truncate_too(llm):
 def test_refused_with_a_400_naming_the_field(server, path, body, field):
     with server.http() as http:
         assert_error(http.post(path, json={"model": MODEL_NAME, **body}), 400, field)
+
+
+def test_constraints_that_leave_no_token_are_refused_or_end_the_request(llm):
+    eos = next(iter(llm.llm_engine.input_processor.eos_token_ids))
+    with pytest.raises(ValueError, match="only stop tokens"):
+        llm.generate(PROMPT, SamplingParams(allowed_token_ids=[eos], min_tokens=2), use_tqdm=False)
+    word = llm.get_tokenizer().decode([11])
+    if bad_words_token_ids(llm.get_tokenizer(), [word])[0] == [11]:
+        with pytest.raises(ValueError, match="bad_words forbid"):
+            llm.generate(PROMPT, SamplingParams(allowed_token_ids=[11], bad_words=[word]), use_tqdm=False)
+    for field in (dict(allowed_token_ids=[11]), dict(bad_words=["x"])):
+        with pytest.raises(ValueError, match="structured_outputs"):
+            SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]), **field)
+    # a two-token bad word that bans the only allowed token once its first token came: the request ends there
+    for params in (dict(temperature=0), dict(temperature=1.0, seed=1)):
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=8, allowed_token_ids=[11, eos],
+                                                  bad_words_token_ids=[[11, 11], [eos]], **params),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[-1:] != [11] or len(out.token_ids) == 8
+        assert 11 not in [a for a, b in zip(out.token_ids, out.token_ids[1:]) if b == 11]  # never 11 after 11
+        assert set(out.token_ids) <= {11, eos}

@@ -106,6 +106,18 @@ class InputProcessor:
             if bad:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
+    def _check_some_token_is_allowed(self, params: SamplingParams) -> None:
+        """ValueError where allowed_token_ids leave no token to sample: all of them held back by min_tokens (the
+        stop tokens), or all of them one-token bad words."""
+        if params.allowed_token_ids is None:
+            return
+        allowed = set(params.allowed_token_ids)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens and allowed <= stops:
+            raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens forbids until it is reached")
+        if allowed <= {word[0] for word in params.bad_words_token_ids or () if len(word) == 1}:
+            raise ValueError("allowed_token_ids holds only tokens that bad_words forbid")
+
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: Params,
                       priority: int, arrival_time: float) -> list[Request]:
         if isinstance(params, PoolingParams):
@@ -115,6 +127,7 @@ class InputProcessor:
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer,
                                                                                          params.bad_words))
+        self._check_some_token_is_allowed(params)
         if params.n == 1:
             children = [(request_id, params)]
         else:

@@ -23,6 +23,8 @@ from folio.worker.request_state import RequestState
 
 
 class LogitsProcessor(ABC):
+    masks = False  # whether it forbids tokens outright (-inf): the sampler checks such rows keep some token
+
     @abstractmethod
     def applies(self, request: RequestState) -> bool:
         """Whether this request's row needs this processor in this step (called once per row and step)."""
@@ -40,18 +42,18 @@ def _index(row_ids: list[int], token_ids: list[int], device: torch.device) -> tu
 class AllowedTokenIds(LogitsProcessor):
     """vLLM's allowed_token_ids: every other token is forbidden."""
 
+    masks = True
+
     def applies(self, request: RequestState) -> bool:
         return request.params.allowed_token_ids is not None
 
     def apply(self, logits: torch.Tensor, rows: list[int], requests: list[RequestState]) -> None:
         keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
-        row_ids: list[int] = []
-        token_ids: list[int] = []
         for i, request in enumerate(requests):
-            allowed = [t for t in request.params.allowed_token_ids if t < logits.shape[1]]  # (checked at admission)
-            row_ids += [i] * len(allowed)
-            token_ids += allowed
-        keep[_index(row_ids, token_ids, logits.device)] = True
+            if request.allowed_ids is None:  # (a list as long as the vocabulary costs milliseconds to convert)
+                allowed = {t for t in request.params.allowed_token_ids if t < logits.shape[1]}  # (checked at admission)
+                request.allowed_ids = torch.tensor(sorted(allowed), dtype=torch.long, device=logits.device)
+            keep[i, request.allowed_ids] = True
         with rows_in_place(logits, rows) as sub:
             sub.masked_fill_(~keep, -math.inf)
 
@@ -60,6 +62,8 @@ class BadWords(LogitsProcessor):
     """vLLM's bad_words, as token sequences (SamplingParams.bad_words_token_ids): a word's last token is forbidden
     wherever the output so far ends with the word's other tokens (a one-token word's, always). So the output never
     completes a bad word, however the model reaches its last token."""
+
+    masks = True
 
     def applies(self, request: RequestState) -> bool:
         return bool(request.params.bad_words_token_ids)
@@ -102,6 +106,8 @@ class LogitBias(LogitsProcessor):
 
 class MinTokens(LogitsProcessor):
     """Forbid the stop tokens (EOS included unless ignore_eos) until min_tokens tokens are generated."""
+
+    masks = True
 
     def applies(self, request: RequestState) -> bool:
         return len(request.output_token_ids) < request.params.min_tokens and bool(request.stop_token_ids)

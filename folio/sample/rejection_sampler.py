@@ -63,6 +63,14 @@ class DraftPosition:
         return self.request.stop_token_ids
 
     @property
+    def allowed_ids(self) -> Optional[torch.Tensor]:
+        return self.request.allowed_ids
+
+    @allowed_ids.setter
+    def allowed_ids(self, ids: torch.Tensor) -> None:
+        self.request.allowed_ids = ids
+
+    @property
     def generator(self) -> Optional[torch.Generator]:
         return self.request.generator
 

@@ -11,6 +11,7 @@ a seeded request's tokens depend only on its seed and its own history.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -22,6 +23,8 @@ from folio.sample.logits_processors import rows_in_place
 from folio.sample.sampling_metadata import SamplingMetadata
 from folio.sample.sampling_ops import argmax_rows, draw_rows, top_p_mask
 from folio.worker.request_state import RequestState
+
+logger = logging.getLogger("folio")
 
 
 @dataclass
@@ -116,9 +119,23 @@ def process_full_rows(logits: torch.Tensor, metadata: SamplingMetadata) -> FullR
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
-    """In place on the full rows' float32 logits: each logits processor on the rows it applies to."""
+    """In place on the full rows' float32 logits: each logits processor on the rows it applies to. A row the
+    processors left without any token (masks that together forbid every one: allowed_token_ids and a bad word's
+    last token, or min_tokens' stop tokens; admission refuses the combinations it can see) may take its stop
+    tokens, so that the request ends rather than draw a token outside the vocabulary."""
+    masked: set[int] = set()
     for processor, rows in metadata.processors:
         processor.apply(logits, rows, [metadata.requests[metadata.full_rows[i]] for i in rows])
+        if processor.masks:
+            masked.update(rows)
+    if masked:
+        rows = sorted(masked)
+        emptied = ~torch.isfinite(logits[torch.tensor(rows, device=logits.device)].amax(dim=-1))
+        for row in (rows[i] for i in torch.nonzero(emptied).flatten().tolist()):
+            request = metadata.requests[metadata.full_rows[row]]
+            stops = [t for t in request.stop_token_ids if t < logits.shape[1]] or [0]  # (ignore_eos, no stop ids)
+            logger.warning("request %s: its constraints forbid every token; it ends", request.request_id)
+            logits[row, stops] = 0.0
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int],

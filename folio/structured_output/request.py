@@ -49,8 +49,8 @@ class StructuredOutputRequest:
     def advance(self, token_id: int) -> Optional[RequestStatus]:
         """Follow a sampled token: FINISHED_STOPPED once the grammar accepted EOS (ignore_eos or not), and
         FINISHED_ABORTED if the token breaks the grammar (under the mask it cannot, unless compiling failed; the
-        other processors never empty a row: min_tokens, which could, is refused with structured outputs). Tokens of
-        the reasoning pass freely."""
+        other processors never empty a row: min_tokens, allowed_token_ids and bad_words, which could, are refused
+        with structured outputs). Tokens of the reasoning pass freely."""
         if self.reasoning is not None and self.reasoning.takes(token_id):
             return None
         grammar = self.grammar

@@ -317,7 +317,8 @@ class OpenAIServing(ABC):
                 completion_tokens += delta.num_generated
                 reasoning_tokens += delta.num_reasoning_tokens
                 if delta.text or delta.reasoning or delta.finish_reason or delta.logprobs or delta.tool_calls or \
-                        (request.return_token_ids and delta.output_token_ids):
+                        (request.return_token_ids and delta.output_token_ids) or delta.prompt_logprobs is not None \
+                        or delta.prompt_token_ids is not None:
                     choice = self.choice(request, delta, stream=True)
                     usage = self.usage(prompts, completion_tokens, cached, reasoning_tokens) \
                         if request.usage_in_every_chunk else None

@@ -81,7 +81,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     delta: ChoiceDelta) -> ChoiceDelta:
         if request.max_tokens == 0:
             delta = dataclasses.replace(delta, text="", token_ids=[], num_generated=0, finish_reason="length",
-                                        stop_reason=None, logprobs=None if delta.logprobs is None else [])
+                                        stop_reason=None, logprobs=None if delta.logprobs is None else [],
+                                        output_token_ids=[])
         if not request.echo:
             return delta
         text = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids,
