@@ -9,7 +9,8 @@ from folio.entrypoints.openai.reasoning_effort import effort_template_kwargs
 from folio.tokenizer import Tokenizer
 
 LEVELS = "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}{{ messages[0].content }}"
-SWITCH = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{{ messages[0].content }}"
+SWITCH = ("{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+          "{{ messages[0].content }}")
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
