@@ -48,14 +48,14 @@ class AllowedTokenIds(LogitsProcessor):
         return request.params.allowed_token_ids is not None
 
     def apply(self, logits: torch.Tensor, rows: list[int], requests: list[RequestState]) -> None:
-        keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
-        for i, request in enumerate(requests):
-            if request.allowed_ids is None:  # (a list as long as the vocabulary costs milliseconds to convert)
-                allowed = {t for t in request.params.allowed_token_ids if t < logits.shape[1]}  # (checked at admission)
-                request.allowed_ids = torch.tensor(sorted(allowed), dtype=torch.long, device=logits.device)
-            keep[i, request.allowed_ids] = True
+        for request in requests:
+            if request.forbidden is None:  # (a list as long as the vocabulary costs milliseconds to convert)
+                allowed = [t for t in request.params.allowed_token_ids if t < logits.shape[1]]  # (checked at admission)
+                request.forbidden = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
+                request.forbidden[torch.tensor(allowed, dtype=torch.long, device=logits.device)] = False
+        forbidden = torch.stack([request.forbidden for request in requests])  # (one op: a torch op a row costs ms)
         with rows_in_place(logits, rows) as sub:
-            sub.masked_fill_(~keep, -math.inf)
+            sub.masked_fill_(forbidden, -math.inf)
 
 
 class BadWords(LogitsProcessor):

@@ -63,12 +63,12 @@ class DraftPosition:
         return self.request.stop_token_ids
 
     @property
-    def allowed_ids(self) -> Optional[torch.Tensor]:
-        return self.request.allowed_ids
+    def forbidden(self) -> Optional[torch.Tensor]:
+        return self.request.forbidden
 
-    @allowed_ids.setter
-    def allowed_ids(self, ids: torch.Tensor) -> None:
-        self.request.allowed_ids = ids
+    @forbidden.setter
+    def forbidden(self, mask: torch.Tensor) -> None:
+        self.request.forbidden = mask
 
     @property
     def generator(self) -> Optional[torch.Generator]:

@@ -34,8 +34,8 @@ class RequestState:
     # grammar bitmask, set every step): row 0 for the token after its known ones, row j + 1 for the one after
     # its j + 1-th draft; None when its output is unconstrained.
     token_bitmasks: Optional[np.ndarray] = None
-    # params.allowed_token_ids as a tensor of distinct ids in the vocabulary, made once (AllowedTokenIds)
-    allowed_ids: Optional[torch.Tensor] = None
+    # the tokens params.allowed_token_ids leave out, as a [V] mask made once (AllowedTokenIds)
+    forbidden: Optional[torch.Tensor] = None
 
     @classmethod
     def from_new_request(cls, new: NewRequestData) -> "RequestState":
