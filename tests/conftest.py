@@ -183,10 +183,14 @@ _HF_MODELS: dict[str, object] = {}
 
 
 def _hf_model(folder: str):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if folder not in _HF_MODELS:
-        _HF_MODELS[folder] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        # multimodal checkpoints that AutoModelForCausalLM does not map (Mistral 3) generate text all the same
+        causal = AutoConfig.from_pretrained(folder).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+        _HF_MODELS[folder] = auto.from_pretrained(folder, dtype=torch.float32).eval()
     return _HF_MODELS[folder]
 
 

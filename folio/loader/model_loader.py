@@ -28,7 +28,7 @@ from folio.models.hot_path import mirror_members
 from folio.models.int4_checkpoints import int4_checkpoint_chooser, quantized_layers
 from folio.models.linear import (LinearMethodChooser, LinearMethods, as_chooser, bind_linear_methods,
                                  process_weights_after_loading)
-from folio.models.model_config import ModelConfig
+from folio.models.model_config import LANGUAGE_MODELS, ModelConfig
 from folio.models.registry import build_model, check_supported
 from folio.platforms import current_platform
 from folio.tokenizer import Tokenizer
@@ -156,11 +156,26 @@ def _model_path(model: Optional[str]) -> str:
     return path
 
 
+def _tying_the_file_shows(hf_config: dict, path: str) -> dict:
+    """A multimodal config whose outer and language-model flags disagree on tying the lm_head (Transformers 5
+    writes the outer one, true by default, beside the language model's false) ties it as the checkpoint was
+    saved: tied where the file holds no lm_head of its own (a checkpoint re-saved with its own lm_head stays
+    untied whatever the outer flag says)."""
+    inner = hf_config.get("text_config") or {}
+    outer = hf_config.get("tie_word_embeddings")
+    if ModelConfig.architecture_of(hf_config) not in LANGUAGE_MODELS or outer is None or \
+            inner.get("tie_word_embeddings", outer) == outer:
+        return hf_config
+    names = _tensor_names(_safetensors_files(path))
+    return {**hf_config, "tie_word_embeddings": not any(name.endswith("lm_head.weight") for name in names)}
+
+
 def _describe_folder(path: str) -> tuple[ModelDescription, dict]:
     """A Hugging Face folder's description, and its config.json."""
     hf_config = _read_json(os.path.join(path, "config.json"))
     if not hf_config:
         raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+    hf_config = _tying_the_file_shows(hf_config, path)
     cfg = _parse_config(hf_config)
     tokenizer = Tokenizer.from_dir(path)
     generation_config = _read_json(os.path.join(path, "generation_config.json"))

@@ -110,10 +110,6 @@ class Gemma2ForCausalLM(nn.Module):
     attn_softcap = True  # Gemma 3 does not soft-cap attention scores, whatever attn_logit_softcapping says
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    # prefixes of a checkpoint's decoder tensors (a multimodal Gemma 3 nests its language model), and of the
-    # tensors folio does not serve
-    prefixes = ("model.language_model.", "language_model.model.", "model.")
-    skipped = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -169,13 +165,6 @@ class Gemma2ForCausalLM(nn.Module):
 
     def map_checkpoint_name(self, name: str) -> Optional[tuple[str, ShardId]]:
         """Where a checkpoint tensor (Hugging Face name) goes: (parameter name, shard id), or None to skip it."""
-        if name.startswith(self.skipped):
-            return None
-        name = name.removeprefix("language_model.")  # an older multimodal checkpoint's lm_head
-        for prefix in self.prefixes:
-            if name.startswith(prefix):
-                name = name[len(prefix):]
-                break
         return checkpoint_target(name, self.stacked_params, self.config.tie_word_embeddings)
 
 

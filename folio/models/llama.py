@@ -1,4 +1,5 @@
-"""The Llama decoder family: Llama, Mistral and Qwen2 (Qwen2 = Llama with q/k/v biases).
+"""The Llama decoder family: Llama, Mistral and Qwen2 (Qwen2 = Llama with q/k/v biases); Mistral 3's multimodal
+checkpoints (Mistral Small 3.1 and 3.2, Magistral, Devstral) serve their Mistral language model, text in and out.
 
 The model works on the flattened batch: [num_tokens] ids and positions in, [num_tokens, hidden] out.
 Q, K and V come from one fused matmul, gate and up from another; checkpoints keep their separate
@@ -102,10 +103,20 @@ class LlamaDecoderLayer(HotPathModule):
         return self.mlp(x), residual
 
 
+# A multimodal checkpoint (folio.models.model_config.LANGUAGE_MODELS) nests its language model under one of the
+# decoder prefixes (Transformers 5 writes model.language_model.*, older versions language_model.model.* and
+# language_model.lm_head); the tensors of its vision tower and projector are not served.
+DECODER_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def checkpoint_target(name: str, stacked_params: dict[str, tuple[str, ShardId]],
                       tie_word_embeddings: bool) -> Optional[tuple[str, ShardId]]:
-    """A decoder tensor's place (its name without the model's prefix): (parameter name, shard id of a fused
-    layer), or None for what is not loaded (rotary tables, a tied lm_head)."""
+    """A checkpoint tensor's place: (parameter name, shard id of a fused layer), or None for what is not loaded
+    (rotary tables, a tied lm_head, a multimodal checkpoint's vision tower and projector)."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    name = next((name[len(p):] for p in DECODER_PREFIXES if name.startswith(p)), name)
     if "rotary_emb" in name or (name == "lm_head.weight" and tie_word_embeddings):
         return None
     for part, (fused, shard_id) in stacked_params.items():
@@ -150,4 +161,4 @@ class LlamaForCausalLM(nn.Module):
 
     def map_checkpoint_name(self, name: str) -> Optional[tuple[str, ShardId]]:
         """Where a checkpoint tensor (Hugging Face name) goes: (parameter name, shard id), or None to skip it."""
-        return checkpoint_target(name.removeprefix("model."), self.stacked_params, self.config.tie_word_embeddings)
+        return checkpoint_target(name, self.stacked_params, self.config.tie_word_embeddings)

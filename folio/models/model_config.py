@@ -65,25 +65,45 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                           "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6},
     "MistralForCausalLM": {"sliding_window": 4096},
 }
-HF_DEFAULTS["Gemma3ForConditionalGeneration"] = HF_DEFAULTS["Gemma3ForCausalLM"]
+# Multimodal architectures whose language model folio serves, text in and text out (the vision tower and projector
+# are not served: folio.models.llama.checkpoint_target skips their tensors) -> the architecture of that language
+# model, whose defaults, attention pattern and model class apply, and the model_type its text_config must declare
+# (Ministral 3's checkpoints are Mistral 3's too, with a language model of its own that folio does not serve).
+LANGUAGE_MODELS: dict[str, tuple[str, str]] = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
+    "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
+}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def language_model_architecture(arch: str) -> str:
+    """The architecture folio serves for a declared one: a multimodal one's language model, else itself."""
+    return LANGUAGE_MODELS[arch][0] if arch in LANGUAGE_MODELS else arch
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config: a multimodal config's text_config (Gemma 3: the text part is served, the
-    vision tower is not), with the architecture's defaults for the fields it leaves out. Gemma 3's per-layer
-    RoPE parameters become rope_theta / rope_scaling (global layers) and rope_local_base_freq /
-    rope_local_scaling (sliding ones), whichever way the file writes them."""
+    """The language model's config: a multimodal config's text_config (LANGUAGE_MODELS), with the language model's
+    defaults for the fields it leaves out. Gemma 3's per-layer RoPE parameters become rope_theta / rope_scaling
+    (global layers) and rope_local_base_freq / rope_local_scaling (sliding ones), whichever way the file writes
+    them."""
     arch = ModelConfig.architecture_of(cfg)
-    if arch == "Gemma3ForConditionalGeneration":
+    text_arch = language_model_architecture(arch)
+    if arch in LANGUAGE_MODELS:
         inner = dict(cfg.get("text_config") or {})
+        expected = LANGUAGE_MODELS[arch][1]
+        if inner.get("model_type", expected) != expected:
+            raise ValueError(f"{arch} with a {inner['model_type']!r} language model is not supported "
+                             f"(supported: {expected!r})")
         inner["architectures"] = [arch]
-        for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        for key in ("bos_token_id", "eos_token_id"):
             if key in cfg:
                 inner.setdefault(key, cfg[key])
+        # the outer model owns the lm_head: Transformers ties it by the outer config's flag where the file has one
+        if "tie_word_embeddings" in cfg:
+            inner["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         cfg = inner
-    cfg = {**HF_DEFAULTS.get(arch, {}), **cfg}
-    if arch.startswith("Gemma3"):
+    cfg = {**HF_DEFAULTS.get(text_arch, {}), **cfg}
+    if text_arch == "Gemma3ForCausalLM":
         rope = cfg.pop("rope_parameters", None) or {}
         if "full_attention" in rope or "sliding_attention" in rope:  # Transformers 5: per layer type
             full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
@@ -97,13 +117,13 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Optional[int], ...]:
     """Per layer, the sliding window its attention uses (None: full attention), as Transformers decides it
-    (layer_types, or the architecture's pattern); () when no layer slides."""
+    (layer_types, or the pattern of `arch`, the language model's architecture); () when no layer slides."""
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is None:
         if arch == "Gemma2ForCausalLM":  # even layers slide
             types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-        elif arch.startswith("Gemma3"):  # five local layers to one global
+        elif arch == "Gemma3ForCausalLM":  # five local layers to one global
             pattern = int(cfg.get("sliding_window_pattern") or 6)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         elif arch == "Qwen2ForCausalLM":
@@ -205,6 +225,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = cls.architecture_of(cfg)
+        text_arch = language_model_architecture(arch)
         cfg = text_config(cfg)
         try:
             hidden = int(cfg["hidden_size"])
@@ -234,13 +255,13 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases, Qwen2-MoE unless qkv_bias says not; Llama and Mistral only when
                 # attention_bias says so.
-                attention_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
-                                or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
+                attention_bias=(text_arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+                                or (text_arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
                 rope_scaling=rope if kind != "default" else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 moe=MoEConfig.from_hf_dict(cfg),
                 partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
-                sliding_windows=sliding_windows(cfg, arch, int(cfg["num_hidden_layers"])),
+                sliding_windows=sliding_windows(cfg, text_arch, int(cfg["num_hidden_layers"])),
                 hf_config=cfg,
             )
         except KeyError as e:

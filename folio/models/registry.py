@@ -8,7 +8,7 @@ from folio.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from folio.models.granite import GraniteForCausalLM
 from folio.models.llama import LlamaForCausalLM
 from folio.models.mixtral import MixtralForCausalLM
-from folio.models.model_config import ModelConfig
+from folio.models.model_config import LANGUAGE_MODELS, ModelConfig
 from folio.models.olmoe import OlmoeForCausalLM
 from folio.models.phi3 import Phi3ForCausalLM
 from folio.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -30,8 +30,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model: text in, text out
 }
+# multimodal checkpoints (Gemma 3, Mistral 3): their language model's class, text in and text out
+MODEL_CLASSES.update({arch: MODEL_CLASSES[text_arch] for arch, (text_arch, _) in LANGUAGE_MODELS.items()})
 
 
 def check_supported(architecture: str) -> None:
