@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_fixture import MODEL_NAME, running_server
+from server_fixture import MODEL_NAME
 from test_server_errors import assert_error
 
 PROMPT = [5, 6, 7, 8]
@@ -15,9 +15,8 @@ MESSAGES = [{"role": "user", "content": "Count with me"}]
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
-    with running_server(llama_dir) as s:
-        yield s
+def server(llama_server):
+    return llama_server
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 from folio import LLM, SamplingParams, StructuredOutputsParams
 from folio.engine.input_processor import bad_words_token_ids
-from server_fixture import MODEL_NAME, running_server
+from server_fixture import MODEL_NAME
 from test_server_errors import assert_error
 
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9]}
@@ -78,9 +78,8 @@ def test_bad_values_name_the_field(llm, params, field):
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
-    with running_server(llama_dir) as s:
-        yield s
+def server(llama_server):
+    return llama_server
 
 
 def test_through_the_server(server, llama_dir):

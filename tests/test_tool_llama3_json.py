@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolCallReader
 from server_fixture import MODEL_NAME
-from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_responses_call, assert_valid, cut,
+from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_named_call, assert_responses_call, cut,
                                  llguidance_backend, read_pieces, tool_server_fixture)
 
 NAMES = ["get_time", "get_weather"]
@@ -168,12 +168,7 @@ def test_required_calls_stream_as_they_are_plain(client, seed):
 
 
 def test_a_named_function_and_auto(client):
-    named = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, seed=3, parallel_tool_calls=False,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           **SAMPLING)
-    (call,) = named.choices[0].message.tool_calls
-    assert call.function.name == "get_time" and named.choices[0].finish_reason == "stop"
-    assert_valid(call, TOOLS)
+    assert_named_call(client, "get_time", messages=MESSAGES, tools=TOOLS, seed=3, parallel_tool_calls=False, **SAMPLING)
     for seed in range(4):
         auto = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, seed=seed,
                                               **{**SAMPLING, "max_tokens": 8})

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from folio.entrypoints.openai.tool_mistral import MistralTokens, MistralToolCallReader, mistral_constraint
 from server_fixture import MODEL_NAME
-from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_responses_call, assert_valid, cut,
-                                 llguidance_backend, read_pieces, styled_model, tool_server)
+from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_named_call, assert_responses_call,
+                                 assert_valid, cut, llguidance_backend, read_pieces, styled_model, tool_server)
 
 NAMES = ["get_time", "get_weather"]
 
@@ -273,12 +273,7 @@ def test_required_calls_stream_as_they_are_plain(client, seed):
 
 
 def test_a_named_function(client):
-    named = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, seed=3,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           **SAMPLING)
-    (call,) = named.choices[0].message.tool_calls
-    assert call.function.name == "get_time" and named.choices[0].finish_reason == "stop"
-    assert named.choices[0].message.content is None
+    call = assert_named_call(client, "get_time", messages=MESSAGES, tools=TOOLS, seed=3, **SAMPLING)
     _valid(call)
 
 

@@ -19,7 +19,7 @@ from folio.entrypoints.openai.protocol import ChatTool, NamedFunction, NamedTool
 from folio.entrypoints.openai.tool_parser import CallEnd
 from folio.entrypoints.openai.tool_qwen3_coder import Qwen3CoderToolCallReader, qwen3_coder_constraint
 from server_fixture import MODEL_NAME
-from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_responses_call, assert_valid, cut,
+from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_named_call, assert_responses_call, cut,
                                  llguidance_backend, read_pieces, streamed, tool_server_fixture)
 
 FORECAST = {"type": "object", "properties": {
@@ -345,12 +345,8 @@ def test_a_raw_string_streams_as_it_comes_even_cut_off(client):
 
 
 def test_a_named_function_and_auto(client):
-    named = client.chat.completions.create(messages=MESSAGES, tools=SERVER_TOOLS, seed=3, parallel_tool_calls=False,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           **SAMPLING)
-    (tool_call,) = named.choices[0].message.tool_calls
-    assert tool_call.function.name == "get_time" and named.choices[0].finish_reason == "stop"
-    assert_valid(tool_call, SERVER_TOOLS)
+    assert_named_call(client, "get_time", messages=MESSAGES, tools=SERVER_TOOLS, seed=3, parallel_tool_calls=False,
+                      **SAMPLING)
     for seed in range(3):
         auto = client.chat.completions.create(messages=MESSAGES, tools=SERVER_TOOLS, seed=seed,
                                               **{**SAMPLING, "max_tokens": 8})

@@ -105,6 +105,17 @@ def plain_calls(tool_calls: list) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in tool_calls]
 
 
+def assert_named_call(client: openai.OpenAI, name: str, **kwargs) -> Any:
+    """The chat completion of `kwargs` with tool_choice naming `name`: one call of it, valid by its tool, no content
+    beside it, and finish_reason "stop" (OpenAI's for a named function). Returns the call."""
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": name}}, **kwargs)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == name and named.choices[0].finish_reason == "stop"
+    assert named.choices[0].message.content is None
+    assert_valid(call, kwargs["tools"])
+    return call
+
+
 def assert_calls_stream_as_plain(client: openai.OpenAI, **kwargs) -> tuple[list, str]:
     """The chat completion of `kwargs` ends in calls, with no content beside them, each valid by its tool among
     kwargs["tools"]; streamed, it gives the same calls. Returns the calls and the streamed content."""
