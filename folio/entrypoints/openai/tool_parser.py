@@ -54,6 +54,16 @@ def pending_prefix(text: str, tag: str) -> int:
     return 0
 
 
+def until_tag(text: str, tag: str, final: bool) -> tuple[str, str, bool]:
+    """text split at tag's first occurrence: what comes before it, what follows it, True; where tag does not occur,
+    the text that cannot be part of it (all of it when final), the end held back as its possible start, False."""
+    at = text.find(tag)
+    if at != -1:
+        return text[:at], text[at + len(tag):], True
+    keep = 0 if final else pending_prefix(text, tag)
+    return text[:len(text) - keep], text[len(text) - keep:], False
+
+
 class BracketEnd:
     """Follows a bracketed text as it streams (a JSON object, a Python list), from its opening bracket, to find where
     it closes: where its brackets outside strings balance. A backslash in a string escapes the next character, also
@@ -373,15 +383,12 @@ class HermesToolCallReader(ToolCallReader):
         out: list[Piece] = []
         while True:
             if self._call is None:
-                text = self._outside + text
-                start = text.find(CALL_OPEN)
-                if start == -1:
-                    keep = 0 if final else pending_prefix(text, CALL_OPEN)
-                    self._content(out, text[:len(text) - keep])
-                    self._outside = text[len(text) - keep:]
+                before, after, found = until_tag(self._outside + text, CALL_OPEN, final)
+                self._content(out, before)
+                if not found:
+                    self._outside = after
                     return out
-                self._content(out, text[:start])
-                self._outside, text = "", text[start + len(CALL_OPEN):]
+                self._outside, text = "", after
                 self._call = _Call(self.num_calls, self._names)
             call = self._call
             deltas, after = call.feed(text, final)

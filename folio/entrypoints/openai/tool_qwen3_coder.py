@@ -54,7 +54,7 @@ from folio.entrypoints.openai.tool_grammar import (ANNOTATIONS, CALL_CLOSE, CALL
                                                    call_alternatives, chosen_tools, grammar_json, grammar_literal,
                                                    tagged_calls_start)
 from folio.entrypoints.openai.tool_parser import (JSON_SPACE, CallEnd, JsonNumber, Piece, ToolCallReader,
-                                                  arguments_text, call_opening, may_name, pending_prefix, read_json)
+                                                  arguments_text, call_opening, may_name, read_json, until_tag)
 from folio.structured_output.params import StructuredOutputsParams
 
 FUNCTION_OPEN = "<function="
@@ -336,15 +336,11 @@ class Qwen3CoderToolCallReader(ToolCallReader):
     # Each step consumes what it can of self._held and says whether to go on (False: it needs more text).
 
     def _outside(self, out: list[Piece], final: bool) -> bool:
-        start = self._held.find(CALL_OPEN)
-        if start == -1:
-            keep = 0 if final else pending_prefix(self._held, CALL_OPEN)
-            self._content(out, self._held[:len(self._held) - keep])
-            self._held = self._held[len(self._held) - keep:]
-            return False
-        self._content(out, self._held[:start])
-        self._held, self._state = self._held[start + len(CALL_OPEN):], "head"
-        return True
+        before, self._held, found = until_tag(self._held, CALL_OPEN, final)
+        self._content(out, before)
+        if found:
+            self._state = "head"
+        return found
 
     def _head(self, out: list[Piece], final: bool) -> bool:
         """After <tool_call>: `<function=NAME>`, the name one of the request's functions."""
@@ -391,19 +387,15 @@ class Qwen3CoderToolCallReader(ToolCallReader):
 
     def _value_text(self, out: list[Piece], final: bool) -> bool:
         """A value, up to the first \\n</parameter>."""
-        end = self._held.find(VALUE_END)
-        if end == -1:
-            keep = 0 if final else pending_prefix(self._held, VALUE_END)
-            self._add_value(out, self._held[:len(self._held) - keep])
-            self._held = self._held[len(self._held) - keep:]
-            if final:
-                self._end_value(out)
-                self._close_call(out)
-            return False
-        self._add_value(out, self._held[:end])
-        self._end_value(out)
-        self._held, self._state = self._held[end + len(VALUE_END):], "between"
-        return True
+        value, self._held, found = until_tag(self._held, VALUE_END, final)
+        self._add_value(out, value)
+        if found or final:
+            self._end_value(out)
+        if found:
+            self._state = "between"
+        elif final:
+            self._close_call(out)
+        return found
 
     def _function_end(self, out: list[Piece], final: bool) -> bool:
         """After </function>: </tool_call>."""
@@ -416,12 +408,9 @@ class Qwen3CoderToolCallReader(ToolCallReader):
 
     def _skip(self, out: list[Piece], final: bool) -> bool:
         """A call whose structure broke: its text up to </tool_call> dropped."""
-        end = self._held.find(CALL_CLOSE)
-        if end == -1:
-            keep = 0 if final else pending_prefix(self._held, CALL_CLOSE)
-            self._held = self._held[len(self._held) - keep:]
+        _, self._held, found = until_tag(self._held, CALL_CLOSE, final)
+        if not found:
             return self._wait_or_close(out, final)
-        self._held = self._held[end + len(CALL_CLOSE):]
         self._close_call(out)
         return True
 
