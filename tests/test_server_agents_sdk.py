@@ -16,7 +16,6 @@ from server_fixture import MODEL_NAME
 from test_server_structured_output import server  # noqa: F401 (a fixture)
 
 agents = pytest.importorskip("agents")
-from openai import AsyncOpenAI  # noqa: E402
 
 agents.set_tracing_disabled(True)  # (no network: traces would go to OpenAI)
 APIS = pytest.mark.parametrize("api", ["responses", "chat"])
@@ -39,20 +38,21 @@ def run(server, api: str, stream: bool, tool_choice: str = None, output_type: ty
         return "12:00"
 
     async def go():
-        client = AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
-        model = agents.OpenAIResponsesModel(MODEL_NAME, client) if api == "responses" else \
-            agents.OpenAIChatCompletionsModel(MODEL_NAME, client)
-        settings = agents.ModelSettings(tool_choice=tool_choice, parallel_tool_calls=False if tool_choice else None,
-                                        max_tokens=120, temperature=1.0, extra_body={"seed": seed})
-        agent = agents.Agent(name="clock", instructions="Tell the time.", model=model, model_settings=settings,
-                             tools=[get_time] if tool_choice else [], output_type=output_type,
-                             tool_use_behavior="stop_on_first_tool")
-        if not stream:
-            return await agents.Runner.run(agent, "What time is it in Paris?", max_turns=2)
-        result = agents.Runner.run_streamed(agent, "What time is it in Paris?", max_turns=2)
-        async for _ in result.stream_events():
-            pass
-        return result
+        # closed here, on this loop: a leaked client is closed by the GC later, on whatever loop runs then
+        async with server.async_openai() as client:
+            model = agents.OpenAIResponsesModel(MODEL_NAME, client) if api == "responses" else \
+                agents.OpenAIChatCompletionsModel(MODEL_NAME, client)
+            settings = agents.ModelSettings(tool_choice=tool_choice, parallel_tool_calls=False if tool_choice else None,
+                                            max_tokens=120, temperature=1.0, extra_body={"seed": seed})
+            agent = agents.Agent(name="clock", instructions="Tell the time.", model=model, model_settings=settings,
+                                 tools=[get_time] if tool_choice else [], output_type=output_type,
+                                 tool_use_behavior="stop_on_first_tool")
+            if not stream:
+                return await agents.Runner.run(agent, "What time is it in Paris?", max_turns=2)
+            result = agents.Runner.run_streamed(agent, "What time is it in Paris?", max_turns=2)
+            async for _ in result.stream_events():
+                pass
+            return result
 
     return asyncio.run(go()), calls
 

@@ -13,6 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
+# (imported now, not lazily by from_dict under a running server: pytest rewrites schemathesis's modules with
+# ast.parse, and CPython 3.11.7's AST builder keeps its depth count per interpreter, so a parse in another thread,
+# such as a traceback formatted there, fails it with "AST constructor recursion depth mismatch")
+from schemathesis.specs.openapi import schemas  # noqa: F401
 from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
                                                response_schema_conformance, status_code_conformance)
 

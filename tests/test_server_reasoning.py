@@ -255,7 +255,6 @@ def test_the_agents_sdk_reads_and_sends_back_the_reasoning(server, sampling, api
     """The OpenAI Agents SDK makes a reasoning item of either API's reasoning, and sends it back on the next run
     (as a reasoning input item, or a message's reasoning_content): the server takes it."""
     agents = pytest.importorskip("agents")
-    from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)
 
@@ -265,17 +264,17 @@ def test_the_agents_sdk_reads_and_sends_back_the_reasoning(server, sampling, api
         return "12:00"
 
     async def go(seed: int) -> list:
-        client = AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
-        model = agents.OpenAIResponsesModel(MODEL_NAME, client) if api == "responses" else \
-            agents.OpenAIChatCompletionsModel(MODEL_NAME, client)
-        settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=250,
-                                        temperature=1.0, extra_body=_with(sampling, seed)["extra_body"])
-        agent = agents.Agent(name="clock", instructions="Tell the time.", model=model, model_settings=settings,
-                             tools=[get_time], tool_use_behavior="stop_on_first_tool")
-        first = await agents.Runner.run(agent, "What time is it in Paris?", max_turns=2)
-        again = await agents.Runner.run(agent, first.to_input_list() + [{"role": "user", "content": "And now?"}],
-                                        max_turns=2)
-        return [first.new_items, again.new_items]
+        async with server.async_openai() as client:
+            model = agents.OpenAIResponsesModel(MODEL_NAME, client) if api == "responses" else \
+                agents.OpenAIChatCompletionsModel(MODEL_NAME, client)
+            settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=250,
+                                            temperature=1.0, extra_body=_with(sampling, seed)["extra_body"])
+            agent = agents.Agent(name="clock", instructions="Tell the time.", model=model, model_settings=settings,
+                                 tools=[get_time], tool_use_behavior="stop_on_first_tool")
+            first = await agents.Runner.run(agent, "What time is it in Paris?", max_turns=2)
+            again = await agents.Runner.run(agent, first.to_input_list() + [{"role": "user", "content": "And now?"}],
+                                            max_turns=2)
+            return [first.new_items, again.new_items]
 
     for seed in SEEDS:  # a random model may run out of tokens before its call ends: the SDK raises on that
         try:
