@@ -71,6 +71,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     (dict(allowed_token_ids=[10 ** 9]), "allowed_token_ids"),
     (dict(bad_words=["  "]), "bad_words"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=10 ** 6), "truncate_prompt_tokens .* max_model_len"),
 ])
 def test_bad_values_name_the_field(llm, params, field):
     with pytest.raises(ValueError, match=field):
@@ -132,6 +133,9 @@ def test_offline_embeddings_truncate_too(llm):
     ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [10 ** 9]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "hi", "bad_words": ["x"] * 65}, "bad_words"),
     ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 10 ** 6},
+     "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "bad_words": ["x"]}, "bad_words"),
     ("/v1/responses", {"input": "hi", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
 ])

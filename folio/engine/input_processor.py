@@ -41,10 +41,13 @@ class ProcessedPrompt:
 
 def truncated(ids: list[int], keep: Optional[int], max_model_len: int) -> list[int]:
     """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context holds beside one token
-    to generate; None: all)."""
+    to generate; None: all). A `keep` beyond the context is refused, as vLLM does: no prompt could be that long."""
     check_truncate_prompt_tokens(keep)
     if keep is None:
         return ids
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({keep}) must be at most the context length, max_model_len "
+                         f"({max_model_len})")
     return ids[-(max(max_model_len - 1, 1) if keep == -1 else keep):]
 
 
