@@ -63,6 +63,34 @@ ARCH_CONFIGS = {
     # Granite's scalars far from 1 (a softmax scale 0.05 against head_dim ** -0.5 = 0.25; logits divided by 3)
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                   "attention_multiplier": 0.05, "logits_scaling": 3.0}),
+    # ERNIE 4.5: a head_dim (32) that is not hidden_size / heads (16), as the released 128 against 64
+    "ernie4_5": ("Ernie4_5Config", {"head_dim": 32}),
+    # EXAONE 4: an 8-token window on layers 0-2 (with RoPE), layer 3 global (NoPE), by sliding_window_pattern 4
+    "exaone4": ("Exaone4Config", {"num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4}),
+    # Granite MoE: the same scalars, four experts of 32 (two a token); the shared variant adds an MLP of 48
+    "granitemoe": ("GraniteMoeConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                        "attention_multiplier": 0.05, "logits_scaling": 3.0, "intermediate_size": 32,
+                                        "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "granitemoeshared": ("GraniteMoeSharedConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                                    "attention_multiplier": 0.05, "logits_scaling": 3.0,
+                                                    "intermediate_size": 32, "num_local_experts": 4,
+                                                    "num_experts_per_tok": 2, "shared_intermediate_size": 48}),
+    # GLM: half of each 16-wide head rotates, in interleaved pairs; q/k/v biases (GLM-4 adds sandwich norms)
+    "glm": ("GlmConfig", {"head_dim": 16}),
+    "glm4": ("Glm4Config", {"head_dim": 16}),
+    # OLMo 2: post-norm blocks, q/k norms over the whole projections; OLMo 3 adds a 6-token window on layer 0 (the
+    # prompts are longer) with a RoPE of its own, and YaRN on the full layer only
+    "olmo2": ("Olmo2Config", {}),
+    "olmo3": ("Olmo3Config", {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+                              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                                                  "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                     "factor": 4.0,
+                                                                     "original_max_position_embeddings": 128}}}),
+    # GPT-OSS: four experts of 32 (two a token), 16-wide heads, an 8-token window on layer 0 (the prompts are longer),
+    # a swiglu_limit (0.5) that the random weights' gates and ups pass, attention sinks
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
+                                 "intermediate_size": 32, "swiglu_limit": 0.5,
+                                 "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 

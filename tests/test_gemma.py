@@ -1,17 +1,19 @@
-"""Gemma 2 and Gemma 3 (text): greedy outputs equal Transformers' (float32) token for token, on tiny random
+"""Gemma 1, 2 and 3 (text): greedy outputs equal Transformers' (float32) token for token, on tiny random
 models whose sliding window (8 tokens) is far shorter than the prompts, with chunked prefill and preemption
 forced, through both attention backends.
 
 The tiny models make every Gemma feature count: norm weights are random (Transformers initialises them to
 zero, which would hide a wrong (1 + weight) convention), Gemma 2's soft-caps are small enough to bend the
 scores and logits, query_pre_attn_scalar differs from head_dim, and Gemma 3's global layers scale RoPE
-linearly on another base than the local ones.
+linearly on another base than the local ones. Gemma 1's config.json holds the same scalar and soft-caps, which
+Transformers' Gemma 1 ignores, and so must folio.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -31,6 +33,9 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_atten
               head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID,
               pad_token_id=0, initializer_range=0.2, sliding_window=WINDOW, query_pre_attn_scalar=24)
 CONFIGS = {
+    # no sliding_window: Transformers' cache would slide by one left in a Gemma 1 config, where its mask does not
+    "gemma": ("GemmaConfig", dict(num_hidden_layers=2, sliding_window=None, attn_logit_softcapping=4.0,
+                                  final_logit_softcapping=6.0)),
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, attn_logit_softcapping=4.0, final_logit_softcapping=6.0)),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -89,7 +94,7 @@ def test_greedy_matches_transformers(gemma_dirs, expected, name, attention_backe
     assert tokens == expected[name]
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_chunked_prefill_matches(gemma_dirs, expected, name, attention_backend):
     # 7-token chunks: prompts cross the window in pieces, after cached context, beside other requests' decodes
     tokens, _ = _generate(gemma_dirs[name], max_num_batched_tokens=7, block_size=4)
@@ -105,7 +110,7 @@ def tight_cache_memory(cfg: ModelConfig, max_model_len: int, block_size: int, ch
     return (sum(g.max_blocks(max_model_len, block_size, chunk) for g in groups) + spare) * per_block
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_preemption_matches(gemma_dirs, expected, name, attention_backend):
     folder = gemma_dirs[name]
     cfg = ModelConfig.from_hf_dict(json.load(open(os.path.join(folder, "config.json"))))
@@ -160,11 +165,14 @@ def test_config_parsing(gemma_dirs):
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"factor": 8.0, "rope_type": "linear"}
     assert cfg.hf_config["rope_local_base_freq"] == 10000.0 and cfg.tie_word_embeddings
     assert cfg.sliding_windows == tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    # gemma-7b's config.json of its time leaves tying out (Transformers' GemmaConfig ties) and no layer slides
+    gemma7b = {"architectures": ["GemmaForCausalLM"], "hidden_size": 3072, "intermediate_size": 24576, "head_dim": 256,
+               "num_hidden_layers": 28, "num_attention_heads": 16, "vocab_size": 256000, "hidden_act": "gelu"}
+    cfg = ModelConfig.from_hf_dict(gemma7b)
+    assert cfg.tie_word_embeddings and cfg.head_dim == 256 and cfg.sliding_windows == ()
 
 
 def test_unsupported_configs(gemma_dirs, tmp_path):
-    import shutil
-
     for key, value, match in [("use_bidirectional_attention", True, "use_bidirectional_attention"),
                               ("hidden_activation", "gelu", "hidden_activation 'gelu'"),
                               ("layer_types", ["chunked_attention"] * 6, "chunked_attention")]:
@@ -215,9 +223,7 @@ def test_bf16_runs_and_mostly_agrees(gemma_dirs, expected):
 
 
 def test_other_gemma_generations_are_refused_by_name(gemma_dirs, tmp_path):
-    import shutil
-
-    for arch in ("GemmaForCausalLM", "Gemma3nForConditionalGeneration"):
+    for arch in ("Gemma3nForConditionalGeneration",):
         folder = tmp_path / arch
         shutil.copytree(gemma_dirs["gemma2"], folder)
         cfg = json.load(open(folder / "config.json"))
@@ -225,3 +231,24 @@ def test_other_gemma_generations_are_refused_by_name(gemma_dirs, tmp_path):
         json.dump(cfg, open(folder / "config.json", "w"))
         with pytest.raises(ValueError, match=f"unsupported model architecture '{arch}'"):
             LLM(str(folder), dtype="float32", kv_cache_memory=1 << 22)
+
+
+def test_gemma1_activation_field(gemma_dirs, expected, tmp_path):
+    # Gemma 1 reads hidden_act, whose legacy "gelu" (its first config.json files) means the tanh GELU in
+    # Transformers' GemmaConfig; Gemma 2's hidden_activation field is not Gemma 1's
+    for value, error in [("gelu", None), ("relu", "hidden_act 'relu'")]:
+        folder = shutil.copytree(gemma_dirs["gemma"], tmp_path / value)
+        cfg = json.load(open(folder / "config.json"))
+        json.dump({**cfg, "hidden_act": value, "hidden_activation": "relu"}, open(folder / "config.json", "w"))
+        if error:
+            with pytest.raises(ValueError, match=error):
+                LLM(str(folder), dtype="float32", kv_cache_memory=1 << 22)
+        else:
+            assert _generate(str(folder))[0] == expected["gemma"]
+
+
+def test_gemma1_two_ranks_give_one_ranks_greedy_tokens(gemma_dirs):
+    from test_tensor_parallel import GREEDY as TP_GREEDY, _assert_same, _run  # it imports this module
+
+
+    _assert_same(_run(gemma_dirs["gemma"], TP_GREEDY, 1), _run(gemma_dirs["gemma"], TP_GREEDY, 2))

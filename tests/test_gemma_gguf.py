@@ -1,4 +1,4 @@
-"""GGUF files of the gemma2 and gemma3 architectures, written from tiny Hugging Face models the way llama.cpp's
+"""GGUF files of the gemma, gemma2 and gemma3 architectures, written from tiny Hugging Face models the way llama.cpp's
 convert_hf_to_gguf.py writes them (norms stored as 1 + weight, its tensor names, its metadata, a SentencePiece
 tokenizer without a space prefix that adds BOS), generate what Transformers generates from the Hugging Face
 model (float32), with chunked prefill and preemption forced and prompts longer than the sliding window.
@@ -33,6 +33,9 @@ _LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "sel
                 "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
                 "self_attn.k_norm": "attn_k_norm"}
+# Gemma 1's two norms a layer are Llama's: post_attention_layernorm is the one before the MLP
+_GEMMA1_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "ffn_norm"}
+ARCHS = {"gemma": "gemma", "gemma2": "gemma2"}  # the test model's llama.cpp architecture; else gemma3
 
 
 def _hf_config(folder: str) -> ModelConfig:
@@ -43,12 +46,12 @@ def _hf_config(folder: str) -> ModelConfig:
 pytestmark = pytest.mark.usefixtures("isolated_gguf_cache")
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str) -> str:
     name = hf_name.removeprefix("model.")
     if name.startswith("layers."):
         _, index, rest = name.split(".", 2)
         base, suffix = rest.rsplit(".", 1)
-        return f"blk.{index}.{_LAYER_NAMES[base]}.{suffix}"
+        return f"blk.{index}.{(_GEMMA1_LAYER_NAMES if arch == 'gemma' else _LAYER_NAMES)[base]}.{suffix}"
     return {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[name]
 
@@ -92,7 +95,7 @@ def write_gemma_gguf(folder: str, path: str, name: str, qtype: Q = Q.Q8_0, add_b
     model.save_pretrained(folder)
     write_tokenizer(folder)
 
-    arch = "gemma2" if name == "gemma2" else "gemma3"
+    arch = ARCHS.get(name, "gemma3")
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -103,13 +106,15 @@ def write_gemma_gguf(folder: str, path: str, name: str, qtype: Q = Q.Q8_0, add_b
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_sliding_window(cfg.sliding_window)
     rope = cfg.rope_parameters
+    # Gemma 1: no window, no soft-caps, llama.cpp's default RoPE base
     if arch == "gemma2":
+        w.add_sliding_window(cfg.sliding_window)
         w.add_rope_freq_base(rope["rope_theta"])
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    else:
+    elif arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
         w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
         if rope["full_attention"].get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -134,7 +139,7 @@ def write_gemma_gguf(folder: str, path: str, name: str, qtype: Q = Q.Q8_0, add_b
     for param_name, (data, kind) in stored.items():
         if param_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        w.add_tensor(_gguf_name(param_name), data, raw_dtype=None if kind == Q.F32 else kind)
+        w.add_tensor(_gguf_name(param_name, arch), data, raw_dtype=None if kind == Q.F32 else kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -145,10 +150,10 @@ def write_gemma_gguf(folder: str, path: str, name: str, qtype: Q = Q.Q8_0, add_b
 @pytest.fixture(scope="module")
 def gemma_ggufs(tmp_path_factory):
     files = {}
-    for name in ("gemma2", "gemma3", "gemma3-untied"):
+    for name in ("gemma", "gemma2", "gemma3", "gemma3-untied"):
         d = tmp_path_factory.mktemp(f"{name}-gguf")
         files[name] = write_gemma_gguf(str(d / "hf"), str(d / f"{name}.gguf"), name,
-                                       Q.F32 if name == "gemma3-untied" else Q.Q8_0)
+                                       Q.F32 if name in ("gemma", "gemma3-untied") else Q.Q8_0)
     return files
 
 
@@ -163,7 +168,7 @@ def attention_backend(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gemma3-untied"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3", "gemma3-untied"])
 def test_gguf_generates_like_transformers(gemma_ggufs, expected, name, attention_backend):
     folder, path = gemma_ggufs[name]
     expected = expected[name]
@@ -187,8 +192,9 @@ def test_gguf_config_matches_the_hugging_face_one(gemma_ggufs):
                     "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "sliding_windows",
                     "tie_word_embeddings", "vocab_size"):
             assert getattr(ours, key) == getattr(theirs, key), (name, key)
-        for key in ("final_logit_softcapping", "rope_local_base_freq", "query_pre_attn_scalar") + (
-                ("attn_logit_softcapping",) if name == "gemma2" else ()):
+        gemma2_3 = ("final_logit_softcapping", "rope_local_base_freq", "query_pre_attn_scalar")
+        extra = {"gemma": (), "gemma2": gemma2_3 + ("attn_logit_softcapping",)}.get(name, gemma2_3)
+        for key in extra:  # Gemma 1 reads none of them
             assert ours.hf_config.get(key) == theirs.hf_config.get(key), (name, key)
 
 

@@ -27,9 +27,13 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "mlp.gate_up_proj": "ffn_up",
+          "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",  # GLM-4's
           "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
           "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
           "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+# llama.cpp's names that differ by architecture: EXAONE 4's post-norms of the attention's and the MLP's outputs
+_ARCH_LAYER = {"exaone4": {"post_attention_layernorm": "post_attention_norm",
+                           "post_feedforward_layernorm": "post_ffw_norm"}}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -76,9 +80,13 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-        if cfg.get("shared_expert_intermediate_size"):
-            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if arch == "granite":  # llama.cpp's converter renames Granite's multipliers
+        shared = cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size")  # Qwen's, Granite's
+        if shared:
+            w.add_expert_shared_feed_forward_length(shared)
+    if arch == "exaone4" and cfg.get("sliding_window") is not None:  # its converter: the window, a flag a layer
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if arch in ("granite", "granitemoe"):  # llama.cpp's converter renames Granite's multipliers
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_attention_scale(cfg["attention_multiplier"])
@@ -100,8 +108,9 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
                          "lm_head.weight": "output"}[name] + ".weight"
         else:
             layer, part, suffix = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
-            gguf_name = f"blk.{layer}.{_LAYER[part]}.{suffix}"
-            if arch in ("llama", "smollm3", "granite") and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            gguf_name = f"blk.{layer}.{_ARCH_LAYER.get(arch, {}).get(part) or _LAYER[part]}.{suffix}"
+            if arch in ("llama", "smollm3", "granite", "granitemoe") and part in ("self_attn.q_proj",
+                                                                                 "self_attn.k_proj"):
                 t = _permute(t, heads if part == "self_attn.q_proj" else kv_heads)
             if part == "mlp.shared_expert_gate":
                 t = t.reshape(-1)

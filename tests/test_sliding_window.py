@@ -46,6 +46,9 @@ def plain_attention(q, k, v, positions_q, positions_k, params: AttentionParams) 
     if params.sliding_window is not None:
         visible &= positions_k[None, :] > positions_q[:, None] - params.sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
+    if params.sinks is not None:  # one more score per head, whose probability weighs no value
+        sinks = params.sinks.double().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.einsum("hnl,lhd->nhd", torch.softmax(torch.cat([scores, sinks], -1), dim=-1)[..., :-1], v)
     return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
 
 

@@ -9,7 +9,9 @@ The CPU backends' cache of one layer is a pair of tensors [num_blocks, block_siz
 token t of a request lives at slot block_table[t // block_size] * block_size + t % block_size.
 
 How a layer attends beyond plain causal softmax(q.k / sqrt(head_dim)) is its `AttentionParams`: the softmax
-scale, a sliding window (Mistral, Gemma 2 and 3), tanh soft-capping of the scores (Gemma 2). A layer with a
+scale, a sliding window (Mistral, Gemma 2 and 3), tanh soft-capping of the scores (Gemma 2), attention sinks
+(GPT-OSS: a learned logit per query head that joins every softmax's denominator and adds no value, so a query may
+attend to "nothing"; an online softmax adds exp(sink - m) to its sum once, at the end). A layer with a
 sliding window never reads keys outside it: the block table entries of blocks that lie wholly before the
 window of the step's first query are unspecified (the KV cache manager frees those blocks).
 
@@ -23,7 +25,7 @@ each layer's forward its group's.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -64,12 +66,19 @@ class AttentionParams:
     scale: Optional[float] = None  # softmax scale; None: head_dim ** -0.5
     sliding_window: Optional[int] = None  # W, or None: every earlier key
     logit_softcap: Optional[float] = None  # scores s -> cap * tanh(s / cap) (after the scale, before softmax)
+    # float32 [num query heads] (of the rank), or None: head h's softmax is over its scores and sinks[h], whose
+    # probability multiplies no value. The layer's own parameter, read at each call (loading fills it in place);
+    # compared by nothing (two layers' params are never told apart by their sinks' values)
+    sinks: Optional[torch.Tensor] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ValueError(f"logit_softcap must be positive, got {self.logit_softcap}")
+        if self.sinks is not None and (self.sinks.dim() != 1 or self.sinks.dtype != torch.float32):
+            raise ValueError(f"sinks must be a float32 vector (one per query head), got {self.sinks.dtype} of shape "
+                             f"{tuple(self.sinks.shape)}")
 
     def scale_for(self, head_dim: int) -> float:
         return head_dim ** -0.5 if self.scale is None else self.scale

@@ -7,7 +7,7 @@ walks each request's blocks directly: online softmax over tiles of 16 keys (Flas
 accumulation (with a bf16 cache on AVX512-BF16, q.k and P.V are bf16 dot products, P rounded to bf16 as in
 torch's CPU flash attention), grouped-query attention without repeating K/V, causal masking offset by the cached context,
 a sliding window (each query row starts its keys at its window, and a layer never reads a block before the
-window of its request's first query), tanh soft-capping of the scores,
+window of its request's first query), tanh soft-capping of the scores, attention sinks (GPT-OSS),
 OpenMP over (request, kv heads, query tile) and, when a batch is too small to fill the threads, over
 partitions of the context whose partial results are merged afterwards (flash-decoding). Decodes and
 prefill chunks go through the same kernel: it also beat SDPA on prefill, even SDPA on pre-gathered K/V
@@ -178,8 +178,8 @@ class CPUPagedAttentionBackend(AttentionBackend):
         scale = params.scale_for(q.shape[-1])
         # the kernel writes every new K/V row, and attends the requests left to it
         out = self.ext.paged_attention(q, k, v, k_cache, v_cache, metadata.slot_mapping, reqs, tables, scale,
-                                 params.sliding_window or 0, params.logit_softcap or 0.0, self.min_split_keys,
-                                 self.min_parallel_work)
+                                 params.sliding_window or 0, params.logit_softcap or 0.0, params.sinks,
+                                 self.min_split_keys, self.min_parallel_work)
         if split:
             path.attend(out, q, k_cache, v_cache, split.long_reqs, split.long_block_tables, scale, params)
         return out

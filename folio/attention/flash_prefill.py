@@ -6,7 +6,8 @@ prefill chunk is a matrix product. folio/csrc/cpu_flash_prefill.cpp runs it Flas
 `at::native::cpublas::brgemm`: per (request, kv head, tile of query tokens, the query heads of the kv head stacked)
 S = Q K^T, scale, soft-cap, causal and window masks, an online softmax in float32, then O += P V, reading K and V
 from the paged cache (packed once per request and kv head). Every layer kind is handled: causal, sliding windows,
-soft-capped scores. The products come in two kinds:
+soft-capped scores, attention sinks (each row's sum of probabilities gains exp(sink - its max) at the end). The
+products come in two kinds:
 
 - float32 (`bf16_products=False`): K, V and q widened to float32 (an 8-bit row, folio.attention.kv_quant, as its
   codes times its scale, so a row of an 8-bit cache and a bf16 one of the same values pack to the same floats).
@@ -85,7 +86,7 @@ class FlashPrefill(LongQueryPath):
 
     def attend(self, out, q, k_cache, v_cache, reqs, block_tables, scale, params) -> None:
         self.ext.flash_prefill(out, q, k_cache, v_cache, reqs, block_tables, scale, params.sliding_window or 0,
-                               params.logit_softcap or 0.0, self.bf16_products)
+                               params.logit_softcap or 0.0, params.sinks, self.bf16_products)
 
 
 def if_built() -> Optional[FlashPrefill]:

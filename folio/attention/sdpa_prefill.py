@@ -10,7 +10,8 @@ blocks once per layer (from its first query's window on), then:
   (from its first row's window) with a boolean mask (causal from the chunk's position, and the window); a tile's
   mask stays within MASK_ELEMENTS, whatever the context.
 Grouped-query heads read their kv head through `enable_gqa` (no copy of K/V per query head). Soft-capped scores
-(Gemma 2) are not expressible there: such layers keep their long queries on the paged kernel.
+(Gemma 2) and attention sinks (GPT-OSS) are not expressible there: such layers keep their long queries on the paged
+kernel.
 
 Measured on an AVX2 EPYC (2 threads, Qwen2-0.5B shapes, float32, one layer). Against the paged kernel's scalar
 float32 loop of then (benchmarks/attention_bench.py --long-queries --dtype float32): an 1852-token prompt 780 -> 92
@@ -51,7 +52,7 @@ class SdpaPrefill(LongQueryPath):
         self.min_query_key_pairs = min_query_key_pairs
 
     def supports(self, params: AttentionParams, q: torch.Tensor) -> bool:
-        return params.logit_softcap is None
+        return params.logit_softcap is None and params.sinks is None
 
     def attend(self, out, q, k_cache, v_cache, reqs, block_tables, scale, params) -> None:
         for row, (first_token, query_len, context_len) in enumerate(reqs.tolist()):

@@ -9,7 +9,7 @@ context. Correctness first: faster backends implement the same interface. An 8-b
 A layer with a sliding window gathers only the keys its queries can see (from the window of the step's first
 query on), with a mask that also hides keys that fell out of a later query's window; the gathered index
 tensors and masks are built once per step and window, on the first layer that asks. Soft-capped scores
-(Gemma 2) are computed as Transformers' eager attention does (SDPA has no soft-capping).
+(Gemma 2) and attention sinks (GPT-OSS) are computed as Transformers' eager attention does (SDPA has neither).
 """
 
 from __future__ import annotations
@@ -90,22 +90,28 @@ def build_view(layout: BatchLayout, window: Optional[int]) -> WindowView:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool,
            params: AttentionParams) -> torch.Tensor:
     """q [..., Hq, n, D], k/v [..., Hkv, L, D]; mask broadcast to [..., Hq, n, L] (True: visible)."""
-    if params.logit_softcap is None:
+    if params.logit_softcap is None and params.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=params.scale,
                                               enable_gqa=True)
-    # Transformers' eager attention (scaled scores, soft-capped, masked, softmax), in float32 whatever the dtype
+    # Transformers' eager attention (scaled scores, soft-capped, masked, softmax with the sinks as one more column
+    # whose probability is dropped), in float32 whatever the dtype
     dtype = q.dtype
     group = q.shape[-3] // k.shape[-3]
     q, k, v = q.float(), k.float().repeat_interleave(group, dim=-3), v.float().repeat_interleave(group, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * params.scale_for(q.shape[-1])
     cap = params.logit_softcap
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if is_causal:
         n, length = scores.shape[-2:]
         mask = torch.ones(n, length, dtype=torch.bool).tril(diagonal=length - n)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
+    if params.sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
+    sinks = params.sinks.view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v).to(dtype)
 
 
 class TorchSDPABackend(AttentionBackend):

@@ -28,7 +28,8 @@
 // reqs int32 [B, 3] = (first token in the batch, query length, context length including the query);
 // block_tables int32 [B, max_blocks]. Sliding window W (0: none): the query at position p sees keys
 // p - W < t <= p; keys before the window of a request's first query are never read. Soft-capping (cap > 0):
-// s -> cap * tanh(s / cap) after the scale.
+// s -> cap * tanh(s / cap) after the scale. Attention sinks (GPT-OSS: a logit per query head in the softmax's
+// denominator, weighing no value): a row's sum gains exp2(sink - its running max) once, at the end.
 
 // Only the headers needed (not torch/extension.h), as cpu_paged_attention.cpp: a faster first-use build.
 #include "parallel.h"
@@ -46,9 +47,11 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "attention_sinks.h"
 #include "avx512_math.h"
 #include "exp2_approx.h"
 #include "kv_cache_rows.h"
@@ -85,6 +88,7 @@ struct Params {
   float scale_log2;  // softmax scale times log2(e): scores are kept in base 2
   int window;  // 0: none
   float softcap2, inv_softcap2;  // soft-capping of the base-2 scores: cap * log2(e) and its inverse; 0: none
+  const float* sinks;  // per query head, its sink times log2(e) (base 2, as the scores); null: none
 };
 
 // The operands of the two products: float32 (T = float: K^T [D, KEY_TILE] and V [KEY_TILE, D] row-major) or bf16
@@ -478,8 +482,10 @@ void attend_item(const Params& P, const Span& span, const T* kpack, const T* vpa
   }
   for (int r = 0; r < M; ++r) {
     const float* a = buf.acc.data() + (size_t)r * D;
-    const float inv = buf.l[r] > 0.f ? 1.f / buf.l[r] : 0.f;
-    Q* dst = static_cast<Q*>(P.out) + ((int64_t)(qs + it.q0 + r / G) * P.Hkv * G + it.h * G + r % G) * D;
+    const int head = it.h * G + r % G;
+    const float sum = folio::with_sink(P.sinks, head, buf.m[r], buf.l[r]);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    Q* dst = static_cast<Q*>(P.out) + ((int64_t)(qs + it.q0 + r / G) * P.Hkv * G + head) * D;
     for (int d = 0; d < D; ++d) dst[d] = static_cast<Q>(a[d] * inv);
   }
 }
@@ -552,7 +558,8 @@ bool has_bf16_products() { return FOLIO_BF16_PRODUCTS; }
 
 // out [T, Hq, D] (written for the requests in reqs only); see the top of the file.
 void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor reqs,
-                   at::Tensor block_tables, double scale, int64_t window, double softcap, bool bf16_products) {
+                   at::Tensor block_tables, double scale, int64_t window, double softcap,
+                   std::optional<at::Tensor> sinks, bool bf16_products) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4, "q, out must be 3-d and the caches 4-d");
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK((qt == at::kBFloat16 || qt == at::kFloat) && out.scalar_type() == qt,
@@ -591,6 +598,8 @@ void flash_prefill(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor 
   P.window = (int)std::max<int64_t>(0, window);
   P.softcap2 = softcap > 0 ? (float)softcap * LOG2E : 0.f;
   P.inv_softcap2 = softcap > 0 ? 1.f / P.softcap2 : 0.f;
+  const std::vector<float> sinks2 = folio::sinks_base2(sinks, q.size(1));
+  P.sinks = sinks ? sinks2.data() : nullptr;
   const int B = (int)reqs.size(0);
   const int64_t num_blocks = k_cache.size(0);
   for (int b = 0; b < B; ++b) {

@@ -1,7 +1,9 @@
 // One mixture-of-experts feed-forward in one call: out[t] = sum over t's chosen experts e (ascending e) of
-// w[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t])), for unquantised experts stacked as
+// w[t, e] * down_e(act(gate_e(x[t]), up_e(x[t]))), for unquantised experts stacked as
 // w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], in float32 or bf16; float32 activations may take
 // bf16 experts (a bf16 checkpoint's, held in half the bytes: folio.models.fused_moe), each value widened exactly.
+// act is SiLU(gate) * up, or GPT-OSS's clamped SwiGLU (`Activation`); GPT-OSS's experts also have biases, b13
+// [E, 2I] on gate/up and b2 [E, H] on down (float32), added to the float32 products.
 //
 // Why: a decode step of a batch of B sequences sends about B * top_k / E rows to each expert: a handful.
 // Run expert by expert from Python, that is ~10 torch ops per expert per layer, each tiny matmul threaded
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -127,14 +130,39 @@ void dots(const float* A, int64_t lda, int64_t R, const T* W, int64_t ldw, int64
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
+// The experts' gated activation of a (gate, up) pair: SiLU(gate) * up, or, with limit > 0, GPT-OSS's clamped SwiGLU
+// (Transformers' GptOssExperts._apply_gate, in its order of operations): the gate clamped above at limit, up to
+// [-limit, limit], then gate * sigmoid(gate * alpha) * (up + 1).
+struct Activation {
+  float alpha, limit;
+  bool clamped() const { return limit > 0.f; }
+  float operator()(float g, float u) const {
+    if (!clamped()) return silu(g) * u;
+    g = std::min(g, limit);
+    u = std::min(std::max(u, -limit), limit);
+    return (u + 1.f) * (g * (1.f / (1.f + std::exp(-(g * alpha)))));
+  }
+  // the same on ATen tensors (the large experts' path), into out
+  void apply_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) const {
+    if (!clamped()) {
+      at::mul_out(out, at::silu(gate), up);
+      return;
+    }
+    const auto g = gate.clamp_max(limit);
+    at::mul_out(out, up.clamp(-limit, limit) + 1, g * at::sigmoid(g * alpha));
+  }
+};
+
 struct Task {
   int64_t expert, col;
 };
 
 // X: the activations' type (float32 or bf16), W: the experts' (X, or bf16 under float32 activations).
+// b13, b2: the biases (float32), or null.
 template <typename X, typename W>
-void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
-         const at::Tensor& ids, int64_t gemm_min_rows, at::Tensor& out, at::Tensor& counts) {
+void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const float* b13, const float* b2,
+         const Activation act, const at::Tensor& weights, const at::Tensor& ids, int64_t gemm_min_rows,
+         at::Tensor& out, at::Tensor& counts) {
   const int64_t T_ = x.size(0), H = x.size(1), K = ids.size(1), E = w13.size(0), I = w2.size(2);
   const int64_t S = T_ * K;
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -169,9 +197,9 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
   const X* xp = x.data_ptr<X>();
   const W* w13p = w13.data_ptr<W>();
   const W* w2p = w2.data_ptr<W>();
-  auto act = at::empty({S, I}, x.options().dtype(at::kFloat));  // silu(gate) * up, per sorted choice
-  auto y = at::empty({S, H}, x.options().dtype(at::kFloat));    // the expert's output, per sorted choice
-  float* actp = act.data_ptr<float>();
+  auto gated = at::empty({S, I}, x.options().dtype(at::kFloat));  // act(gate, up), per sorted choice
+  auto y = at::empty({S, H}, x.options().dtype(at::kFloat));      // the expert's output, per sorted choice
+  float* actp = gated.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 
   // Small experts: their tokens' rows as float32, in sorted order (gathered once, read by every task).
@@ -194,9 +222,11 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
       const W* w = w13p + e * 2 * I * H;
       dots(xsp + s0 * H, H, rows, w + c * H, H, cols, H, gate.data(), cols);
       dots(xsp + s0 * H, H, rows, w + (I + c) * H, H, cols, H, up.data(), cols);
+      const float* gb = b13 ? b13 + e * 2 * I + c : nullptr;
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < cols; ++j)
-          actp[(s0 + r) * I + c + j] = silu(gate[r * cols + j]) * up[r * cols + j];
+          actp[(s0 + r) * I + c + j] = gb ? act(gate[r * cols + j] + gb[j], up[r * cols + j] + gb[I + j])
+                                          : act(gate[r * cols + j], up[r * cols + j]);
     }
   });
   folio::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t t0, int64_t t1) {
@@ -204,6 +234,9 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
       const auto [e, c] = down_tasks[t];
       const int64_t rows = count[e], cols = std::min(COLS, H - c), s0 = start[e];
       dots(actp + s0 * I, I, rows, w2p + (e * H + c) * I, I, cols, I, yp + s0 * H + c, H);
+      if (b2)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < cols; ++j) yp[(s0 + r) * H + c + j] += b2[e * H + c + j];
     }
   });
 
@@ -213,10 +246,13 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
     auto order_t = at::from_blob(order.data(), {S}, at::kLong);
     for (const int64_t e : large) {
       const auto tokens = at::div(order_t.narrow(0, start[e], count[e]), K, "floor");
-      const auto gate_up = at::linear(x.index_select(0, tokens), w13[e].to(x.scalar_type())).to(at::kFloat);
-      auto a = act.narrow(0, start[e], count[e]);
-      at::mul_out(a, at::silu(gate_up.narrow(1, 0, I)), gate_up.narrow(1, I, I));
-      y.narrow(0, start[e], count[e]).copy_(at::linear(a.to(x.scalar_type()), w2[e].to(x.scalar_type())));
+      auto gate_up = at::linear(x.index_select(0, tokens), w13[e].to(x.scalar_type())).to(at::kFloat);
+      if (b13) gate_up.add_(at::from_blob(const_cast<float*>(b13 + e * 2 * I), {2 * I}, at::kFloat));
+      auto a = gated.narrow(0, start[e], count[e]);
+      act.apply_out(a, gate_up.narrow(1, 0, I), gate_up.narrow(1, I, I));
+      auto ye = y.narrow(0, start[e], count[e]);
+      ye.copy_(at::linear(a.to(x.scalar_type()), w2[e].to(x.scalar_type())));
+      if (b2) ye.add_(at::from_blob(const_cast<float*>(b2 + e * H), {H}, at::kFloat));
     }
   }
 
@@ -241,11 +277,14 @@ void run(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const
 }
 
 // x [T, H], w13 [E, 2I, H], w2 [E, H, I] (contiguous; all float32, all bf16, or float32 x with bf16 experts);
-// weights [T, K] (any float dtype), ids [T, K] int64. Returns (out [T, H] in x's dtype, counts [E] int64: rows
-// per expert).
+// b13 [E, 2I], b2 [E, H]: float32 biases, or None; weights [T, K] (any float dtype), ids [T, K] int64;
+// swiglu_limit > 0: the clamped SwiGLU with swiglu_alpha (`Activation`), else SiLU(gate) * up. Returns
+// (out [T, H] in x's dtype, counts [E] int64: rows per expert).
 std::tuple<at::Tensor, at::Tensor> fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                                             const at::Tensor& weights, const at::Tensor& ids,
-                                             int64_t gemm_min_rows) {
+                                             const at::Tensor& weights, const at::Tensor& ids, int64_t gemm_min_rows,
+                                             const std::optional<at::Tensor>& b13,
+                                             const std::optional<at::Tensor>& b2, double swiglu_alpha,
+                                             double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && ids.dim() == 2, "fused_moe: bad ranks");
   TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
                   (x.scalar_type() == w13.scalar_type() ||
@@ -256,18 +295,27 @@ std::tuple<at::Tensor, at::Tensor> fused_moe(const at::Tensor& x, const at::Tens
               "fused_moe: weight shapes do not match");
   TORCH_CHECK(weights.sizes() == ids.sizes() && ids.size(0) == x.size(0), "fused_moe: routing shapes");
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "fused_moe: expert weights must be contiguous");
+  TORCH_CHECK(!b13 || (b13->scalar_type() == at::kFloat && b13->is_contiguous() &&
+                       b13->sizes() == at::IntArrayRef({w13.size(0), w13.size(1)})),
+              "fused_moe: b13 must be float32 [E, 2I]");
+  TORCH_CHECK(!b2 || (b2->scalar_type() == at::kFloat && b2->is_contiguous() &&
+                      b2->sizes() == at::IntArrayRef({w2.size(0), w2.size(1)})),
+              "fused_moe: b2 must be float32 [E, H]");
+  const float* b13p = b13 ? b13->data_ptr<float>() : nullptr;
+  const float* b2p = b2 ? b2->data_ptr<float>() : nullptr;
+  const Activation act{(float)swiglu_alpha, (float)swiglu_limit};
   const auto xc = x.contiguous();
   const auto wc = weights.to(at::kFloat).contiguous();
   const auto ic = ids.to(at::kLong).contiguous();
   auto out = at::empty_like(xc);
   auto counts = at::zeros({w13.size(0)}, ic.options());
   if (x.scalar_type() == at::kFloat && w13.scalar_type() == at::kFloat) {
-    run<float, float>(xc, w13, w2, wc, ic, gemm_min_rows, out, counts);
+    run<float, float>(xc, w13, w2, b13p, b2p, act, wc, ic, gemm_min_rows, out, counts);
   } else if (x.scalar_type() == at::kFloat) {
-    run<float, c10::BFloat16>(xc, w13, w2, wc, ic, gemm_min_rows, out, counts);
+    run<float, c10::BFloat16>(xc, w13, w2, b13p, b2p, act, wc, ic, gemm_min_rows, out, counts);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "fused_moe: float32 or bf16 only");
-    run<c10::BFloat16, c10::BFloat16>(xc, w13, w2, wc, ic, gemm_min_rows, out, counts);
+    run<c10::BFloat16, c10::BFloat16>(xc, w13, w2, b13p, b2p, act, wc, ic, gemm_min_rows, out, counts);
   }
   return {out, counts};
 }
@@ -276,6 +324,10 @@ std::tuple<at::Tensor, at::Tensor> fused_moe(const at::Tensor& x, const at::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   folio::bind_decode_threads(m);
-  m.def("fused_moe", &fused_moe,
-        "grouped mixture-of-experts feed-forward (float32 / bf16 experts; bf16 ones under float32 x too)");
+  namespace py = pybind11;
+  m.def("fused_moe", &fused_moe, py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("ids"),
+        py::arg("gemm_min_rows"), py::arg("b13") = py::none(), py::arg("b2") = py::none(),
+        py::arg("swiglu_alpha") = 0.0, py::arg("swiglu_limit") = 0.0,
+        "grouped mixture-of-experts feed-forward (float32 / bf16 experts; bf16 ones under float32 x too; optional "
+        "biases and GPT-OSS's clamped SwiGLU)");
 }

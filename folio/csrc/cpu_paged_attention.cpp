@@ -45,6 +45,8 @@
 // window of its first query token, each row masks the keys before its own window, and a block wholly before
 // the window of a request's first query is never read (its block table entry may be anything). Soft-capping
 // (Gemma 2, cap > 0): scores s -> cap * tanh(s / cap) after the scale, before the mask and the softmax.
+// Attention sinks (GPT-OSS, attention_sinks.h): a row's sum gains exp2(sink - m) once it ends (`with_sink`); a row
+// whose keys were split into partitions leaves it out of every partition's sum and combine_group adds it once.
 //
 // Layouts: q [T, Hq, D], k/v [T, Hkv, D] (any token/head strides, unit stride along D); caches
 // [num_blocks, block_size, Hkv, D] contiguous ([..., D + 4] bytes when 8-bit); reqs int32 [B, 3] = (first token in the batch, query length,
@@ -66,9 +68,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "attention_sinks.h"
 #include "avx512_math.h"
 #include "exp2_approx.h"
 #include "kv_cache_rows.h"
@@ -101,7 +105,12 @@ struct Params {
   float scale_log2;  // softmax scale times log2(e): scores are kept in base 2
   int window;  // sliding window in keys, 0 for none
   float softcap2, inv_softcap2;  // soft-capping of the base-2 scores: cap * log2(e) and its inverse; 0: none
+  const float* sinks;  // per query head, its sink times log2(e) (base 2, as the scores); null: none
 };
+
+// A row's sum of probabilities l (relative to its running max m) with its query head's sink added, where the layer
+// has sinks: the denominator its accumulator is divided by.
+inline float with_sink(const Params& P, int head, float m, float l) { return folio::with_sink(P.sinks, head, m, l); }
 
 // First key of the tile starting at t0 that a query at position pos may see (0 when its window starts
 // before the tile), for a window W (0: none).
@@ -266,7 +275,8 @@ void attend_item_scalar(const Params& P, const Item& it, float* partial, const I
       store_partial(partial, r, D, m[r], l[r], a);
     } else {
       T* dst = rows.out<T>(P, it, r);
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      const float sum = with_sink(P, rows.head(P, it, r), m[r], l[r]);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
       for (int c = 0; c < D; ++c) dst[c] = static_cast<T>(a[c] * inv);
     }
   }
@@ -512,7 +522,8 @@ void finish_rows(const Params& P, const Item& it, int R, float* acc, const float
       store_partial(partial, r, D, m[r], l, a);
     } else {
       T* dst = rows.out<T>(P, it, r);
-      const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+      const float sum = with_sink(P, rows.head(P, it, r), m[r], l);
+      const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
       for (int c = 0; c < NV; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), inv));
     }
   }
@@ -1024,9 +1035,10 @@ void combine_group(const Params& P, const Group& g, const float* partials) {
         for (int c = 0; c < D; ++c) a[c] += pp[2 + c] * w;
       }
     }
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
     const int hh = r / RH, rr = r % RH;
     const int qi = g.q0 + rr / G, head = (g.h0 + hh) * G + rr % G;
+    lsum = with_sink(P, head, mx, lsum);  // once, not per partition
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
     T* dst = static_cast<T*>(P.out) + ((int64_t)(qs + qi) * P.Hkv * G + head) * D;
     for (int c = 0; c < D; ++c) dst[c] = static_cast<T>(a[c] * inv);
   }
@@ -1080,7 +1092,7 @@ template <typename T, typename C>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
          const at::Tensor& reqs, const at::Tensor& block_tables, double scale, int64_t window, double softcap,
-         int64_t min_split_keys, int64_t min_parallel_work) {
+         const std::optional<at::Tensor>& sinks, int64_t min_split_keys, int64_t min_parallel_work) {
   int nthreads = std::max(1, folio::num_threads());
   write_kv<T, C>(k, v, k_cache, v_cache, slot_mapping, nthreads);
 
@@ -1103,6 +1115,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   P.window = (int)std::max<int64_t>(0, window);
   P.softcap2 = softcap > 0 ? (float)softcap * LOG2E : 0.f;
   P.inv_softcap2 = softcap > 0 ? 1.f / P.softcap2 : 0.f;
+  const std::vector<float> sinks2 = folio::sinks_base2(sinks, q.size(1));
+  P.sinks = sinks ? sinks2.data() : nullptr;
 
   const int B = (int)reqs.size(0);
   const int G = P.G, Hkv = P.Hkv;
@@ -1210,8 +1224,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
 // here: one Python-level torch.empty per layer per step costs microseconds at decode.
 at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
                      at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor reqs,
-                     at::Tensor block_tables, double scale, int64_t window, double softcap, int64_t min_split_keys,
-                     int64_t min_parallel_work) {
+                     at::Tensor block_tables, double scale, int64_t window, double softcap,
+                     std::optional<at::Tensor> sinks, int64_t min_split_keys, int64_t min_parallel_work) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, Hkv, D]");
@@ -1234,7 +1248,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto go = [&](auto t, auto c) {
     run<decltype(t), decltype(c)>(out, q, k, v, k_cache, v_cache, slot_mapping, reqs, block_tables, scale, window,
-                                  softcap, min_split_keys, min_parallel_work);
+                                  softcap, sinks, min_split_keys, min_parallel_work);
   };
   auto with_cache = [&](auto t) {
     if (ct == at::kChar) go(t, int8_t{});

@@ -266,7 +266,8 @@ void attend_item(const Params& P, const Item& it, float* partial, const Item* ah
       store_partial(partial, r, D, m[r], l, a);
     } else {
       T* dst = rows.out<T>(P, it, r);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float sum = with_sink(P, rows.head(P, it, r), m[r], l);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
       for (int c = 0; c < D; ++c) dst[c] = static_cast<T>(a[c] * inv);
     }
   }

@@ -15,6 +15,8 @@ What the translation has to undo:
   layers slide; Gemma 3: five of six, and none without a sliding_window), and the attention scale
   (1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 27B models); SmolLM3's NoPE layers (every fourth);
 * Granite's multipliers: stored as *_scale keys, back to their config.json names;
+* GPT-OSS: its window on the even layers and YaRN without truncation (GptOssConfig's), its SwiGLU clamp at
+  Transformers' defaults (llama.cpp hard-codes them); its stacked experts' biases one per expert as its weights;
 * the tokenizer: a GGUF stores vocabulary, merges and token types as metadata, not a tokenizer.json,
   so one is rebuilt with the `tokenizers` library, splitting text the way llama.cpp does.
 
@@ -67,16 +69,32 @@ ARCHITECTURES = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "granite": ("GraniteForCausalLM", "granite"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "ernie4_5": ("Ernie4_5ForCausalLM", "ernie4_5"),  # Q/K as in Transformers: llama.cpp rotates ERNIE's pairs
+    "exaone4": ("Exaone4ForCausalLM", "exaone4"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),  # and GraniteMoeShared: one class serves both
+    "glm4": ("Glm4ForCausalLM", "glm4"),
+    "chatglm": ("GlmForCausalLM", "glm"),  # GLM-4-9B-0414's predecessors: glm-4-9b-chat(-hf), ChatGLM2/3
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 # llama.cpp writes Mixtral as "llama" with experts (llama.expert_count).
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# and OLMo 3 as "olmo2" with a sliding window (olmo2.attention.sliding_window).
+OLMO3 = ("Olmo3ForCausalLM", "olmo3")
 # The model types whose Q and K rows llama.cpp's converter permutes (its LlamaModel and subclasses).
-PERMUTED_QK = frozenset({"llama", "mixtral", "smollm3", "granite"})
+PERMUTED_QK = frozenset({"llama", "mixtral", "smollm3", "granite", "granitemoe"})
 GEMMA = frozenset({"gemma2", "gemma3"})
+GEMMA_NORMS = GEMMA | {"gemma"}  # norms stored as 1 + weight (Gemma 1 has Llama's two norms a layer and names)
+# GLM's Q and K are not permuted (llama.cpp rotates GLM's interleaved pairs as they are). Phi-3's files fuse q/k/v
+# (attn_qkv), ChatGLM's may.
+GLM = frozenset({"glm4", "chatglm"})
+FUSED_QKV = frozenset({"phi3", "chatglm"})
 
 Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+     Q.MXFP4}
 )
 
 # llama.cpp tensor names -> Hugging Face names: model-wide ones, and the per-layer ones of `blk.N.`
@@ -104,8 +122,20 @@ _LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# Per-architecture exceptions: Phi-3's ffn_up holds gate and up, fused as in its Hugging Face checkpoints.
-_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Per-architecture exceptions: Phi-3's and GLM's ffn_up hold gate and up, fused as in their Hugging Face checkpoints.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "chatglm": {"ffn_up": "mlp.gate_up_proj"},
+                       # OLMo 2's post-norms: of the attention's and of the MLP's outputs
+                       "olmo2": {"post_attention_norm": "post_attention_layernorm",
+                                 "post_ffw_norm": "post_feedforward_layernorm"},
+                       # EXAONE 4's post-norms likewise
+                       "exaone4": {"post_attention_norm": "post_attention_layernorm",
+                                   "post_ffw_norm": "post_feedforward_layernorm"},
+                       # GLM-4's sandwich norms: after the attention and after the MLP
+                       "glm4": {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+                                "post_ffw_norm": "post_mlp_layernorm"},
+                       # GPT-OSS's pre-MLP norm, attention sinks (attn_sinks.weight) and router (with a bias)
+                       "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                                   "ffn_gate_inp": "mlp.router"}}
 # Stacked expert tensors [experts, rows, cols]: one Hugging Face tensor per expert, mlp.experts.E.<name>.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward one there
@@ -220,7 +250,8 @@ def _hf_config(reader: GGUFReader) -> dict:
     arch = _architecture(reader)
     hf_arch, model_type = ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
-    for name in ("token_embd.weight", "blk.0.attn_q.weight" if arch != "phi3" else "blk.0.attn_qkv.weight"):
+    fused_qkv = arch in FUSED_QKV and "blk.0.attn_q.weight" not in tensors
+    for name in ("token_embd.weight", "blk.0.attn_qkv.weight" if fused_qkv else "blk.0.attn_q.weight"):
         if name not in tensors:
             raise ValueError(f"the GGUF file has no tensor {name!r}")
     heads = int(need_field(reader, f"{arch}.attention.head_count"))
@@ -230,6 +261,8 @@ def _hf_config(reader: GGUFReader) -> dict:
     head_dim = int(get_field(reader, f"{arch}.attention.key_length", q_rows // heads))
     if arch == "llama" and get_field(reader, "llama.expert_count"):
         hf_arch, model_type = MIXTRAL
+    if arch == "olmo2" and get_field(reader, "olmo2.attention.sliding_window"):
+        hf_arch, model_type = OLMO3
     config = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -244,7 +277,7 @@ def _hf_config(reader: GGUFReader) -> dict:
         "rope_theta": _f32(get_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(need_field(reader, f"{arch}.context_length")),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         "bos_token_id": get_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": get_field(reader, "tokenizer.ggml.eos_token_id"),
     }
@@ -269,10 +302,22 @@ def _hf_config(reader: GGUFReader) -> dict:
         config["rope_scaling"] = _llama3_rope_scaling(factors, config["rope_theta"], rope_dim)
     if arch in GEMMA:
         config.update(_gemma_config(reader, arch, config))
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         config.update(_granite_config(reader, arch, head_dim))
+    if arch == "granitemoe":  # Granite's name for the shared MLP's size (GraniteMoeShared; 0: none)
+        config["shared_intermediate_size"] = config.pop("shared_expert_intermediate_size", 0)
+    if model_type == "olmo3":
+        config.update(_olmo3_config(reader, arch, config))
+    if arch == "exaone4":
+        config.update(_exaone4_config(reader, arch))
     if arch == "smollm3":  # llama.cpp hard-codes SmolLM3's NoPE layers (every fourth): no GGUF key says so
         config["no_rope_layer_interval"] = 4
+    if arch in GLM:  # stated whatever it is: Transformers' GLM configs default to half of each head
+        config["partial_rotary_factor"] = rope_dim / head_dim
+    if arch == "gpt-oss":  # the window of its even layers; GptOssConfig's YaRN does not truncate its ramp
+        config["sliding_window"] = int(need_field(reader, "gpt-oss.attention.sliding_window"))
+        if "rope_scaling" in config:
+            config["rope_scaling"]["truncate"] = False
     return config
 
 
@@ -304,6 +349,30 @@ def _granite_config(reader: GGUFReader, arch: str, head_dim: int) -> dict:
     return {"embedding_multiplier": scale("embedding_scale", 1.0), "residual_multiplier": scale("residual_scale", 1.0),
             "attention_multiplier": scale("attention.scale", head_dim ** -0.5),
             "logits_scaling": scale("logit_scale", 1.0)}
+
+
+
+def _olmo3_config(reader: GGUFReader, arch: str, config: dict) -> dict:
+    """OLMo 3's window and sliding layers (llama.cpp's converter writes the pattern as one flag a layer; without
+    it, Transformers' default: every fourth layer full). llama.cpp rotates the sliding layers with the file's RoPE
+    base (or freq_base_swa) unscaled: the full layers' scaling is theirs alone, as in Transformers."""
+    extra = {"sliding_window": int(need_field(reader, f"{arch}.attention.sliding_window")),
+             "rope_local_base_freq": _f32(get_field(reader, f"{arch}.rope.freq_base_swa", config["rope_theta"]))}
+    pattern = get_field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        extra["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    return extra
+
+
+def _exaone4_config(reader: GGUFReader, arch: str) -> dict:
+    """EXAONE 4's window, and its sliding layers where the file lists them (one flag a layer; else Transformers'
+    sliding_window_pattern 4). No window (1.2B): every layer global, and rotated."""
+    window = get_field(reader, f"{arch}.attention.sliding_window")
+    extra = {"sliding_window": int(window) if window else None}
+    pattern = get_field(reader, f"{arch}.attention.sliding_window_pattern")
+    if window and isinstance(pattern, list):
+        extra["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    return extra
 
 
 # llama.cpp's block counts of the 27B models, whose attention scale is 1 / sqrt(hidden / heads)
@@ -462,12 +531,12 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
         w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements="W"))
         if n_head is not None:
             w = _unpermute(w, n_head)
-        if arch in GEMMA and t.name.endswith("norm.weight"):  # stored as 1 + weight; norms stay float32
+        if arch in GEMMA_NORMS and t.name.endswith("norm.weight"):  # stored as 1 + weight; norms stay float32
             yield names[0], w.float() - 1.0
             continue
         if t.name.endswith("ffn_gate_inp_shexp.weight") and w.dim() == 1:  # llama.cpp drops its unit dim
             w = w.unsqueeze(0)
-        for name, part in zip(names, w.reshape(len(names), -1, *w.shape[-1:]) if len(names) > 1 else [w]):
+        for name, part in zip(names, w if len(names) > 1 else [w]):  # stacked experts (weights or biases): by dim 0
             yield name, torch.empty(part.shape, dtype=dtype).copy_(part)  # one copy: contiguous, in dtype
 
 

@@ -75,6 +75,7 @@ _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
                     _digits_then_gpt2),
     **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe"], lambda: _regex_then_bytes(_LLAMA3_SPLIT)),
+    **dict.fromkeys(["glm4", "chatglm-bpe"], lambda: _regex_then_bytes(_LLAMA3_SPLIT)),  # llama.cpp's CHATGLM4
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2"],
                     lambda: _regex_then_bytes(_QWEN2_SPLIT)),
 }

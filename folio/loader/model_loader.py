@@ -105,13 +105,16 @@ def _prequantized_chooser(quantization_config: dict, folder: str, model: torch.n
     """The linear methods of a pre-quantised Hugging Face folder, by its quant_method: its quantised layers
     load as stored (repacked, for GPTQ and AWQ), the others with `otherwise`."""
     quant_method = quantization_config.get("quant_method")
+    if quant_method == "mxfp4":  # GPT-OSS's experts, dequantised as they load (folio.models.gpt_oss)
+        return otherwise
     if quant_method == "compressed-tensors":
         return compressed_tensors_chooser(quantization_config, otherwise)
     if quant_method in ("gptq", "awq"):
         layers = quantized_layers(_tensor_names(_safetensors_files(folder)), model.map_checkpoint_name)
         return int4_checkpoint_chooser(quantization_config, layers, otherwise)
     raise ValueError(f"quantization_config: quant_method {quant_method!r} is not supported; folio loads "
-                     f"\"compressed-tensors\" (int8), \"gptq\" and \"awq\" (int4)")
+                     f"\"compressed-tensors\" (int8), \"gptq\" and \"awq\" (int4), \"mxfp4\" (GPT-OSS, "
+                     f"dequantised)")
 
 
 def eos_token_ids(hf_config: dict, generation_config: dict, tokenizer: Tokenizer) -> frozenset[int]:

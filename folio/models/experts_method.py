@@ -9,12 +9,32 @@ ExpertsMethod, in that one place: experts whose linear method keeps plain float 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from folio.models.moe import Experts
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's gated activation of its experts, instead of SiLU(gate) * up: the gate clamped above at `limit`, up
+    to [-limit, limit], then gate * sigmoid(gate * alpha) * (up + 1), in Transformers' order of operations
+    (GptOssExperts._apply_gate). Both methods compute it: the per-expert one here, the fused one in its kernel."""
+
+    alpha: float
+    limit: float
+
+    def __post_init__(self) -> None:
+        if not self.limit > 0:
+            raise ValueError(f"swiglu_limit must be positive, got {self.limit}")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class ExpertsMethod(ABC):
@@ -31,8 +51,9 @@ class ExpertsMethod(ABC):
 
 
 class PerExpertMethod(ExpertsMethod):
-    """Each chosen expert's LlamaMLP runs once on all of its tokens (index_select in, weighted index_add out),
-    through its Linear layers' methods: works for any linear method (quantised experts)."""
+    """Each chosen expert's module (a LlamaMLP, or moe.ClampedSwiGLUExpert) runs once on all of its tokens
+    (index_select in, weighted index_add out), through its Linear layers' methods: works for any linear method
+    (quantised experts)."""
 
     def apply(self, experts: "Experts", x: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

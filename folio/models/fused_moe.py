@@ -2,11 +2,12 @@
 (folio/csrc/cpu_fused_moe.cpp).
 
 After loading, an MoE layer's expert weights are stacked into w13 [E, 2I, H] (gate rows, then up rows, as
-each expert's fused gate_up_proj) and w2 [E, H, I], and the per-expert modules are dropped (their weights
-freed). A step then makes one call: the (token, slot) choices grouped by expert, each expert's gate/up GEMM,
-SiLU(gate) * up and down GEMM on its rows, and each token's weighted sum, all threads working on (expert, column
-block) tasks so that every weight row is read once per step by one thread. Experts with `gemm_min_rows` rows or
-more (prefill) use ATen's GEMMs inside the same call.
+each expert's fused gate_up_proj) and w2 [E, H, I], their biases where they have some (GPT-OSS) into float32 b13
+[E, 2I] and b2 [E, H], and the per-expert modules are dropped (their weights freed). A step then makes one call:
+the (token, slot) choices grouped by expert, each expert's gate/up GEMM, SiLU(gate) * up (or GPT-OSS's clamped
+SwiGLU, experts_method.ClampedSwiGLU) and down GEMM on its rows, and each token's weighted sum, all threads working
+on (expert, column block) tasks so that every weight row is read once per step by one thread. Experts with
+`gemm_min_rows` rows or more (prefill) use ATen's GEMMs inside the same call.
 
 A float32 model keeps a bf16 checkpoint's experts in bf16 (`held_dtype`), as its dense layers keep their
 weights (folio.models.bf16_valued): the experts are most of an MoE model's bytes, and the kernel computes in
@@ -24,7 +25,7 @@ weights, level in float32 and 11-13% faster fused in bf16.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -57,11 +58,10 @@ def gemm_min_rows(dtype: torch.dtype) -> int:
 
 def supports(layers: list[Linear]) -> bool:
     """Whether experts made of these Linear layers can run fused: all keep plain CPU float32 or bf16 weights
-    of one dtype (their linear method's plain_weights), without bias, and the kernel builds."""
+    of one dtype (their linear method's plain_weights), and the kernel builds."""
     dtypes = {layer.params_dtype for layer in layers}
     return (len(dtypes) == 1 and dtypes <= set(DTYPES)
-            and all(layer.method.plain_weights and not layer.tied and layer.bias is None and layer.weight.is_cpu
-                    for layer in layers)
+            and all(layer.method.plain_weights and not layer.tied and layer.weight.is_cpu for layer in layers)
             and KERNEL.load() is not None)
 
 
@@ -72,6 +72,14 @@ def stacked(layers: list[Linear], dtype: torch.dtype) -> torch.Tensor:
     for e, layer in enumerate(layers):
         out[e].copy_(layer.weight.detach())
     return out
+
+
+def stacked_biases(layers: list[Linear]) -> Optional[torch.Tensor]:
+    """The layers' biases as one float32 [E, N] tensor (the kernel adds them to its float32 products), or None where
+    they have none."""
+    if layers[0].bias is None:
+        return None
+    return torch.stack([layer.bias.detach().float() for layer in layers])
 
 
 def held_dtype(layers: list[Linear]) -> torch.dtype:
@@ -87,15 +95,21 @@ def held_dtype(layers: list[Linear]) -> torch.dtype:
 class FusedExpertsMethod(ExpertsMethod):
     def __init__(self, dtype: torch.dtype) -> None:
         self.gemm_min_rows = gemm_min_rows(dtype)
+        self.swiglu = (0.0, 0.0)  # the kernel's (swiglu_alpha, swiglu_limit) from the experts' activation; 0: SiLU
 
     def process_weights_after_loading(self, experts: "Experts") -> None:
-        """Stack the experts' weights into experts.w13 and experts.w2; the expert modules go."""
+        """Stack the experts' weights into experts.w13 and experts.w2, their biases into experts.b13 and experts.b2
+        (None without); the expert modules go."""
         gate_up, down = [mlp.gate_up_proj for mlp in experts], [mlp.down_proj for mlp in experts]
         dtype = held_dtype(gate_up + down)
         experts.w13 = nn.Parameter(stacked(gate_up, dtype), requires_grad=False)
         experts.w2 = nn.Parameter(stacked(down, dtype), requires_grad=False)
+        experts.b13, experts.b2 = stacked_biases(gate_up), stacked_biases(down)
+        activation = experts.activation
+        self.swiglu = (0.0, 0.0) if activation is None else (activation.alpha, activation.limit)
         del experts[:]
 
     def apply(self, experts: "Experts", x: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return KERNEL.load().fused_moe(x, experts.w13, experts.w2, weights, ids, self.gemm_min_rows)
+        return KERNEL.load().fused_moe(x, experts.w13, experts.w2, weights, ids, self.gemm_min_rows, experts.b13,
+                                       experts.b2, *self.swiglu)

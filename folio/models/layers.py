@@ -117,5 +117,24 @@ class RotaryEmbedding(HotPathModule):
         return fused_ops.rotary_embedding_(positions, q, k, self.cos, self.sin)
 
 
+class InterleavedRotaryEmbedding(RotaryEmbedding):
+    """GPT-J-style rotary embedding (GLM, GLM-4): channels 2i and 2i+1 of the rotated part of each head turn together
+    by frequency i, where the neox style turns channels i and i + rotary_dim/2.
+
+    Each pair is gathered into the two halves the neox kernel rotates, rotated there, and scattered back: the
+    kernel's products and sums are Transformers' own (x * cos + rotate_half(x) * sin, pair by pair), so the numbers
+    are the same to the bit, for two copies of the rotated channels."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D], rotated in place (they are views of the step's qkv output)."""
+        # [T, H, rot] as [T, H, 2, rot/2]: row 0 the even channels, row 1 the odd ones
+        pairs = [x[..., :self.rotary_dim].unflatten(-1, (-1, 2)).transpose(-1, -2) for x in (q, k)]
+        halves = [p.flatten(-2) for p in pairs]  # copies, in neox order
+        fused_ops.rotary_embedding_(positions, *halves, self.cos, self.sin)
+        for p, h in zip(pairs, halves):
+            p.copy_(h.unflatten(-1, (2, -1)))
+        return q, k
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return fused_ops.silu_and_mul(gate_up)

@@ -127,6 +127,7 @@ def checkpoint_target(name: str, stacked_params: dict[str, tuple[str, ShardId]],
 
 class LlamaForCausalLM(nn.Module):
     layer_cls = LlamaDecoderLayer
+    rotary_cls = RotaryEmbedding  # GLM rotates interleaved pairs (layers.InterleavedRotaryEmbedding)
     # checkpoint tensor name fragment -> (fused parameter fragment, shard id)
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -134,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding.for_model(cfg, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = self.rotary_cls.for_model(cfg, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -64,6 +64,16 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
                           "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6},
     "MistralForCausalLM": {"sliding_window": 4096},
+    # Transformers' GemmaConfig (Gemma 1: config.json files of its time leave tying out), Ernie4_5Config (a head_dim
+    # that is not hidden_size / heads) and Exaone4Config (hybrid attention unless sliding_window is null)
+    "GemmaForCausalLM": {"head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "Ernie4_5ForCausalLM": {"head_dim": 128, "tie_word_embeddings": True},
+    "Exaone4ForCausalLM": {"sliding_window": 4096, "sliding_window_pattern": 4},
+    "Olmo2ForCausalLM": {"rms_norm_eps": 1e-5},
+    # OLMo 3 (Transformers' Olmo3Config): a RoPE base of 500000 for both layer types; a legacy rope_theta (and
+    # rope_scaling) is the full layers' only
+    "Olmo3ForCausalLM": {"rms_norm_eps": 1e-5, "sliding_window": 4096, "rope_theta": 500_000.0,
+                         "rope_local_base_freq": 500_000.0},
 }
 # Multimodal architectures whose language model folio serves, text in and text out (the vision tower and projector
 # are not served: folio.models.llama.checkpoint_target skips their tensors) -> the architecture of that language
@@ -83,9 +93,9 @@ def language_model_architecture(arch: str) -> str:
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's config: a multimodal config's text_config (LANGUAGE_MODELS), with the language model's
-    defaults for the fields it leaves out. Gemma 3's per-layer RoPE parameters become rope_theta / rope_scaling
-    (global layers) and rope_local_base_freq / rope_local_scaling (sliding ones), whichever way the file writes
-    them."""
+    defaults for the fields it leaves out. Gemma 3's and OLMo 3's per-layer RoPE parameters become rope_theta /
+    rope_scaling (global layers) and rope_local_base_freq / rope_local_scaling (sliding ones), whichever way the file
+    writes them."""
     arch = ModelConfig.architecture_of(cfg)
     text_arch = language_model_architecture(arch)
     if arch in LANGUAGE_MODELS:
@@ -103,7 +113,10 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
             inner["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         cfg = inner
     cfg = {**HF_DEFAULTS.get(text_arch, {}), **cfg}
-    if text_arch == "Gemma3ForCausalLM":
+    if text_arch == "Olmo3ForCausalLM" and cfg.get("layer_types") is None:  # Olmo3Config: every 4th layer full
+        cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                              for i in range(int(cfg.get("num_hidden_layers") or 0))]
+    if text_arch in ("Gemma3ForCausalLM", "Olmo3ForCausalLM"):
         rope = cfg.pop("rope_parameters", None) or {}
         if "full_attention" in rope or "sliding_attention" in rope:  # Transformers 5: per layer type
             full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
@@ -121,7 +134,7 @@ def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Op
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is None:
-        if arch == "Gemma2ForCausalLM":  # even layers slide
+        if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):  # even layers slide
             types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
         elif arch == "Gemma3ForCausalLM":  # five local layers to one global
             pattern = int(cfg.get("sliding_window_pattern") or 6)
@@ -131,6 +144,11 @@ def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Op
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer (Phi-3-mini-4k: 2047)
             types = ["sliding_attention"] * num_layers
+        elif arch == "Exaone4ForCausalLM" and window is not None:  # the pattern: 4 (every 4th global) or "LLLG"
+            pattern = cfg.get("sliding_window_pattern") or 4
+            slides = ([pattern[i % len(pattern)] == "L" for i in range(num_layers)] if isinstance(pattern, str)
+                      else [(i + 1) % int(pattern) != 0 for i in range(num_layers)])
+            types = ["sliding_attention" if s else "full_attention" for s in slides]
         else:
             return ()
     if len(types) != num_layers:

@@ -9,6 +9,9 @@ fused, one C++ call per layer (folio.models.fused_moe); quantised ones keep the 
 sort) and run each chosen expert once on all of its tokens: an expert's weights are read at most once per step
 whatever the batch, and an expert no token chose is not read at all.
 
+GPT-OSS's experts (folio.models.gpt_oss) have biases on gate/up and down and their own activation
+(experts_method.ClampedSwiGLU): `ClampedSwiGLUExpert`, which both methods run.
+
 Routing follows Transformers exactly: softmax in float32 over the router logits, top-k, renormalised to sum 1
 where the model does (Mixtral always, Qwen and OLMoE by norm_topk_prob); Qwen and OLMoE cast the weights back to
 the activations' dtype, Mixtral keeps them in float32. Qwen2-MoE adds a shared expert that every token goes
@@ -18,12 +21,15 @@ quantisation scheme keeps them in full precision, as routing decisions are the m
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from folio.models import fused_moe
-from folio.models.experts_method import ExpertsMethod, PerExpertMethod
+from folio.models.experts_method import ClampedSwiGLU, ExpertsMethod, PerExpertMethod
 from folio.models.hot_path import HotPathModule
+from folio.models.linear import Linear
 from folio.models.llama import LlamaDecoderLayer, LlamaMLP
 from folio.models.model_config import ModelConfig, MoEConfig
 from folio.models.weight_loader import uninitialized
@@ -54,13 +60,32 @@ class TopKRouter(Gate):
         return (weights if self.float_weights else weights.to(logits.dtype)), experts
 
 
-class Experts(nn.ModuleList):
-    """The routed experts of one layer, declared as LlamaMLPs (so every linear method loads them) and run by
-    an ExpertsMethod chosen after loading (`experts_method`). runs[e] counts expert e's runs, each one read of
-    its weights: the step profile (folio.bench.step_profile) reports them per step."""
+class ClampedSwiGLUExpert(HotPathModule):
+    """A GPT-OSS expert: gate/up (two shards, gates first, as LlamaMLP's) and down with biases, and the clamped
+    SwiGLU between them."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
-        super().__init__(LlamaMLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
+    def __init__(self, cfg: ModelConfig, intermediate_size: int, activation: ClampedSwiGLU) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: intermediate_size, 1: intermediate_size}, bias=True)
+        self.down_proj = Linear(intermediate_size, cfg.hidden_size, bias=True)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.activation(gate, up))
+
+
+class Experts(nn.ModuleList):
+    """The routed experts of one layer, declared as LlamaMLPs (or, with a clamped SwiGLU `activation`,
+    ClampedSwiGLUExperts), so every linear method loads them, and run by an ExpertsMethod chosen after loading
+    (`experts_method`). runs[e] counts expert e's runs, each one read of its weights: the step profile
+    (folio.bench.step_profile) reports them per step."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, activation: Optional[ClampedSwiGLU] = None) -> None:
+        super().__init__(LlamaMLP(cfg, moe.intermediate_size) if activation is None
+                         else ClampedSwiGLUExpert(cfg, moe.intermediate_size, activation)
+                         for _ in range(moe.num_experts))
+        self.activation = activation
         self.num_experts = moe.num_experts
         self.runs = torch.zeros(moe.num_experts, dtype=torch.int64)
         self.method: ExpertsMethod = PerExpertMethod()

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from folio.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from folio.models.ernie4_5 import Ernie4_5ForCausalLM
+from folio.models.exaone4 import Exaone4ForCausalLM
+from folio.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from folio.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from folio.models.granite import GraniteForCausalLM
+from folio.models.gpt_oss import GptOssForCausalLM
+from folio.models.granite_moe import GraniteMoeForCausalLM
 from folio.models.llama import LlamaForCausalLM
 from folio.models.mixtral import MixtralForCausalLM
 from folio.models.model_config import LANGUAGE_MODELS, ModelConfig
+from folio.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from folio.models.olmoe import OlmoeForCausalLM
 from folio.models.phi3 import Phi3ForCausalLM
 from folio.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -24,12 +30,22 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeForCausalLM,  # the shared MLP: shared_intermediate_size
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
 }
 # multimodal checkpoints (Gemma 3, Mistral 3): their language model's class, text in and text out
 MODEL_CLASSES.update({arch: MODEL_CLASSES[text_arch] for arch, (text_arch, _) in LANGUAGE_MODELS.items()})

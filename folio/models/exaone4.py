@@ -1,0 +1,61 @@
+"""LG EXAONE 4.0 (EXAONE-4.0-1.2B, -32B): Qwen3's attention (an RMSNorm over each head of q and k before RoPE) in
+post-norm blocks, as Transformers' Exaone4 computes them.
+
+  * no norm before attention or the MLP: each one's output is RMS-normalised (post_attention_layernorm,
+    post_feedforward_layernorm) before its residual add;
+  * hybrid attention (32B): the layers `layer_types` names sliding (three of every four) see a window of
+    sliding_window tokens and use RoPE; the global ones see the whole context with no positional encoding (NoPE).
+    Where sliding_window is null (1.2B) every layer is global and every layer uses RoPE. Transformers' rule, kept
+    to the letter: a layer rotates q and k when the config has no sliding_window or the layer slides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.models.hot_path import HotPathModule
+from folio.models.layers import RMSNorm, RotaryEmbedding
+from folio.models.llama import LlamaForCausalLM, LlamaMLP, StepContext
+from folio.models.model_config import ModelConfig, sliding_windows
+from folio.models.qwen3 import Qwen3Attention
+from folio.models.smollm3 import NoRotary
+
+
+def rope_layers(cfg: ModelConfig) -> list[bool]:
+    """Per layer, whether its attention rotates q and k. From the config's own windows, not cfg.sliding_windows,
+    which drops a window no shorter than the context (the layer still slides for Transformers, and rotates)."""
+    if cfg.hf_config.get("sliding_window") is None:
+        return [True] * cfg.num_hidden_layers
+    windows = sliding_windows(cfg.hf_config, cfg.architecture, cfg.num_hidden_layers)
+    return [bool(windows) and windows[i] is not None for i in range(cfg.num_hidden_layers)]
+
+
+class Exaone4DecoderLayer(HotPathModule):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        rotates = rope_layers(cfg)[layer_idx]
+        self.self_attn = Qwen3Attention(cfg, layer_idx, rotary if rotates else NoRotary())
+        self.mlp = LlamaMLP(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, x, ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+class Exaone4ForCausalLM(LlamaForCausalLM):
+    layer_cls = Exaone4DecoderLayer
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        activation = cfg.hf_config.get("hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"{cfg.architecture}: hidden_act {activation!r} is not supported (supported: 'silu')")
+        super().__init__(cfg, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
