@@ -195,18 +195,22 @@ class ModelConfig:
 
     def for_tensor_parallel(self, size: int) -> "ModelConfig":
         """The config of one rank's slice of the model when `size` ranks split it (folio.distributed): its share of
-        the attention heads, of the KV heads (one, where there are fewer than ranks) and of the MLP's intermediate
-        columns; the rest whole. A model built from it declares its layers at the rank's sizes
-        (folio.models.linear: parallel layers)."""
+        the attention heads, of the KV heads (one, where there are fewer than ranks) and of the intermediate columns
+        of the MLP and of every expert; the rest whole (a mixture of experts' router too). A model built from it
+        declares its layers at the rank's sizes (folio.models.linear: parallel layers)."""
         if size == 1:
             return self
-        if self.moe is not None:
-            raise ValueError(f"tensor_parallel_size {size}: mixture-of-experts models ({self.architecture}) are "
-                             f"not split across ranks")
-        for name in ("num_attention_heads", "intermediate_size"):
-            if getattr(self, name) % size:
-                raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
-                                 f"({getattr(self, name)})")
+        moe = self.moe
+        sizes = {"num_attention_heads": self.num_attention_heads, "intermediate_size": self.intermediate_size}
+        if moe is not None:
+            sizes.update(moe_intermediate_size=moe.intermediate_size,
+                         shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
+        for name, value in sizes.items():
+            if value % size:
+                raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} ({value})")
+        if moe is not None:  # every rank keeps its columns of every expert (vLLM's tensor-parallel experts)
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // size,
+                                      shared_expert_intermediate_size=moe.shared_expert_intermediate_size // size)
         kv_heads = self.num_key_value_heads
         if kv_heads % size and size % kv_heads:
             raise ValueError(f"tensor_parallel_size {size} neither divides nor is a multiple of the model's "
@@ -215,7 +219,7 @@ class ModelConfig:
         return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // size,
                                    num_key_value_heads=max(1, kv_heads // size),
                                    kv_head_replicas=max(1, size // kv_heads),
-                                   intermediate_size=self.intermediate_size // size)
+                                   intermediate_size=self.intermediate_size // size, moe=moe)
 
     @staticmethod
     def architecture_of(cfg: dict[str, Any]) -> str:

@@ -14,6 +14,10 @@ where the model does (Mixtral always, Qwen and OLMoE by norm_topk_prob); Qwen an
 the activations' dtype, Mixtral keeps them in float32. Qwen2-MoE adds a shared expert that every token goes
 through, scaled by a sigmoid gate. The router and that gate are small `Gate` projections, not Linear layers: a
 quantisation scheme keeps them in full precision, as routing decisions are the most sensitive numbers of the block.
+
+Under tensor parallelism every rank keeps its columns of every expert (gate/up rows, down columns: vLLM's
+tensor-parallel experts), routes all tokens with the whole router, and the block sums the ranks' partial outputs
+once, all experts and the shared one together, rather than once per expert.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from folio.distributed.parallel_state import tensor_parallel_group
 from folio.models import fused_moe
 from folio.models.experts_method import ExpertsMethod, PerExpertMethod
 from folio.models.hot_path import HotPathModule
@@ -60,7 +65,7 @@ class Experts(nn.ModuleList):
     its weights: the step profile (folio.bench.step_profile) reports them per step."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
-        super().__init__(LlamaMLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
+        super().__init__(LlamaMLP(cfg, moe.intermediate_size, reduce_results=False) for _ in range(moe.num_experts))
         self.num_experts = moe.num_experts
         self.runs = torch.zeros(moe.num_experts, dtype=torch.int64)
         self.method: ExpertsMethod = PerExpertMethod()
@@ -92,15 +97,16 @@ class SparseMoeBlock(HotPathModule):
         self.experts = Experts(cfg, moe)
         self.shared_expert = None
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = LlamaMLP(cfg, moe.shared_expert_intermediate_size)
+            self.shared_expert = LlamaMLP(cfg, moe.shared_expert_intermediate_size, reduce_results=False)
             self.shared_expert_gate = Gate(cfg.hidden_size, 1)
+        self.tp = tensor_parallel_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)  # the ranks' partial sums of every expert: one sum for the block
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
