@@ -31,6 +31,7 @@ from folio.models.model_config import ModelConfig
 from greedy_match import assert_greedy_matches, greedy_logprobs
 from test_gguf_loader import _byte_level_vocab
 from test_gguf_models import _add
+from test_tensor_parallel import GREEDY, _assert_same, _run
 
 Q = gguf.GGMLQuantizationType
 
@@ -189,11 +190,9 @@ def test_mxfp4_values():
         mxfp4.dequantize(blocks[..., :4], scales)
 
 
-def test_tensor_parallel_is_refused(gpt_oss_dir):
-    # mixtures of experts run on one rank
-    cfg = ModelConfig.from_hf_dict(json.load(open(f"{gpt_oss_dir}/config.json")))
-    with pytest.raises(ValueError, match="mixture-of-experts models"):
-        cfg.for_tensor_parallel(2)
+def test_two_ranks_give_one_ranks_greedy_tokens(gpt_oss_dir):
+    """Each rank keeps its heads' sinks and its columns of every expert (biases on the down projections added once)."""
+    _assert_same(_run(gpt_oss_dir, GREEDY, 1), _run(gpt_oss_dir, GREEDY, 2))
 
 
 def test_layer_types_default_to_transformers(gpt_oss_dir):

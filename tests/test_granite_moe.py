@@ -4,7 +4,7 @@ prefill and preemption forced; and from a GGUF file written as llama.cpp's conve
 
 The checkpoints stack the experts (gate rows, then up rows) and fuse the shared MLP's gate and up: loading them into
 the wrong halves, or leaving out the residual multiplier on the experts' sum or the shared MLP, must break the match.
-Mixtures of experts are not split across tensor-parallel ranks (ModelConfig.for_tensor_parallel refuses them).
+Two tensor-parallel ranks give one rank's tokens (each keeps its columns of every expert and of the shared MLP).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from folio.models.granite_moe import GraniteMoeForCausalLM
 from folio.models.model_config import ModelConfig
 from greedy_match import assert_greedy_matches, greedy_logprobs
 from test_gguf_models import hf_to_gguf
+from test_tensor_parallel import GREEDY, _assert_same, _run
 
 KV_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # K and V, layers, kv heads, head_dim, fp32 bytes, block_size
 PROMPTS = [list(range(20, 61)), [100, 3, 250, 77, 1, 90, 91, 92, 93, 94, 95, 17, 300, 301]]
@@ -109,3 +110,7 @@ def test_gguf_generates_like_transformers(dirs, expected, tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in expected["granitemoeshared"]]
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens(dirs):
+    _assert_same(_run(dirs["granitemoeshared"], GREEDY, 1), _run(dirs["granitemoeshared"], GREEDY, 2))

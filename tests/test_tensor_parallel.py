@@ -22,6 +22,7 @@ from folio.distributed.parallel_state import TensorParallelGroup
 from folio.executor.executor import WorkerError
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.linear import Linear
+from folio.models.model_config import ModelConfig
 from folio.models.weight_loader import ALL_SHARDS, weight_loader_of
 from folio.pooling_params import PoolingParams
 from folio.structured_output.params import StructuredOutputsParams
@@ -152,9 +153,31 @@ def test_refusals(folders, kwargs, message):
         LLM(folders("llama"), **{**ENGINE, **kwargs})
 
 
-def test_mixture_of_experts_and_gguf_layers_are_refused(tiny_model_factory, tmp_path):
-    with pytest.raises(ValueError, match="mixture-of-experts models"):
-        LLM(tiny_model_factory("mixtral"), tensor_parallel_size=2, **ENGINE)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_mixtures_of_experts_split_every_expert(folders, arch):
+    """Each rank keeps its columns of every expert (and of Qwen2-MoE's shared expert, its dense layer 1 too): the
+    block sums the ranks' outputs once. The experts run fused here where the kernel builds (float32)."""
+    folder = folders(arch)
+    _assert_same(_run(folder, GREEDY, 1), _run(folder, GREEDY, 2))
+
+
+def test_experts_run_one_by_one_split_too(folders, monkeypatch):
+    """Without the fused kernel each expert's layers run through their linear method, the down projections leaving
+    their partial products to the block's one sum."""
+    monkeypatch.setenv("FOLIO_DISABLE_CPU_KERNELS", "1")  # (read by the worker processes too)
+    folder = folders("qwen2_moe")
+    _assert_same(_run(folder, GREEDY, 1), _run(folder, GREEDY, 2))
+
+
+def test_refused_splits(tiny_model_factory):
+    experts = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+               "num_hidden_layers": 1, "num_attention_heads": 2, "num_experts": 2, "num_experts_per_tok": 1,
+               "moe_intermediate_size": 6}
+    assert ModelConfig.from_hf_dict(experts).for_tensor_parallel(2).moe.intermediate_size == 3
+    with pytest.raises(ValueError, match=r"does not divide the model's moe_intermediate_size \(5\)"):
+        ModelConfig.from_hf_dict({**experts, "moe_intermediate_size": 5}).for_tensor_parallel(2)
+    with pytest.raises(ValueError, match="OLMoE's q and k norms"):
+        LLM(tiny_model_factory("olmoe"), tensor_parallel_size=2, **ENGINE)
     with pytest.raises(ValueError, match="GGUF file's layers as stored are not split"):
         LLM(None, tensor_parallel_size=2)
 

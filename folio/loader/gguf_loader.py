@@ -304,8 +304,6 @@ def _hf_config(reader: GGUFReader) -> dict:
         config.update(_gemma_config(reader, arch, config))
     if arch in ("granite", "granitemoe"):
         config.update(_granite_config(reader, arch, head_dim))
-    if arch == "granitemoe":  # Granite's name for the shared MLP's size (GraniteMoeShared; 0: none)
-        config["shared_intermediate_size"] = config.pop("shared_expert_intermediate_size", 0)
     if model_type == "olmo3":
         config.update(_olmo3_config(reader, arch, config))
     if arch == "exaone4":

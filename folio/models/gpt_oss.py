@@ -17,7 +17,7 @@ load (folio.models.mxfp4), exactly, as Transformers' Mxfp4Config(dequantize=True
 ("gpt-oss") come through folio.loader.gguf_loader, their experts one by one already, their sinks as
 self_attn.sinks.weight.
 
-Mixtures of experts are not split across tensor-parallel ranks (ModelConfig.for_tensor_parallel), GPT-OSS neither.
+Tensor parallelism: each rank keeps its heads' sinks and its columns of every expert (folio.models.moe).
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ import torch
 from torch import nn
 
 from folio.attention.backend import AttentionParams
+from folio.distributed.parallel_state import tensor_parallel_group
 from folio.models import mxfp4
 from folio.models.experts_method import ClampedSwiGLU
 from folio.models.gemma import GemmaRMSNorm
 from folio.models.hot_path import HotPathModule
 from folio.models.layers import RotaryEmbedding
-from folio.models.linear import Linear
+from folio.models.linear import Linear, load_rank_rows
 from folio.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from folio.models.model_config import ModelConfig
 from folio.models.moe import Experts, Gate
@@ -70,6 +71,7 @@ class GptOssAttention(LlamaAttention):
         super().__init__(cfg, layer_idx, rotary)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias, parallel="row")
         self.sinks = uninitialized(self.num_heads, dtype=torch.float32)
+        load_rank_rows(self.sinks)  # (the rank's heads')
         self.attn_params = AttentionParams(sliding_window=cfg.sliding_window(layer_idx), sinks=self.sinks)
 
 
@@ -95,9 +97,10 @@ class GptOssMoeBlock(HotPathModule):
                                    limit=float(hf.get("swiglu_limit", SWIGLU_LIMIT)))
         self.router = GptOssRouter(cfg)
         self.experts = Experts(cfg, cfg.moe, activation)
+        self.tp = tensor_parallel_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, *self.router(x))
+        return self.tp.all_reduce(self.experts(x, *self.router(x)))  # (the ranks' partial sums: moe.Experts)
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):

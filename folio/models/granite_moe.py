@@ -25,6 +25,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from folio.distributed.parallel_state import tensor_parallel_group
 from folio.models.granite import GraniteDecoderLayer, GraniteForCausalLM, multiplier
 from folio.models.hot_path import HotPathModule
 from folio.models.llama import LlamaMLP
@@ -34,11 +35,6 @@ from folio.models.moe import Experts, Gate
 # a layer's tensors named as Granite names them (the router) or holding several of folio's: (layer, block, tensor)
 _FUSED_TENSOR = re.compile(r"(.+\.layers\.\d+)\.(block_sparse_moe|shared_mlp)\."
                            r"(input_linear|output_linear|router\.layer)\.weight")
-
-
-def shared_intermediate_size(cfg: ModelConfig) -> int:
-    """The shared MLP's intermediate size; 0: none (GraniteMoeSharedConfig's default, and GraniteMoe's)."""
-    return int(cfg.hf_config.get("shared_intermediate_size") or 0)
 
 
 class TopKSoftmaxRouter(Gate):
@@ -61,15 +57,16 @@ class GraniteMoeBlock(HotPathModule):
         super().__init__()
         self.gate = TopKSoftmaxRouter(cfg)
         self.experts = Experts(cfg, cfg.moe)
-        shared = shared_intermediate_size(cfg)
-        self.shared_expert = LlamaMLP(cfg, shared) if shared else None
+        shared = cfg.moe.shared_expert_intermediate_size  # (config.json's shared_intermediate_size)
+        self.shared_expert = LlamaMLP(cfg, shared, reduce_results=False) if shared else None
         self.residual_multiplier = multiplier(cfg, "residual_multiplier")
+        self.tp = tensor_parallel_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        return out * self.residual_multiplier
+        return self.tp.all_reduce(out) * self.residual_multiplier  # (the ranks' partial sums: moe.Experts)
 
 
 class GraniteMoeDecoderLayer(GraniteDecoderLayer):

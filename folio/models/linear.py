@@ -31,7 +31,8 @@ from torch import nn
 from folio.distributed.parallel_state import tensor_parallel_group
 from folio.models.hot_path import HotPathModule
 from folio.models.layers import Embedding, silu_and_mul
-from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized, weight_loader_of
+from folio.models.weight_loader import (ShardId, copy_checked, default_weight_loader, set_weight_loader, uninitialized,
+                                        weight_loader_of)
 from folio.sample.sampling_ops import argmax_rows
 
 
@@ -96,19 +97,22 @@ class Linear(HotPathModule):
     loader builds it under the serving dtype), so weights are created directly in it.
     parallel: "column" or "row" for a layer that tensor-parallel ranks split (the sizes given are the rank's);
     whole when the process's group has one rank. shard_replicas: of a column-parallel layer, how many ranks
-    share each shard's rows (KV heads fewer than ranks: each rank keeps one); 1 where not given.
+    share each shard's rows (KV heads fewer than ranks: each rank keeps one); 1 where not given. reduce_results:
+    of a row-parallel layer, whether it sums the ranks' partial products itself; False leaves the sum to its owner,
+    which makes one for several layers (a mixture of experts sums its weighted experts once, not each expert).
     """
 
     def __init__(self, input_size: int, output_sizes: Union[int, Mapping[ShardId, int]], bias: bool = False,
                  tied_to: Optional[nn.Parameter] = None, params_dtype: Optional[torch.dtype] = None,
                  silu_and_mul: bool = False, parallel: Optional[str] = None,
-                 shard_replicas: Optional[Mapping[ShardId, int]] = None) -> None:
+                 shard_replicas: Optional[Mapping[ShardId, int]] = None, reduce_results: bool = True) -> None:
         super().__init__()
         if parallel not in (None, "column", "row"):
             raise ValueError(f"Linear parallel must be 'column' or 'row', got {parallel!r}")
         self.tp = tensor_parallel_group()
         self.parallel = parallel if self.tp.size > 1 else None
         self.shard_replicas = dict(shard_replicas or {})
+        self.reduce_results = reduce_results
         sizes = {None: output_sizes} if isinstance(output_sizes, int) else dict(output_sizes)
         if not sizes or any(size <= 0 for size in sizes.values()):
             raise ValueError(f"Linear output sizes must be positive, got {output_sizes!r}")
@@ -140,7 +144,8 @@ class Linear(HotPathModule):
         self.method = method
         if self.parallel is not None:
             self._load_rank_slices()
-        if self.parallel == "row":  # an instance's forward is what a call runs: whole layers keep theirs as it is
+        if self.parallel == "row" and self.reduce_results:  # an instance's forward is what a call runs: whole
+            # layers, and those whose owner sums, keep theirs as it is
             self.forward = self._forward_and_sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,6 +214,22 @@ class Linear(HotPathModule):
         """Weight loader of row parameters: the shard's tensor goes into the shard's rows."""
         first, rows = self.shard_extent(shard_id)
         copy_checked(param.data.narrow(0, first, rows), tensor)
+
+
+def load_rank_rows(param: nn.Parameter, replicas: int = 1) -> None:
+    """Make a per-head parameter outside the Linear layers (GPT-OSS's attention sinks, OLMo 2's q/k norm weights)
+    load this tensor-parallel rank's rows of the whole checkpoint tensor: its heads' rows, as a column-parallel layer
+    keeps, each slice kept by `replicas` ranks (KV heads fewer than ranks); the whole tensor on one rank."""
+    tp = tensor_parallel_group()
+    rows = param.shape[0]
+    whole, first = rows * tp.size // replicas, tp.rank // replicas * rows
+
+    def load_rank_slice(p: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
+        if tensor.shape[0] != whole:
+            raise ValueError(f"has {tensor.shape[0]} rows, expected {whole}")
+        default_weight_loader(p, tensor.narrow(0, first, rows), shard_id)
+
+    set_weight_loader(param, load_rank_slice, (None,))
 
 
 def linear_layers(model: nn.Module) -> Iterator[tuple[str, Linear]]:

@@ -68,11 +68,13 @@ class LlamaAttention(HotPathModule):
 class LlamaMLP(HotPathModule):
     swiglu = True  # gate_up_proj's output is SiLU-and-mul's (Linear's silu_and_mul); GeGLU models set False
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None, reduce_results: bool = True) -> None:
+        """reduce_results=False: under tensor parallelism the output is this rank's partial sum, which the owner
+        adds up (a mixture of experts' block, once for all its experts)."""
         super().__init__()
         size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, {0: size, 1: size}, silu_and_mul=self.swiglu, parallel="column")
-        self.down_proj = Linear(size, cfg.hidden_size, bias=False, parallel="row")
+        self.down_proj = Linear(size, cfg.hidden_size, bias=False, parallel="row", reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))

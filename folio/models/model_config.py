@@ -21,13 +21,14 @@ def num_experts(cfg: dict[str, Any]) -> int:
 
 @dataclass
 class MoEConfig:
-    """The mixture-of-experts facts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE configs (folio.models.moe)."""
+    """The mixture-of-experts facts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE and GPT-OSS configs
+    (folio.models.moe)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of each routed expert
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, 0: none
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's / Granite MoE's always-on expert, 0: none
     decoder_sparse_step: int = 1  # every n-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... but these stay dense
 
@@ -46,7 +47,9 @@ class MoEConfig:
                    # OLMoE's and Mixtral's experts have intermediate_size; Qwen's have their own
                    intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                    norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
-                   shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                   # Qwen2-MoE's gated shared expert, or Granite MoE's ungated shared MLP
+                   shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size")
+                                                       or cfg.get("shared_intermediate_size") or 0),
                    decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                    mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
@@ -213,18 +216,22 @@ class ModelConfig:
 
     def for_tensor_parallel(self, size: int) -> "ModelConfig":
         """The config of one rank's slice of the model when `size` ranks split it (folio.distributed): its share of
-        the attention heads, of the KV heads (one, where there are fewer than ranks) and of the MLP's intermediate
-        columns; the rest whole. A model built from it declares its layers at the rank's sizes
-        (folio.models.linear: parallel layers)."""
+        the attention heads, of the KV heads (one, where there are fewer than ranks) and of the intermediate columns
+        of the MLP and of every expert; the rest whole (a mixture of experts' router too). A model built from it
+        declares its layers at the rank's sizes (folio.models.linear: parallel layers)."""
         if size == 1:
             return self
-        if self.moe is not None:
-            raise ValueError(f"tensor_parallel_size {size}: mixture-of-experts models ({self.architecture}) are "
-                             f"not split across ranks")
-        for name in ("num_attention_heads", "intermediate_size"):
-            if getattr(self, name) % size:
-                raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
-                                 f"({getattr(self, name)})")
+        moe = self.moe
+        sizes = {"num_attention_heads": self.num_attention_heads, "intermediate_size": self.intermediate_size}
+        if moe is not None:
+            sizes.update(moe_intermediate_size=moe.intermediate_size,
+                         shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
+        for name, value in sizes.items():
+            if value % size:
+                raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} ({value})")
+        if moe is not None:  # every rank keeps its columns of every expert (vLLM's tensor-parallel experts)
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // size,
+                                      shared_expert_intermediate_size=moe.shared_expert_intermediate_size // size)
         kv_heads = self.num_key_value_heads
         if kv_heads % size and size % kv_heads:
             raise ValueError(f"tensor_parallel_size {size} neither divides nor is a multiple of the model's "
@@ -233,7 +240,7 @@ class ModelConfig:
         return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // size,
                                    num_key_value_heads=max(1, kv_heads // size),
                                    kv_head_replicas=max(1, size // kv_heads),
-                                   intermediate_size=self.intermediate_size // size)
+                                   intermediate_size=self.intermediate_size // size, moe=moe)
 
     @staticmethod
     def architecture_of(cfg: dict[str, Any]) -> str:

@@ -17,6 +17,10 @@ where the model does (Mixtral always, Qwen and OLMoE by norm_topk_prob); Qwen an
 the activations' dtype, Mixtral keeps them in float32. Qwen2-MoE adds a shared expert that every token goes
 through, scaled by a sigmoid gate. The router and that gate are small `Gate` projections, not Linear layers: a
 quantisation scheme keeps them in full precision, as routing decisions are the most sensitive numbers of the block.
+
+Under tensor parallelism every rank keeps its columns of every expert (gate/up rows, down columns: vLLM's
+tensor-parallel experts), routes all tokens with the whole router, and the block sums the ranks' partial outputs
+once, all experts and the shared one together, rather than once per expert.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from folio.distributed.parallel_state import tensor_parallel_group
 from folio.models import fused_moe
 from folio.models.experts_method import ClampedSwiGLU, ExpertsMethod, PerExpertMethod
 from folio.models.hot_path import HotPathModule
@@ -66,8 +71,9 @@ class ClampedSwiGLUExpert(HotPathModule):
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int, activation: ClampedSwiGLU) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, {0: intermediate_size, 1: intermediate_size}, bias=True)
-        self.down_proj = Linear(intermediate_size, cfg.hidden_size, bias=True)
+        self.gate_up_proj = Linear(cfg.hidden_size, {0: intermediate_size, 1: intermediate_size}, bias=True,
+                                   parallel="column")
+        self.down_proj = Linear(intermediate_size, cfg.hidden_size, bias=True, parallel="row", reduce_results=False)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,11 +84,12 @@ class ClampedSwiGLUExpert(HotPathModule):
 class Experts(nn.ModuleList):
     """The routed experts of one layer, declared as LlamaMLPs (or, with a clamped SwiGLU `activation`,
     ClampedSwiGLUExperts), so every linear method loads them, and run by an ExpertsMethod chosen after loading
-    (`experts_method`). runs[e] counts expert e's runs, each one read of its weights: the step profile
+    (`experts_method`). Under tensor parallelism an expert's output is the rank's partial sum: its block adds the
+    ranks' up. runs[e] counts expert e's runs, each one read of its weights: the step profile
     (folio.bench.step_profile) reports them per step."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, activation: Optional[ClampedSwiGLU] = None) -> None:
-        super().__init__(LlamaMLP(cfg, moe.intermediate_size) if activation is None
+        super().__init__(LlamaMLP(cfg, moe.intermediate_size, reduce_results=False) if activation is None
                          else ClampedSwiGLUExpert(cfg, moe.intermediate_size, activation)
                          for _ in range(moe.num_experts))
         self.activation = activation
@@ -117,15 +124,16 @@ class SparseMoeBlock(HotPathModule):
         self.experts = Experts(cfg, moe)
         self.shared_expert = None
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = LlamaMLP(cfg, moe.shared_expert_intermediate_size)
+            self.shared_expert = LlamaMLP(cfg, moe.shared_expert_intermediate_size, reduce_results=False)
             self.shared_expert_gate = Gate(cfg.hidden_size, 1)
+        self.tp = tensor_parallel_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)  # the ranks' partial sums of every expert: one sum for the block
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):

@@ -18,15 +18,14 @@ rank scales its slice by its part of the weights.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from folio.distributed.parallel_state import tensor_parallel_group
 from folio.models.hot_path import HotPathModule
 from folio.models.layers import RotaryEmbedding
-from folio.models.linear import Linear
+from folio.models.linear import Linear, load_rank_rows
 from folio.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, StepContext
 from folio.models.model_config import ModelConfig
-from folio.models.weight_loader import ShardId, default_weight_loader, set_weight_loader, uninitialized
+from folio.models.weight_loader import uninitialized
 
 
 class Olmo2RMSNorm(HotPathModule):
@@ -54,16 +53,8 @@ class ProjectionRMSNorm(Olmo2RMSNorm):
 
     def __init__(self, size: int, eps: float, replicas: int = 1) -> None:
         super().__init__(size, eps)
-        tp = tensor_parallel_group()
-        self.total = size * tp.size
-        first, whole = tp.rank // replicas * size, size * tp.size // replicas
-
-        def load_rank_slice(param: nn.Parameter, tensor: torch.Tensor, shard_id: ShardId) -> None:
-            if tensor.shape[0] != whole:
-                raise ValueError(f"has {tensor.shape[0]} channels, expected {whole}")
-            default_weight_loader(param, tensor.narrow(0, first, size), shard_id)
-
-        set_weight_loader(self.weight, load_rank_slice, (None,))
+        self.total = size * tensor_parallel_group().size
+        load_rank_rows(self.weight, replicas)
 
 
 class Olmo2Attention(LlamaAttention):

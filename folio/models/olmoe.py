@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from folio.distributed.parallel_state import tensor_parallel_group
 from folio.models.layers import RMSNorm, RotaryEmbedding
 from folio.models.llama import LlamaAttention, LlamaForCausalLM
 from folio.models.model_config import ModelConfig
@@ -14,6 +15,9 @@ from folio.models.moe import MoEDecoderLayer
 class OlmoeAttention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, layer_idx, rotary)
+        if tensor_parallel_group().size > 1:
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_group().size}: OLMoE's q and k norms span every "
+                             "head, which ranks split; it runs on one rank")
         self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
 
