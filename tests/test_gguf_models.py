@@ -43,6 +43,24 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_byte_level_tokenizer(w: gguf.GGUFWriter) -> None:
+    """The test GPT-2 style vocabulary (test_gguf_loader._byte_level_vocab), end of text as id 2."""
+    tokens, merges, types = _byte_level_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+
+
+def write_out(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _add(w: gguf.GGUFWriter, name: str, t: np.ndarray, qtype: Q) -> None:
     if qtype == Q.F32:
         w.add_tensor(name, np.ascontiguousarray(t))
@@ -91,13 +109,7 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
-    tokens, merges, types = _byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
+    add_byte_level_tokenizer(w)
     stacked: dict[str, dict[int, np.ndarray]] = {}
     for name, t in sorted(tensors.items()):
         if m := _EXPERT.fullmatch(name):
@@ -117,10 +129,7 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
         _add(w, gguf_name, t, layer_type if gguf_name.startswith("blk.") and t.ndim == 2 else Q.F32)
     for gguf_name, per_expert in stacked.items():
         _add(w, gguf_name, np.stack([per_expert[e] for e in range(experts)]), expert_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return path
 
 

@@ -29,8 +29,7 @@ from folio.models.gpt_oss import SWIGLU_LIMIT, GptOssMoeBlock
 from folio.models.linear import bind_linear_methods, process_weights_after_loading
 from folio.models.model_config import ModelConfig
 from greedy_match import assert_greedy_matches, greedy_logprobs
-from test_gguf_loader import _byte_level_vocab
-from test_gguf_models import _add
+from test_gguf_models import _add, add_byte_level_tokenizer, write_out
 from test_tensor_parallel import GREEDY, _assert_same, _run
 
 Q = gguf.GGMLQuantizationType
@@ -226,13 +225,7 @@ def gpt_oss_to_gguf(folder: str, path: str) -> str:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    tokens, merges, types = _byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
+    add_byte_level_tokenizer(w)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp"}
@@ -259,10 +252,7 @@ def gpt_oss_to_gguf(folder: str, path: str) -> str:
         else:
             module, suffix = part.rsplit(".", 1)
             _add(w, f"blk.{layer}.{names[module]}.{suffix}", t, Q.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return path
 
 

@@ -28,7 +28,7 @@ from folio.models.layers import RMSNorm
 from folio.models.model_config import ModelConfig
 from folio.models.olmo2 import Olmo2ForCausalLM, Olmo2RMSNorm
 from greedy_match import assert_greedy_matches, greedy_logprobs
-from test_gguf_loader import _byte_level_vocab
+from test_gguf_models import add_byte_level_tokenizer, write_out
 from test_tensor_parallel import GREEDY, _assert_same, _run
 
 KV_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # K and V, layers, kv heads, head_dim, fp32 bytes, block_size
@@ -167,20 +167,12 @@ def olmo_to_gguf(folder: str, path: str) -> str:
     if "sliding_window" in cfg:
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
-    tokens, merges, types = _byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
+    add_byte_level_tokenizer(w)
     for name, t in sorted(tensors.items()):
         layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
         gguf_name = f"blk.{layer[1]}.{_GGUF_LAYER[layer[2]]}.{layer[3]}" if layer else _GGUF_GLOBAL[name]
         w.add_tensor(gguf_name, np.ascontiguousarray(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return path
 
 

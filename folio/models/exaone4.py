@@ -47,12 +47,6 @@ class Exaone4DecoderLayer(HotPathModule):
 class Exaone4ForCausalLM(LlamaForCausalLM):
     layer_cls = Exaone4DecoderLayer
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        activation = cfg.hf_config.get("hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"{cfg.architecture}: hidden_act {activation!r} is not supported (supported: 'silu')")
-        super().__init__(cfg, max_positions)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = self.embed(input_ids)
         for layer in self.layers:

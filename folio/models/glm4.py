@@ -63,9 +63,6 @@ class GlmForCausalLM(LlamaForCausalLM):
                       "qkv_proj": ("qkv_proj", ALL_SHARDS), "gate_up_proj": ("gate_up_proj", ALL_SHARDS)}
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        activation = cfg.hf_config.get("hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"{cfg.architecture}: hidden_act {activation!r} is not supported (supported: 'silu')")
         super().__init__(with_glm_defaults(cfg), max_positions)
 
 

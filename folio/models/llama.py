@@ -136,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
+        activation = cfg.hf_config.get("hidden_act", "silu")  # (GPT-OSS's experts have their own: moe.Experts)
+        if activation != "silu":  # the MLPs compute SiLU(gate) * up whatever the config says: refuse the others
+            raise ValueError(f"{cfg.architecture}: hidden_act {activation!r} is not supported (supported: 'silu')")
         self.config = cfg
         rotary = self.rotary_cls.for_model(cfg, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -96,9 +96,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     layer_cls = Olmo2DecoderLayer
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        activation = cfg.hf_config.get("hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"{cfg.architecture}: hidden_act {activation!r} is not supported (supported: 'silu')")
         super().__init__(cfg, max_positions)
         self.norm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
