@@ -34,6 +34,9 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from folio.harmony import CHANNEL, END
+from folio.harmony_split import HarmonySplitter, HarmonyTokens
+from folio.reasoning_split import OutputSplitter, ReasoningSplit
 from folio.sampling_params import SamplingParams
 from folio.tokenizer import Tokenizer
 
@@ -65,6 +68,9 @@ class ReasoningParser:
     model_opens: bool = False
     # The tags are special tokens, which decoding leaves out of the text unless told to keep them.
     keeps_special_tokens: bool = False
+    # Grammars for this family's outputs write its reasoning themselves (harmony's analysis messages: the
+    # tool-call format `openai` frames every constraint of a chat-shaped request), so no gate holds them back.
+    frames_grammars: bool = False
 
     def check(self, tokenizer: Tokenizer) -> None:
         """At start: ValueError where the tokenizer hides the closing tag (a special token, which decoding leaves
@@ -111,10 +117,29 @@ class ReasoningParser:
                 break
         return not self.model_opens
 
-    def splitter(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> "ReasoningSplitter":
+    def splitter(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> "OutputSplitter":
         """A splitter for one choice of a request with this prompt."""
         return ReasoningSplitter(self, self.starts_in_reasoning(tokenizer, prompt_token_ids),
                                  self.end_tag_ids(tokenizer))
+
+
+@dataclass(frozen=True)
+class HarmonyReasoningParser(ReasoningParser):
+    """GPT-OSS's harmony format (folio.harmony): the reasoning is the analysis channel's messages, not a block
+    between tags. The markers are special tokens, kept in the text; the grammars frame the analysis themselves
+    (folio.entrypoints.openai.tool_harmony), so there is no closing tag for a gate to wait for."""
+
+    start_tag: str = CHANNEL
+    end_tag: str = END
+    keeps_special_tokens: bool = True
+    frames_grammars: bool = True
+
+    def check(self, tokenizer: Tokenizer) -> None:
+        """ValueError where the tokenizer lacks one of harmony's special tokens."""
+        HarmonyTokens.of(tokenizer)
+
+    def splitter(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> "OutputSplitter":
+        return HarmonySplitter(HarmonyTokens.of(tokenizer), tokenizer)
 
 
 # vLLM's names (folio.config.REASONING_PARSER_NAMES). Qwen3's and DeepSeek-R1's differ only in their templates,
@@ -122,6 +147,7 @@ class ReasoningParser:
 REASONING_PARSERS = {parser.name: parser for parser in (
     ReasoningParser("deepseek_r1"),
     ReasoningParser("mistral", "[THINK]", "[/THINK]", model_opens=True, keeps_special_tokens=True),  # Magistral
+    HarmonyReasoningParser("openai_gptoss"),  # GPT-OSS: harmony's analysis channel
     ReasoningParser("qwen3"),
 )}
 
@@ -160,15 +186,6 @@ class EndTagWatcher:
             joined, keep = self._recent + tuple(token_ids), len(self.end_tag_ids) - 1
             self._recent = joined[max(0, len(joined) - keep):] if keep else ()
         return taken
-
-
-@dataclass
-class ReasoningSplit:
-    """What a piece of one choice's output adds to its reasoning and to its content."""
-
-    reasoning: str = ""
-    content: str = ""
-    num_reasoning_tokens: int = 0  # the piece's first tokens that are reasoning (up to the closing tag's, included)
 
 
 class ReasoningSplitter:

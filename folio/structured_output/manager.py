@@ -11,7 +11,8 @@
   sampled position), which travels to the model runner in the SchedulerOutput. Unconstrained requests get no
   row and pay nothing, nor do constrained ones still reasoning (under a reasoning parser, a request whose prompt
   leaves it reasoning is constrained from the token after the closing tag on; where the model opens the block
-  itself, the first token's row also allows the opening tag: folio.structured_output.reasoning_gate).
+  itself, the first token's row also allows the opening tag: folio.structured_output.reasoning_gate; a parser whose
+  grammars write the reasoning themselves, GPT-OSS's harmony, has no gate).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class StructuredOutputManager:
     def _reasoning_gate(self, prompt_token_ids: list[int]) -> Optional[ReasoningGate]:
         """Where the grammar of a request with this prompt starts; None: at its first token."""
         parser, tokenizer = self.reasoning_parser, self.tokenizer
-        if parser is None:
+        if parser is None or parser.frames_grammars:
             return None
         end = parser.end_tag_ids(tokenizer)
         if parser.starts_in_reasoning(tokenizer, prompt_token_ids):

@@ -44,7 +44,8 @@ def output_constraint(manager: StructuredOutputManager, tool_format: ToolCallFor
     message in the format or tool calls; with "required" or a named function the output is calls, and the format
     waits for a later turn's message. vLLM's structured_outputs constrains the whole output: with "auto" it
     replaces the tools' grammar (calls are still read from the output); a tool_choice that makes the output tool
-    calls cannot be combined with it."""
+    calls cannot be combined with it. A format that is the whole output's structure (harmony) frames the message
+    format itself, under "none" too, and refuses structured_outputs, which would constrain its markers."""
     named = structured_outputs_field or "structured_outputs"
     if structured_outputs is not None:
         manager.validate(structured_outputs, structured_outputs_field)
@@ -55,7 +56,11 @@ def output_constraint(manager: StructuredOutputManager, tool_format: ToolCallFor
     for i, tool in enumerate(tools or ()):  # (under "none" too: the template shows them to the model)
         if tool.function.parameters is not None:
             manager.validate(StructuredOutputsParams(json=tool.function.parameters), parameters_field.format(i))
-    if tool_choice == "none":
+    if structured_outputs is not None and tool_format.whole_output:
+        raise ValueError(f"{named} constrains the whole output, which this model writes as harmony messages: give "
+                         f"the JSON the answer must be as {message_format.field if message_format else 'its format'}"
+                         " (chat's response_format, the Responses API's text.format)")
+    if tool_choice == "none" and not (tool_format.whole_output and message_format is not None):
         return structured_outputs or (message_format.constraint() if message_format is not None else None)
     if structured_outputs is not None:
         if tool_choice != "auto":
@@ -63,7 +68,7 @@ def output_constraint(manager: StructuredOutputManager, tool_format: ToolCallFor
                              f" makes the output tool calls; it cannot be combined with {named}")
         return structured_outputs
     message_schema = None
-    if message_format is not None and tool_choice == "auto":
+    if message_format is not None and tool_choice in ("auto", "none"):
         message_schema = message_format.schema if message_format.schema is not None else {"type": "object"}
     constraint = tool_format.constraint(tools, tool_choice, parallel_tool_calls, message_schema)
     manager.validate(constraint, "tools")

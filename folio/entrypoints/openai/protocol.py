@@ -422,10 +422,13 @@ class ChatMessage(RequestModel):
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (the tokenizer parses tool-call arguments for them). Reasoning is
-        `reasoning_content`, the name Qwen3's and DeepSeek-R1's templates read."""
+        `reasoning_content`, the name Qwen3's and DeepSeek-R1's templates read, and `thinking`, GPT-OSS's (its
+        template renders it as the analysis message before the turn's call)."""
         message = self.model_dump(exclude_none=True, exclude={"reasoning"})
         if self.reasoning is not None:
             message["reasoning_content"] = self.reasoning
+        if "reasoning_content" in message:
+            message["thinking"] = message["reasoning_content"]
         return message
 
 

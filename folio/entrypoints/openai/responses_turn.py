@@ -26,7 +26,7 @@ from folio.entrypoints.openai.protocol_responses import (IncompleteDetails, Inpu
 from folio.entrypoints.openai.serving import token_logprobs
 from folio.entrypoints.openai.tool_parser import CallEnd, ToolCallReader
 from folio.outputs import RequestOutput
-from folio.reasoning_parser import ReasoningSplitter
+from folio.reasoning_split import OutputSplitter
 from folio.sampling_params import SamplingParams
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -125,8 +125,8 @@ class Turn:
     model_name: str
     conversation: list[ChatMessage]  # without the instructions
     prompt_tokens: int
-    parser: Optional[ToolCallReader]  # where tool_choice is not "none": tool calls are read out of the text
-    splitter: Optional[ReasoningSplitter] = None  # with a reasoning parser: the reasoning is read out first
+    parser: Optional[ToolCallReader]  # where the tool-call format reads the output (ToolCallFormat.reads)
+    splitter: Optional[OutputSplitter] = None  # with a reasoning parser: the reasoning is read out first
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     created_at: int = field(default_factory=lambda: int(time.time()))
     items: list[Item] = field(default_factory=list)

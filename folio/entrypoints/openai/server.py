@@ -43,11 +43,13 @@ from folio.entrypoints.openai.protocol_responses import DeletedResponse, Respons
 from folio.entrypoints.openai.request_limits import RequestLimits
 from folio.entrypoints.openai.responses_store import ResponseStore
 from folio.entrypoints.openai.server_options import ServerOptions, read_chat_template
-from folio.entrypoints.openai.tool_call_format import TOOL_CALL_FORMATS
+from folio.entrypoints.openai.tool_call_format import TOOL_CALL_FORMATS, ToolCallFormat
 from folio.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from folio.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
 from folio.entrypoints.openai.serving_responses import OpenAIServingResponses
 from folio.loader.default_model import default_model_path
+from folio.reasoning_parser import ReasoningParser
+from folio.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 16 << 20
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the embedded default model is served as
@@ -59,6 +61,18 @@ class VersionResponse(BaseModel):
 
 def served_model_name(model: Optional[str]) -> str:
     return model if model is not None else DEFAULT_MODEL_NAME
+
+
+def served_tool_format(name: Optional[str], reasoning: Optional[ReasoningParser],
+                       tokenizer: Tokenizer) -> ToolCallFormat:
+    """The tool-call format the option names for this model; its default is hermes, or openai under the harmony
+    reasoning parser, whose outputs only that format reads (ValueError where the option names another)."""
+    harmony = reasoning is not None and reasoning.frames_grammars
+    tool_format = TOOL_CALL_FORMATS[name or ("openai" if harmony else "hermes")]
+    if harmony and not tool_format.whole_output:
+        raise ValueError(f"reasoning_parser {reasoning.name!r} leaves the rest of a harmony output to the tool-call "
+                         f"format 'openai', not {name!r}: use --tool-call-parser openai")
+    return tool_format.resolve(tokenizer)
 
 
 def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
@@ -76,7 +90,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     completions = OpenAIServingCompletion(llm, model_name, limits)
     if options.chat_template is not None:
         tokenizer.replace_chat_template(read_chat_template(options.chat_template))
-    tool_format = TOOL_CALL_FORMATS[options.tool_call_parser].resolve(tokenizer)
+    tool_format = served_tool_format(options.tool_call_parser, llm.engine.structured_output.reasoning_parser,
+                                     tokenizer)
     chat = OpenAIServingChat(llm, model_name, limits, tool_format, options.enable_auto_tool_choice)
     embeddings = OpenAIServingEmbedding(llm, model_name, limits)
     responses = OpenAIServingResponses(llm, model_name, limits, responses_store or ResponseStore(), tool_format,

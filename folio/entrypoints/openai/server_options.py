@@ -18,7 +18,7 @@ from folio.tokenizer import check_chat_template
 
 
 # folio.entrypoints.openai.tool_call_format
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder")
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,13 @@ class ServerOptions:
     enable_auto_tool_choice: bool = option(
         True, "serve tool_choice 'auto', the default beside tools (vLLM leaves it off unless this flag is given; "
               "off, 'auto' is a 400 and clients must ask for 'required', a named function or 'none')")
-    tool_call_parser: str = option("hermes", "the format the model writes tool calls in, which the tool grammars "
-                                             "make it write and the server reads back: hermes (Qwen2.5, Qwen3, "
-                                             "Hermes: <tool_call> blocks of JSON), llama3_json (Llama 3.1-3.3: a JSON "
-                                             "object of name and parameters), mistral ([TOOL_CALLS] and the calls), "
-                                             "pythonic (Llama 3.2, Llama 4: [f(x=1)]) or qwen3_coder (Qwen3-Coder: "
-                                             "<function=...> blocks)", choices=TOOL_CALL_PARSERS)
+    tool_call_parser: Optional[str] = option(
+        None, "the format the model writes tool calls in, which the tool grammars make it write and the server reads "
+              "back: hermes (Qwen2.5, Qwen3, Hermes: <tool_call> blocks of JSON), llama3_json (Llama 3.1-3.3: a JSON "
+              "object of name and parameters), mistral ([TOOL_CALLS] and the calls), openai (GPT-OSS: harmony "
+              "messages to functions.NAME), pythonic (Llama 3.2, Llama 4: [f(x=1)]) or qwen3_coder (Qwen3-Coder: "
+              "<function=...> blocks)", default_means="hermes; openai under --reasoning-parser openai_gptoss",
+        choices=TOOL_CALL_PARSERS)
     # Backpressure and deadlines (folio.engine.admission).
     max_waiting_requests: int = option(
         1024, "refuse new requests with 503 and Retry-After while this many sequences wait for the batch "
@@ -73,7 +74,7 @@ class ServerOptions:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if self.chat_template is not None:
             check_chat_template(read_chat_template(self.chat_template))
-        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
 

@@ -22,7 +22,7 @@ from folio.entrypoints.openai.serving import (ChoiceDelta, OpenAIServing, Prompt
 from folio.entrypoints.openai.tool_grammar import resolve_tool_choice
 from folio.entrypoints.openai.tool_call_format import ToolCallFormat
 from folio.entrypoints.openai.tool_parser import ToolCallReader, join_tool_calls
-from folio.reasoning_parser import ReasoningSplitter
+from folio.reasoning_split import OutputSplitter
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
@@ -95,18 +95,19 @@ class OpenAIServingChat(OpenAIServing):
         the parser reads it."""
         params = super()._sampling_params(request, prompts)
         tool_choice = resolve_tool_choice(request.tools, request.tool_choice, self.auto_tool_choice)
-        params = params if tool_choice == "none" else self.tool_format.reading(params)
+        params = self.tool_format.reading(params) if self.tool_format.reads(tool_choice) else params
         return params if self.reasoning_parser is None else self.reasoning_parser.reading(params)
 
     async def read_deltas(self, request: ChatCompletionRequest, prompts: list[Prompt],
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
         """With a reasoning parser, each choice's reasoning leaves its text first (dropped where include_reasoning
-        is false). With tools (and tool_choice not "none"), the text left goes through the tool format's reader: calls
+        is false). With tools (and tool_choice not "none"; always for a format that is the whole output's structure,
+        harmony), the text left goes through the tool format's reader: calls
         leave the content for tool_calls, and a choice that called tools finishes with "tool_calls" (OpenAI keeps
         "stop" when tool_choice named the function)."""
         tool_choice = resolve_tool_choice(request.tools, request.tool_choice, self.auto_tool_choice)
         parsers: dict[int, ToolCallReader] = {}
-        splitters: dict[int, ReasoningSplitter] = {}
+        splitters: dict[int, OutputSplitter] = {}
         async for delta in deltas:
             final = delta.finish_reason is not None
             if self.reasoning_parser is not None:
@@ -121,10 +122,10 @@ class OpenAIServingChat(OpenAIServing):
                 elif delta.logprobs is not None:  # nor its tokens' logprobs
                     delta.token_ids = delta.token_ids[split.num_reasoning_tokens:]
                     delta.logprobs = delta.logprobs[split.num_reasoning_tokens:]
-            if tool_choice != "none":
+            if self.tool_format.reads(tool_choice):
                 parser = parsers.get(delta.index)
                 if parser is None:
-                    parser = parsers[delta.index] = self.tool_format.reader(request.tools or [])
+                    parser = parsers[delta.index] = self.tool_format.reader_for(request.tools or [], tool_choice)
                 delta.text, delta.tool_calls = parser.feed(delta.text, final=final)
                 if parser.num_calls and delta.finish_reason == "stop" and tool_choice in ("auto", "required"):
                     delta.finish_reason = "tool_calls"

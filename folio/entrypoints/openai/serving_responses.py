@@ -146,10 +146,11 @@ class OpenAIServingResponses:
             if not request.input:
                 raise ValueError("input must not be empty")
             conversation = self._earlier_turns(request.previous_response_id) + chat_messages(request.input)
-            ids, params, reads_calls = await asyncio.to_thread(self._prompt_and_params, request, conversation)
+            ids, params, tool_choice = await asyncio.to_thread(self._prompt_and_params, request, conversation)
         except ValueError as e:
             raise OpenAIError.bad_request(e, fields) from e
-        parser = self.tool_format.reader(request.chat_tools() or []) if reads_calls else None
+        parser = self.tool_format.reader_for(request.chat_tools() or [], tool_choice) \
+            if self.tool_format.reads(tool_choice) else None
         reasoning = self.reasoning_parser
         turn = Turn(request, params, self.model_name, conversation, len(ids), parser,
                     reasoning.splitter(self.tokenizer, ids) if reasoning is not None else None)
@@ -164,9 +165,9 @@ class OpenAIServingResponses:
         return await cancel_on_disconnect(raw_request, self._collect(stream, turn))
 
     def _prompt_and_params(self, request: ResponsesRequest,
-                           conversation: list[ChatMessage]) -> tuple[list[int], SamplingParams, bool]:
+                           conversation: list[ChatMessage]) -> tuple[list[int], SamplingParams, ToolChoice]:
         """The rendered, tokenized prompt (in a worker thread: templates, tokenizing and checking constraints take
-        time), the SamplingParams, and whether tool calls are read from the output; ValueError naming the field."""
+        time), the SamplingParams, and tool_choice resolved; ValueError naming the field."""
         tools = request.chat_tools()
         tool_choice = resolve_tool_choice(tools, request.chat_tool_choice(), self.auto_tool_choice)
         constraint = self._constraint(request, tools, tool_choice)
@@ -184,8 +185,8 @@ class OpenAIServingResponses:
             raise ValueError(f"{asked} asks for the message's logprobs, "
                              "which are not given beside tool calls: set tool_choice to 'none', or leave them out")
         params = request.to_sampling_params(max_tokens, request.logprobs, structured_outputs=constraint)
-        params = self.tool_format.reading(params) if reads_calls else params
-        return ids, params if self.reasoning_parser is None else self.reasoning_parser.reading(params), reads_calls
+        params = self.tool_format.reading(params) if self.tool_format.reads(tool_choice) else params
+        return ids, params if self.reasoning_parser is None else self.reasoning_parser.reading(params), tool_choice
 
     def _prompt_ids(self, request: ResponsesRequest, conversation: list[ChatMessage],
                     tools: Optional[list[ChatTool]]) -> list[int]:

@@ -14,11 +14,13 @@ from typing import Any, Callable, Collection, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool
 from folio.entrypoints.openai.tool_grammar import ToolChoice, hermes_constraint
+from folio.entrypoints.openai.tool_harmony import HarmonyToolCallReader, harmony_constraint
 from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolCallReader, llama3_json_constraint
 from folio.entrypoints.openai.tool_mistral import MistralTokens, MistralToolCallReader, mistral_constraint
 from folio.entrypoints.openai.tool_pythonic import PythonicToolCallReader, pythonic_constraint
 from folio.entrypoints.openai.tool_parser import HermesToolCallReader, ToolCallReader
 from folio.entrypoints.openai.tool_qwen3_coder import Qwen3CoderToolCallReader, qwen3_coder_constraint
+from folio.harmony_split import HarmonyTokens
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 from folio.tokenizer import Tokenizer
@@ -43,6 +45,19 @@ class ToolCallFormat:
     keeps_special_tokens: bool = False
     # What the grammar needs of the model's tokenizer, passed to `constraint` as `tokens` once resolve() read it.
     tokens_of: Optional[Callable[[Tokenizer], Any]] = None
+    # The format is the structure of the whole output (harmony's channels), not only of its calls: its reader reads
+    # every chat-shaped output, calls only where tool_choice allows them (reads), and `constraint` also frames a
+    # JSON format for the message under tool_choice "none", where another format leaves it to the format alone.
+    whole_output: bool = False
+
+    def reads(self, tool_choice: ToolChoice) -> bool:
+        """Whether a request with this resolved tool_choice has its output read by this format's reader."""
+        return self.whole_output or tool_choice != "none"
+
+    def reader_for(self, tools: list[ChatTool], tool_choice: ToolChoice) -> ToolCallReader:
+        """The reader of one choice of a request that reads(): its calls may be of the request's tools, of none
+        under tool_choice "none"."""
+        return self.reader([] if tool_choice == "none" else tools)
 
     def resolve(self, tokenizer: Tokenizer) -> "ToolCallFormat":
         """The format for this model (the server's, at start); ValueError where the tokenizer cannot write it."""
@@ -51,7 +66,7 @@ class ToolCallFormat:
         return replace(self, constraint=partial(self.constraint, tokens=self.tokens_of(tokenizer)), tokens_of=None)
 
     def reading(self, params: SamplingParams) -> SamplingParams:
-        """The SamplingParams of a request whose calls this format reads (tool_choice not "none"): special tokens
+        """The SamplingParams of a request whose output this format reads (reads()): special tokens
         kept in the text where the markers are some (as vLLM's parsers' adjust_request). The stop token's text
         stays out of the output all the same (folio.detokenizer)."""
         return replace(params, skip_special_tokens=False) if self.keeps_special_tokens else params
@@ -63,6 +78,8 @@ TOOL_CALL_FORMATS = {tool_format.name: tool_format for tool_format in (
     ToolCallFormat("llama3_json", llama3_json_constraint, by_names(Llama3JsonToolCallReader)),  # Llama 3.1-3.3
     ToolCallFormat("mistral", mistral_constraint, by_names(MistralToolCallReader), keeps_special_tokens=True,
                    tokens_of=MistralTokens.of),  # Mistral: [TOOL_CALLS] and calls, as special tokens mark them
+    ToolCallFormat("openai", harmony_constraint, by_names(HarmonyToolCallReader), keeps_special_tokens=True,
+                   tokens_of=HarmonyTokens.of, whole_output=True),  # GPT-OSS: harmony messages to functions.NAME
     ToolCallFormat("pythonic", pythonic_constraint, by_names(PythonicToolCallReader)),  # Llama 3.2, Llama 4: [f(x=1)]
     ToolCallFormat("qwen3_coder", qwen3_coder_constraint, Qwen3CoderToolCallReader),  # Qwen3-Coder: <function=...>
 )}
