@@ -1,6 +1,7 @@
 """GPT-OSS: greedy outputs and logprobs equal Transformers' (float32) on a tiny random model, with chunked prefill and
-preemption forced, from a float checkpoint, from one whose experts are MXFP4 (quantised here, dequantised at load by
-folio and by Transformers' Mxfp4Config(dequantize=True) alike), and from llama.cpp's GGUF file with MXFP4 experts.
+preemption forced, from a float checkpoint, from one whose experts are MXFP4 (quantised here; folio runs them on its
+MXFP4 kernel, Transformers dequantises them: Mxfp4Config(dequantize=True)), and from llama.cpp's GGUF file with
+MXFP4 experts (dequantised at load).
 
 The tiny model's biases (q/k/v, o_proj, the experts' gate/up and down) and attention sinks are drawn at random (its
 init leaves most of them zero), large enough that each matters; the clamped SwiGLU's limit (0.5) is one the gates and

@@ -29,6 +29,7 @@ from folio.models.int4_checkpoints import int4_checkpoint_chooser, quantized_lay
 from folio.models.linear import (LinearMethodChooser, LinearMethods, as_chooser, bind_linear_methods,
                                  process_weights_after_loading)
 from folio.models.model_config import LANGUAGE_MODELS, ModelConfig
+from folio.models.mxfp4_linear import mxfp4_chooser
 from folio.models.registry import build_model, check_supported
 from folio.platforms import current_platform
 from folio.tokenizer import Tokenizer
@@ -105,16 +106,16 @@ def _prequantized_chooser(quantization_config: dict, folder: str, model: torch.n
     """The linear methods of a pre-quantised Hugging Face folder, by its quant_method: its quantised layers
     load as stored (repacked, for GPTQ and AWQ), the others with `otherwise`."""
     quant_method = quantization_config.get("quant_method")
-    if quant_method == "mxfp4":  # GPT-OSS's experts, dequantised as they load (folio.models.gpt_oss)
-        return otherwise
+    if quant_method == "mxfp4":  # GPT-OSS's experts, kept as MXFP4 or dequantised (folio.models.gpt_oss)
+        return mxfp4_chooser(otherwise)
     if quant_method == "compressed-tensors":
         return compressed_tensors_chooser(quantization_config, otherwise)
     if quant_method in ("gptq", "awq"):
         layers = quantized_layers(_tensor_names(_safetensors_files(folder)), model.map_checkpoint_name)
         return int4_checkpoint_chooser(quantization_config, layers, otherwise)
     raise ValueError(f"quantization_config: quant_method {quant_method!r} is not supported; folio loads "
-                     f"\"compressed-tensors\" (int8), \"gptq\" and \"awq\" (int4), \"mxfp4\" (GPT-OSS, "
-                     f"dequantised)")
+                     f"\"compressed-tensors\" (int8), \"gptq\" and \"awq\" (int4), \"mxfp4\" (GPT-OSS's "
+                     f"experts)")
 
 
 def eos_token_ids(hf_config: dict, generation_config: dict, tokenizer: Tokenizer) -> frozenset[int]:

@@ -12,10 +12,11 @@ The checkpoint stacks each layer's experts, with gate and up interleaved: expert
 (gate = [..., ::2], up = [..., 1::2]) and its bias [E, 2I], experts.down_proj [E, I, hidden] and its bias [E,
 hidden]. `split_checkpoint_tensor` cuts them into each expert's gate_proj, up_proj and down_proj weights and biases,
 which load into the per-expert Linear layers every linear method serves. The official checkpoints store the expert
-weights as MXFP4 (`*_blocks`, `*_scales`, quantization_config.quant_method "mxfp4"): they are dequantised to bf16 at
-load (folio.models.mxfp4), exactly, as Transformers' Mxfp4Config(dequantize=True) does. llama.cpp's GGUF files
-("gpt-oss") come through folio.loader.gguf_loader, their experts one by one already, their sinks as
-self_attn.sinks.weight.
+weights as MXFP4 (`*_blocks`, `*_scales`, quantization_config.quant_method "mxfp4"): the experts keep them
+(folio.models.mxfp4_linear: a quarter of bf16's bytes, run one by one through experts_method.PerExpertMethod), or,
+where its kernel does not build, they are dequantised to bf16 at load (folio.models.mxfp4), exactly, as Transformers'
+Mxfp4Config(dequantize=True) does, and run fused. llama.cpp's GGUF files ("gpt-oss") come through
+folio.loader.gguf_loader, their experts one by one already, their sinks as self_attn.sinks.weight.
 
 Tensor parallelism: each rank keeps its heads' sinks and its columns of every expert (folio.models.moe).
 """
@@ -39,6 +40,7 @@ from folio.models.linear import Linear, load_rank_rows
 from folio.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from folio.models.model_config import ModelConfig
 from folio.models.moe import Experts, Gate
+from folio.models.mxfp4_linear import Mxfp4LinearMethod
 from folio.models.weight_loader import default_weight_loader, set_weight_loader, uninitialized
 
 # Transformers' GptOssConfig defaults
@@ -137,9 +139,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def split_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """A checkpoint tensor as the (name, tensor) pairs `map_checkpoint_name` places (folio.loader.weights): a
-        stacked expert tensor as each expert's gate_proj, up_proj and down_proj weights or biases (an MXFP4 one
-        once both its blocks and its scales have come, dequantised), a GGUF file's sinks as self_attn.sinks; any
-        other tensor as it is."""
+        stacked expert tensor as each expert's gate_proj, up_proj and down_proj weights or biases (an MXFP4 one as
+        each expert's rows of its blocks, or of its scales, where the experts keep MXFP4, else dequantised once both
+        have come), a GGUF file's sinks as self_attn.sinks; any other tensor as it is."""
         if name.endswith(_GGUF_SINKS):
             return ((name[:-len(".weight")], tensor),)
         match = _EXPERTS_TENSOR.fullmatch(name)
@@ -150,6 +152,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
             return expert_tensors(prefix, projection, "bias", tensor)
         if suffix == "":  # Transformers' [E, in, out]
             return expert_tensors(prefix, projection, "weight", tensor.transpose(1, 2))
+        if self._keeps_mxfp4(prefix):  # each expert's rows of the blocks, or of the scales, as they come
+            return expert_tensors(prefix, projection, "weight" if suffix == "_blocks" else "weight_scale", tensor)
         other = name[:-len(suffix)] + ("_scales" if suffix == "_blocks" else "_blocks")
         if other not in self._mxfp4_halves:
             self._mxfp4_halves[name] = tensor
@@ -161,3 +165,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r} {e}") from None
         return expert_tensors(prefix, projection, "weight", weights)
+
+    def _keeps_mxfp4(self, prefix: str) -> bool:
+        """Whether the experts under this checkpoint prefix keep their MXFP4 blocks (their layers' method is
+        mxfp4_linear's, chosen where its kernel builds), or load them dequantised."""
+        param, _ = self.map_checkpoint_name(f"{prefix}.0.down_proj.weight")
+        return isinstance(self.get_submodule(param.rsplit(".", 1)[0]).method, Mxfp4LinearMethod)

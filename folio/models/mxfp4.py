@@ -1,12 +1,14 @@
-"""MXFP4 (OCP microscaling FP4) weights, as GPT-OSS's official checkpoints store their experts, dequantised at load.
+"""MXFP4 (OCP microscaling FP4) weights, as GPT-OSS's official checkpoints store their experts: the format, and its
+dequantisation.
 
 A weight [rows, cols] is stored as two tensors: `*_blocks` uint8 [rows, cols / 32, 16], 32 FP4 (E2M1) codes per
 block, two a byte, the low nibble first (the even column); and `*_scales` uint8 [rows, cols / 32], each block's
 scale as an E8M0 exponent (2^(s - 127)). A value is FP4_VALUES[code] * 2^(s - 127): as Transformers' Mxfp4Config
 (dequantize=True) computes it (transformers.integrations.mxfp4). Every such value is a bf16 value (two mantissa bits
 at most, an exponent within bf16's range), so dequantising to bf16 is exact and holds the weights in half the bytes
-of float32 (a float32 model computes on them widened, as on a bf16 checkpoint's). A kernel on the packed blocks
-themselves (a quarter of bf16's bytes) is later work.
+of float32 (a float32 model computes on them widened, as on a bf16 checkpoint's). The experts keep the packed blocks
+and run on them (folio.models.mxfp4_linear) where that kernel builds; elsewhere, and for GGUF files' MXFP4 tensors,
+they are dequantised at load.
 """
 
 from __future__ import annotations
