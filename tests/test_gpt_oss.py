@@ -23,6 +23,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from conftest import build_tiny_model, hf_greedy_logprobs
+from folio import LLM, SamplingParams
 from folio.models import fused_moe, mxfp4
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.experts_method import ClampedSwiGLU, PerExpertMethod
@@ -122,6 +123,20 @@ def test_mxfp4_experts_match_transformers(mxfp4_dir, expected):
     assert hf_mxfp4[1][:4] != pytest.approx(expected[0][1][:4], abs=1e-3)
     [(tokens, logprobs)] = greedy_logprobs(mxfp4_dir, PROMPTS[:1], 8)
     assert tokens == hf_mxfp4[0] and logprobs == pytest.approx(hf_mxfp4[1], abs=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_experts_quantised_as_they_load(gpt_oss_dir, scheme):
+    """quantization="int8" / "int4" takes the biased experts too (one by one, through their linear method): the first
+    token's logprob near float32's, as those schemes' are on other models, and not float32's own."""
+    llm = LLM(gpt_oss_dir, dtype="float32", quantization=scheme, kv_cache_memory=1 << 22)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    assert any(type(m).__name__ != "DenseLinearMethod" for m in
+               (layer.method for layer in llm.llm_engine.runner.model.layers[0].mlp.experts[0].children()))
+    llm.llm_engine.shutdown()
+    float_logprob = hf_greedy_logprobs(gpt_oss_dir, PROMPTS[0], 1)[1][0]
+    assert 1e-5 < abs(out.logprobs[0][out.token_ids[0]].logprob - float_logprob) < 0.5
 
 
 @pytest.mark.parametrize("change", ["swiglu_limit", "swiglu_alpha", "sinks", "sliding_window"])
