@@ -1,7 +1,7 @@
 """LG EXAONE 4.0 (EXAONE-4.0-1.2B, -32B): Qwen3's attention (an RMSNorm over each head of q and k before RoPE) in
 post-norm blocks, as Transformers' Exaone4 computes them.
 
-  * no norm before attention or the MLP: each one's output is RMS-normalised (post_attention_layernorm,
+  * post-norm blocks (folio.models.post_norm): each sublayer's output RMS-normalised (post_attention_layernorm,
     post_feedforward_layernorm) before its residual add;
   * hybrid attention (32B): the layers `layer_types` names sliding (three of every four) see a window of
     sliding_window tokens and use RoPE; the global ones see the whole context with no positional encoding (NoPE).
@@ -11,12 +11,9 @@ post-norm blocks, as Transformers' Exaone4 computes them.
 
 from __future__ import annotations
 
-import torch
-
-from folio.models.hot_path import HotPathModule
-from folio.models.layers import RMSNorm, RotaryEmbedding
-from folio.models.llama import LlamaForCausalLM, LlamaMLP, StepContext
+from folio.models.layers import RotaryEmbedding
 from folio.models.model_config import ModelConfig, sliding_windows
+from folio.models.post_norm import PostNormDecoderLayer, PostNormForCausalLM
 from folio.models.qwen3 import Qwen3Attention
 from folio.models.smollm3 import NoRotary
 
@@ -30,26 +27,11 @@ def rope_layers(cfg: ModelConfig) -> list[bool]:
     return [bool(windows) and windows[i] is not None for i in range(cfg.num_hidden_layers)]
 
 
-class Exaone4DecoderLayer(HotPathModule):
+class Exaone4DecoderLayer(PostNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
         rotates = rope_layers(cfg)[layer_idx]
-        self.self_attn = Qwen3Attention(cfg, layer_idx, rotary if rotates else NoRotary())
-        self.mlp = LlamaMLP(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, x, ctx))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
+        super().__init__(cfg, Qwen3Attention(cfg, layer_idx, rotary if rotates else NoRotary()))
 
 
-class Exaone4ForCausalLM(LlamaForCausalLM):
+class Exaone4ForCausalLM(PostNormForCausalLM):
     layer_cls = Exaone4DecoderLayer
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
-

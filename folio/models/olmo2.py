@@ -1,6 +1,6 @@
 """OLMo 2 and OLMo 3 (AllenAI): the Llama decoder with OLMo's norms, as Transformers computes them.
 
-  * post-norm blocks: no norm before attention or the MLP; an RMSNorm of each one's output before its residual
+  * post-norm blocks (folio.models.post_norm): no norm before attention or the MLP; an RMSNorm of each one's output before its residual
     add (post_attention_layernorm, post_feedforward_layernorm);
   * an RMSNorm over the whole q projection and one over the whole k projection (all heads together, not per head
     as Qwen3's), before RoPE;
@@ -23,8 +23,9 @@ from folio.distributed.parallel_state import tensor_parallel_group
 from folio.models.hot_path import HotPathModule
 from folio.models.layers import RotaryEmbedding
 from folio.models.linear import Linear, load_rank_rows
-from folio.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, StepContext
+from folio.models.llama import LlamaAttention
 from folio.models.model_config import ModelConfig
+from folio.models.post_norm import PostNormDecoderLayer, PostNormForCausalLM
 from folio.models.weight_loader import uninitialized
 
 
@@ -79,31 +80,19 @@ class Olmo2Attention(LlamaAttention):
                 self.k_norm.scale(hk, squares[:, 1:] / self.k_norm.total).to(k.dtype).view(k.shape))
 
 
-class Olmo2DecoderLayer(HotPathModule):
+class Olmo2DecoderLayer(PostNormDecoderLayer):
+    norm_cls = Olmo2RMSNorm
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.self_attn = Olmo2Attention(cfg, layer_idx, rotary)
-        self.mlp = LlamaMLP(cfg)
-        self.post_attention_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, x, ctx))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
+        super().__init__(cfg, Olmo2Attention(cfg, layer_idx, rotary))
 
 
-class Olmo2ForCausalLM(LlamaForCausalLM):
+class Olmo2ForCausalLM(PostNormForCausalLM):
     layer_cls = Olmo2DecoderLayer
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__(cfg, max_positions)
         self.norm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
 
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):
