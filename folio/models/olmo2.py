@@ -1,7 +1,7 @@
 """OLMo 2 and OLMo 3 (AllenAI): the Llama decoder with OLMo's norms, as Transformers computes them.
 
-  * post-norm blocks (folio.models.post_norm): no norm before attention or the MLP; an RMSNorm of each one's output before its residual
-    add (post_attention_layernorm, post_feedforward_layernorm);
+  * post-norm blocks (folio.models.post_norm): no norm before attention or the MLP; an RMSNorm of each one's output
+    before its residual add (post_attention_layernorm, post_feedforward_layernorm);
   * an RMSNorm over the whole q projection and one over the whole k projection (all heads together, not per head
     as Qwen3's), before RoPE;
   * every RMSNorm multiplies by its weight in float32 and rounds once to the model's dtype (Llama's rounds first,
