@@ -73,9 +73,9 @@ class ModelOptions:
         None, "low-precision weights, quantised as they load: int8 (per-channel, rotated, with dynamic per-token "
               "int8 activations), w8a16 (int8 per-channel, activations as 16-bit integers per token), int4 / int4-g128 (groups of 32 / 128, float "
               "activations; the lm_head in int8), w4a8 (int4 in groups of 32 and int8 activations per block of "
-              "32); gguf: a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K layers as stored; none: every weight in dtype "
+              "32); gguf: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and MXFP4 layers as stored; none: every weight in dtype "
               "(a GGUF file's dequantised)",
-        default_means="the checkpoint's: a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K layers as stored (as gguf), a "
+        default_means="the checkpoint's: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and MXFP4 layers as stored (as gguf), a "
                       "pre-quantised folder's quantised layers as stored, every other weight in dtype",
         choices=QUANTIZATION_SCHEMES)
 
@@ -88,8 +88,8 @@ class ModelOptions:
 
     @property
     def gguf_as_stored(self) -> bool:
-        """Whether a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K layers keep their blocks (folio.loader.gguf_native):
-        with "gguf", and by default, as a pre-quantised folder's layers load as stored and as vLLM runs GGUF
+        """Whether a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / MXFP4 layers keep their blocks
+        (folio.loader.gguf_native): with "gguf", and by default, as a pre-quantised folder's layers load as stored and as vLLM runs GGUF
         files (the default model is one); "none" and the schemes that quantise on the fly dequantise them."""
         return is_gguf_file(self.model) if self.quantization is None else self.quantization == "gguf"
 

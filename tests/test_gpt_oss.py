@@ -1,7 +1,7 @@
 """GPT-OSS: greedy outputs and logprobs equal Transformers' (float32) on a tiny random model, with chunked prefill and
 preemption forced, from a float checkpoint, from one whose experts are MXFP4 (quantised here; folio runs them on its
 MXFP4 kernel, Transformers dequantises them: Mxfp4Config(dequantize=True)), and from llama.cpp's GGUF file with
-MXFP4 experts (dequantised at load).
+MXFP4 experts (kept as MXFP4, repacked from ggml's blocks, and dequantised at load).
 
 The tiny model's biases (q/k/v, o_proj, the experts' gate/up and down) and attention sinks are drawn at random (its
 init leaves most of them zero), large enough that each matters; the clamped SwiGLU's limit (0.5) is one the gates and
@@ -17,6 +17,7 @@ import re
 import shutil
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
@@ -24,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import build_tiny_model, hf_greedy_logprobs
 from folio import LLM, SamplingParams
-from folio.models import fused_moe, mxfp4
+from folio.loader.model_loader import load_model
+from folio.models import fused_moe, mxfp4, mxfp4_linear
 from folio.models.dense_linear import DenseLinearMethod
 from folio.models.experts_method import ClampedSwiGLU, PerExpertMethod
 from folio.models.gpt_oss import SWIGLU_LIMIT, GptOssMoeBlock
@@ -272,10 +274,11 @@ def gpt_oss_to_gguf(folder: str, path: str) -> str:
     return path
 
 
-@pytest.mark.usefixtures("isolated_gguf_cache")
-def test_gguf_with_mxfp4_experts_matches_transformers(tmp_path):
-    """llama.cpp's GGUF file with MXFP4 experts against Transformers on the Hugging Face folder whose experts hold
-    the MXFP4-rounded values (ggml's own rounding), the clamp at its default (GGUF files do not store it)."""
+@pytest.fixture(scope="module")
+def gguf_and_rounded(tmp_path_factory) -> tuple[str, str]:
+    """llama.cpp's GGUF file of the tiny model with MXFP4 experts, the clamp at its default (GGUF files do not store
+    it), and the Hugging Face folder whose experts hold the MXFP4-rounded values (ggml's own rounding)."""
+    tmp_path = tmp_path_factory.mktemp("gpt_oss_gguf")
     folder = build_gpt_oss(str(tmp_path / "hf"), swiglu_limit=SWIGLU_LIMIT)
     path = gpt_oss_to_gguf(folder, str(tmp_path / "gpt-oss.gguf"))
 
@@ -285,7 +288,42 @@ def test_gguf_with_mxfp4_experts_matches_transformers(tmp_path):
 
     rewrite(folder, lambda t: t.update({n: rounded(x) for n, x in t.items()
                                         if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}))
+    return path, folder
+
+
+@pytest.mark.usefixtures("isolated_gguf_cache")
+def test_gguf_with_mxfp4_experts_matches_transformers(gguf_and_rounded, monkeypatch):
+    """The GGUF file as it runs by default (its experts on the MXFP4 method where the kernel builds) gives
+    Transformers' tokens and logprobs on the rounded folder, and so does its load dequantised (as where the kernel
+    does not build)."""
+    path, folder = gguf_and_rounded
     expected = [hf_greedy_logprobs(folder, p, 12) for p in PROMPTS]
-    for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(greedy_logprobs(path, PROMPTS, 12), expected):
-        assert tokens == hf_tokens
-        assert logprobs == pytest.approx(hf_logprobs, abs=1e-4)
+    as_stored = greedy_logprobs(path, PROMPTS, 12)
+    monkeypatch.setattr(mxfp4_linear, "available", lambda: False)
+    for got in (as_stored, greedy_logprobs(path, PROMPTS, 12)):
+        for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(got, expected):
+            assert tokens == hf_tokens
+            assert logprobs == pytest.approx(hf_logprobs, abs=1e-4)
+
+
+@pytest.mark.skipif(not mxfp4_linear.available(), reason="the MXFP4 kernel does not build here")
+@pytest.mark.usefixtures("isolated_gguf_cache")
+def test_gguf_mxfp4_experts_keep_the_file_s_blocks(gguf_and_rounded):
+    """Run as stored, and read back from the conversion's cache, every expert layer is on the MXFP4 method with the
+    file's scale bytes and its codes repacked: they dequantise to gguf's own values. The other layers (float32 in
+    the file) stay dense, and the experts run one by one."""
+    path, _ = gguf_and_rounded
+    stored = {t.name: t.data for t in gguf.GGUFReader(path).tensors}
+    for _ in ("converted", "cached"):
+        model = load_model(path, torch.float32, 64, gguf_native=True).model
+        assert isinstance(model.layers[0].self_attn.qkv_proj.method, DenseLinearMethod)
+        for i, layer in enumerate(model.layers):
+            assert isinstance(layer.mlp.experts.method, PerExpertMethod)
+            for e, expert in enumerate(layer.mlp.experts):
+                for linear, parts in ((expert.gate_up_proj, ("gate", "up")), (expert.down_proj, ("down",))):
+                    assert isinstance(linear.method, mxfp4_linear.Mxfp4LinearMethod)
+                    rows = np.concatenate([stored[f"blk.{i}.ffn_{part}_exps.weight"][e] for part in parts])
+                    scales = rows.reshape(rows.shape[0], -1, 1 + mxfp4.BLOCK // 2)[..., 0]
+                    assert torch.equal(linear.weight_scale, torch.from_numpy(scales))
+                    assert torch.equal(mxfp4.dequantize(linear.weight, linear.weight_scale).float(),
+                                       torch.from_numpy(dequantize(rows, Q.MXFP4)))

@@ -1,15 +1,19 @@
 """MXFP4 linear layers (folio.models.mxfp4_linear): the kernel against F.linear on the dequantised weight for every
-compiled instruction set, batch size and dtype; the weight loaders' checks; GPT-OSS's MXFP4 checkpoint with its
-experts kept as MXFP4 giving the dequantised load's and Transformers' greedy tokens and logprobs, in 17/64 of bf16's
-bytes."""
+compiled instruction set, batch size and dtype; the weight loaders' checks; ggml's MXFP4 blocks repacked into the
+layers' format; GPT-OSS's MXFP4 checkpoint with its experts kept as MXFP4 giving the dequantised load's and
+Transformers' greedy tokens and logprobs, in 17/64 of bf16's bytes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 from torch.nn import functional as F
 
 from conftest import hf_greedy_logprobs
+from folio.loader.gguf_native import mxfp4_from_ggml
 from folio.loader.model_loader import load_model
 from folio.models import fused_moe, mxfp4, mxfp4_linear
 from folio.models.experts_method import PerExpertMethod
@@ -117,6 +121,19 @@ def test_weight_loader_checks_dtype_and_shape():
         layer.weight_scale.weight_loader(layer.weight_scale, torch.zeros(8, 3, dtype=torch.uint8), 1)
     with pytest.raises(ValueError, match=r"input size divisible by 32, got Linear\(48, 8\)"):
         Linear(48, 8).bind(mxfp4_linear.Mxfp4LinearMethod())
+
+
+def test_ggml_blocks_repack_to_gguf_s_own_values():
+    """ggml's MXFP4 rows (each block its scale byte, then value i in byte i's low nibble and i + 16 in its high one),
+    repacked, dequantise to what gguf's own dequantize makes of them: random codes under every scale byte."""
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 256, (8, 32, 17), dtype=np.uint8)
+    rows[..., 0] = rng.permutation(256).reshape(8, 32)
+    blocks, scales = mxfp4_from_ggml(rows.reshape(8, -1))
+    assert blocks.shape == (8, 32, 16) and scales.shape == (8, 32)
+    with np.errstate(over="ignore"):  # from scale byte 253 the largest codes overflow float32: inf in both
+        want = gguf_dequantize(rows.reshape(8, -1), GGMLQuantizationType.MXFP4)
+    assert torch.equal(mxfp4.dequantize(blocks, scales).float(), torch.from_numpy(want))
 
 
 def experts_methods(model: torch.nn.Module) -> set[type]:

@@ -17,14 +17,16 @@ What the translation has to undo:
 * Granite's multipliers: stored as *_scale keys, back to their config.json names;
 * GPT-OSS: its window on the even layers and YaRN without truncation (GptOssConfig's), its SwiGLU clamp at
   Transformers' defaults (llama.cpp hard-codes them); its stacked experts' biases one per expert as its weights;
+  its MXFP4 experts, where they run as stored, repacked from ggml's block order into the blocks and scales the
+  Hugging Face checkpoints hold (`weight` and `weight_scale`, as the MXFP4 method loads them);
 * the tokenizer: a GGUF stores vocabulary, merges and token types as metadata, not a tokenizer.json,
   so one is rebuilt with the `tokenizers` library, splitting text the way llama.cpp does.
 
 Dequantising takes seconds, so `load_gguf_cached` keeps the converted result as safetensors + json
 files laid out like a Hugging Face model folder, and later loads memory-map them instead. Layers that run as
 stored (folio.loader.gguf_native, the default for a GGUF file) are cached likewise, their blocks as uint8
-rows (`read_gguf_cached`, `load_gguf_native_cached`): reading a file's metadata alone takes GGUFReader
-seconds.
+rows, MXFP4 ones already repacked (`read_gguf_cached`, `load_gguf_native_cached`): reading a file's metadata
+alone takes GGUFReader seconds.
 """
 
 from __future__ import annotations
@@ -212,21 +214,21 @@ def load_gguf_native_cached(path: str, dtype: torch.dtype, checkpoint: GGUFCheck
                             types: dict[str, GGMLQuantizationType],
                             keep_quantized: frozenset[str]) -> dict[str, Union[torch.Tensor, "GGUFBlocks"]]:
     """Every weight under its Hugging Face name, dequantised to dtype except those named in keep_quantized,
-    which come as their blocks (folio.loader.gguf_native.GGUFBlocks); converted once and then read back from a
-    cache folder (as `load_gguf_cached` caches the dequantised form), the kept ones as their uint8 rows.
-    checkpoint, types: the file's, from `read_gguf_cached`. The key covers the kept set, which is the loading
-    model's choice."""
+    which come as their blocks (folio.loader.gguf_native.GGUFBlocks), or, MXFP4 ones, as the MXFP4 method's
+    blocks and scales (`_iter_tensors`); converted once and then read back from a cache folder (as
+    `load_gguf_cached` caches the dequantised form), the kept ones as their uint8 rows. checkpoint, types: the
+    file's, from `read_gguf_cached`. The key covers the kept set, which is the loading model's choice."""
     from folio.loader.gguf_native import GGUFBlocks  # its linear methods import the kernels' build machinery
 
     kept = hashlib.sha256("|".join(sorted(keep_quantized)).encode()).hexdigest()[:16]
     cache_dir = _cache_dir(path, f"{dtype}|native|{kept}")
     if os.path.isdir(cache_dir):
         _, tensors = _read_cache(cache_dir)
-        return {name: GGUFBlocks(types[name], t.numpy()) if name in keep_quantized else t
-                for name, t in tensors.items()}
+        return {name: GGUFBlocks(types[name], t.numpy()) if name in keep_quantized and types[name] != Q.MXFP4
+                else t for name, t in tensors.items()}
     weights = dict(_iter_tensors(open_gguf(path), checkpoint.hf_config, dtype, keep_quantized))
     _try_write_cache(cache_dir, checkpoint,
-                     {name: torch.from_numpy(np.ascontiguousarray(w.blocks)) if name in keep_quantized else w
+                     {name: torch.from_numpy(np.ascontiguousarray(w.blocks)) if isinstance(w, GGUFBlocks) else w
                       for name, w in weights.items()})
     return weights
 
@@ -501,8 +503,10 @@ def _tensor_types(reader: GGUFReader, hf_config: dict) -> dict[str, GGMLQuantiza
 
 def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_quantized: frozenset[str]):
     """(Hugging Face name, tensor) for every weight, dequantised to dtype, except that those named in
-    keep_quantized come as their blocks (folio.loader.gguf_native.GGUFBlocks, rows un-permuted likewise)."""
-    from folio.loader.gguf_native import GGUFBlocks  # its linear methods import the kernels' build machinery
+    keep_quantized come as their blocks (folio.loader.gguf_native.GGUFBlocks, rows un-permuted likewise); MXFP4
+    ones as two uint8 tensors, NAME (the codes) and NAME_scale (the scales), repacked into the MXFP4 method's
+    format (folio.models.mxfp4_linear), whose weight loaders take a checkpoint's tensors."""
+    from folio.loader.gguf_native import GGUFBlocks, mxfp4_from_ggml  # (their methods import the kernels' builds)
 
     for t in reader.tensors:  # fail before spending seconds dequantising the rest
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
@@ -523,7 +527,12 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
             blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))
             blocks = (blocks if n_head is None else _unpermute(blocks, n_head)).numpy()
             for name, part in zip(names, blocks.reshape(len(names), -1, blocks.shape[-1])):
-                yield name, GGUFBlocks(t.tensor_type, part)
+                if t.tensor_type == Q.MXFP4:
+                    codes, scales = mxfp4_from_ggml(part)
+                    yield name, codes
+                    yield f"{name}_scale", scales
+                else:
+                    yield name, GGUFBlocks(t.tensor_type, part)
             continue
         # F32 tensors come back as read-only views of the file mapping; torch wants writable memory.
         w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements="W"))

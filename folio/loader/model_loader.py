@@ -202,8 +202,8 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     linear_method: gives the built (not yet loaded) model its linear method, or a chooser of one per layer
     (see folio.models.linear); a function of the model because a method may size itself by the model, as
     the dense one does. None: the current platform's (folio.platforms). device: where the weights live.
-    gguf_native: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K linear layers keep their blocks and run on the
-    int8 / int4 kernels (folio.loader.gguf_native); its other tensors are dequantised. A Hugging Face folder
+    gguf_native: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / MXFP4 linear layers keep their blocks and run on the
+    int8 / int4 / MXFP4 kernels (folio.loader.gguf_native); its other tensors are dequantised. A Hugging Face folder
     whose config.json has a quantization_config (compressed-tensors int8, folio.models.compressed_tensors;
     GPTQ or AWQ int4, folio.models.int4_checkpoints) loads its quantised layers as stored.
     """

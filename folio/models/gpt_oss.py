@@ -16,7 +16,10 @@ weights as MXFP4 (`*_blocks`, `*_scales`, quantization_config.quant_method "mxfp
 (folio.models.mxfp4_linear: a quarter of bf16's bytes, run one by one through experts_method.PerExpertMethod), or,
 where its kernel does not build, they are dequantised to bf16 at load (folio.models.mxfp4), exactly, as Transformers'
 Mxfp4Config(dequantize=True) does, and run fused. llama.cpp's GGUF files ("gpt-oss") come through
-folio.loader.gguf_loader, their experts one by one already, their sinks as self_attn.sinks.weight.
+folio.loader.gguf_loader, their experts one by one already, their sinks as self_attn.sinks.weight; where their
+MXFP4 experts run as stored (the default for a GGUF file, folio.loader.gguf_native), the loader repacks ggml's
+blocks into each expert's weight and weight_scale, which load into the same MXFP4 layers; else they come
+dequantised.
 
 Tensor parallelism: each rank keeps its heads' sinks and its columns of every expert (folio.models.moe).
 """

@@ -7,8 +7,8 @@ scale as an E8M0 exponent (2^(s - 127)). A value is FP4_VALUES[code] * 2^(s - 12
 (dequantize=True) computes it (transformers.integrations.mxfp4). Every such value is a bf16 value (two mantissa bits
 at most, an exponent within bf16's range), so dequantising to bf16 is exact and holds the weights in half the bytes
 of float32 (a float32 model computes on them widened, as on a bf16 checkpoint's). The experts keep the packed blocks
-and run on them (folio.models.mxfp4_linear) where that kernel builds; elsewhere, and for GGUF files' MXFP4 tensors,
-they are dequantised at load.
+and run on them (folio.models.mxfp4_linear) where that kernel builds, as do a GGUF file's MXFP4 tensors run as stored
+(repacked from ggml's order); elsewhere they are dequantised at load.
 """
 
 from __future__ import annotations

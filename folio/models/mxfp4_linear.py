@@ -3,7 +3,8 @@
 The weight is what the checkpoint holds (folio.models.mxfp4's format): `weight` uint8 [N, K / 32, 16], 32 E2M1 codes a
 block, low nibble first, and `weight_scale` uint8 [N, K / 32], an E8M0 exponent per block; a fused layer (gate/up)
 loads each shard's rows of both. gpt-oss-20b keeps about 13 GB so instead of 42 GB dequantised to bf16, and a decode
-step reads 17 bytes per 32 weights where bf16 reads 64.
+step reads 17 bytes per 32 weights where bf16 reads 64. A GGUF file's MXFP4 tensors reach the same loaders, repacked
+from ggml's block order (folio.loader.gguf_native.mxfp4_from_ggml), where they run as stored.
 
 `apply` computes x @ dequantize(W)^T + b in float32 exactly as on the dequantised weight (every MXFP4 value is a
 float32 one), only summed in another order: batches of fewer than GEMM_MIN_ROWS rows in the C++ kernel
