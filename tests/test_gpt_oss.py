@@ -31,6 +31,7 @@ from folio.models.dense_linear import DenseLinearMethod
 from folio.models.experts_method import ClampedSwiGLU, PerExpertMethod
 from folio.models.gpt_oss import SWIGLU_LIMIT, GptOssMoeBlock
 from folio.models.linear import bind_linear_methods, process_weights_after_loading
+from folio.loader.gguf_loader import stop_token_ids
 from folio.models.model_config import ModelConfig
 from greedy_match import assert_greedy_matches, greedy_logprobs
 from test_gguf_models import _add, add_byte_level_tokenizer, write_out
@@ -327,3 +328,10 @@ def test_gguf_mxfp4_experts_keep_the_file_s_blocks(gguf_and_rounded):
                     assert torch.equal(linear.weight_scale, torch.from_numpy(scales))
                     assert torch.equal(mxfp4.dequantize(linear.weight, linear.weight_scale).float(),
                                        torch.from_numpy(dequantize(rows, Q.MXFP4)))
+
+
+def test_gguf_stops_at_both_harmony_ends():
+    """llama.cpp's converter stores <|return|> as EOS; its vocabulary ends generation at <|call|> too, by name."""
+    tokens = ["a", "<|return|>", "b", "<|call|>", "<|end|>"]
+    assert stop_token_ids("gpt-oss", tokens, 1, None, None) == [1, 3]
+    assert stop_token_ids("llama", tokens, 1, 4, None) == [1, 4]  # (other models: the file's ids only)

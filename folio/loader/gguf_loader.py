@@ -48,6 +48,7 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from folio import envs
+from folio.harmony import CALL, RETURN
 from folio.loader.gguf_metadata import check_exists, get_field, need_field, open_gguf
 from folio.loader.gguf_tokenizer import build_tokenizer
 from folio.models.model_config import num_experts
@@ -434,6 +435,15 @@ def _llama3_rope_factors(theta: float, dim: int, scaling: dict) -> np.ndarray:
     return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, scaling["factor"], ramp))
 
 
+def stop_token_ids(arch: str, tokens: list[str], eos: Optional[int], eot: Optional[int],
+                   eom: Optional[int]) -> list[int]:
+    """The ids generation stops at, as llama.cpp's vocabulary marks the ends of generation: EOS, and the end-of-turn
+    and end-of-message ids, where the file has them; for GPT-OSS, harmony's <|return|> and <|call|> by their text
+    (llama.cpp's converter stores one of them as EOS, and its vocabulary adds the other by name)."""
+    named = [tokens.index(text) for text in (RETURN, CALL) if text in tokens] if arch == "gpt-oss" else []
+    return [i for i in dict.fromkeys([eos, eot, eom, *named]) if i is not None]
+
+
 def _checkpoint(reader: GGUFReader) -> GGUFCheckpoint:
     hf_config = _hf_config(reader)
     tokens = get_field(reader, "tokenizer.ggml.tokens")
@@ -453,9 +463,8 @@ def _checkpoint(reader: GGUFReader) -> GGUFCheckpoint:
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
     }
-    # llama.cpp stops generation at end-of-turn/end-of-message tokens too, not only at EOS.
-    stop_ids = [special["eos"]] + [get_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-    stop_ids = [i for i in dict.fromkeys(stop_ids) if i is not None]
+    stop_ids = stop_token_ids(get_field(reader, "general.architecture"), tokens, special["eos"],
+                              *(get_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")))
     generation_config = {
         "bos_token_id": special["bos"],
         "eos_token_id": stop_ids[0] if len(stop_ids) == 1 else stop_ids,
