@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolCallReader
-from server_fixture import MODEL_NAME
-from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_named_call, assert_responses_call, cut,
-                                 llguidance_backend, read_pieces, tool_server_fixture)
+from tool_format_fixture import (MESSAGES, SAMPLING, accepts, assert_calls_stream_as_plain, assert_named_call,
+                                 assert_responses_call, cut, llguidance_backend, read_pieces, tool_server_fixture)
+from tool_format_fixture import client  # noqa: F401 (a fixture)
 
 NAMES = ["get_time", "get_weather"]
 
@@ -148,16 +148,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
              "additionalProperties": False}}}]
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=120)
 
 
 server = tool_server_fixture("llama3_json", LLAMA_STYLE_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
 
 
 @pytest.mark.parametrize("seed", [1, 2])

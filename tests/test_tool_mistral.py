@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.entrypoints.openai.tool_mistral import MistralTokens, MistralToolCallReader, mistral_constraint
-from server_fixture import MODEL_NAME
-from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_named_call, assert_responses_call,
-                                 assert_valid, cut, llguidance_backend, read_pieces, styled_model, tool_server)
+from tool_format_fixture import (MESSAGES, SAMPLING, accepts, assert_calls_stream_as_plain, assert_named_call,
+                                 assert_responses_call, assert_valid, cut, llguidance_backend, read_pieces,
+                                 styled_model, tool_server)
+from tool_format_fixture import client  # noqa: F401 (a fixture)
 
 NAMES = ["get_time", "get_weather"]
 
@@ -235,19 +236,12 @@ def test_a_tokenizer_without_the_marker_is_refused(llama_dir):
         TOOL_CALL_FORMATS["mistral"].resolve(Tokenizer.from_dir(llama_dir))
 
 
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=120)
 
 
 @pytest.fixture(scope="module")
 def server(folder):
     with tool_server(folder, "mistral") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from folio.entrypoints.openai.protocol import ChatTool, NamedFunction, NamedToolChoice
 from folio.entrypoints.openai.tool_pythonic import PythonicToolCallReader, pythonic_constraint
-from server_fixture import MODEL_NAME
-from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_named_call, assert_responses_call, cut,
-                                 llguidance_backend, read_pieces, tool_server_fixture)
+from tool_format_fixture import (MESSAGES, SAMPLING, accepts, assert_calls_stream_as_plain, assert_named_call,
+                                 assert_responses_call, cut, llguidance_backend, read_pieces, tool_server_fixture)
+from tool_format_fixture import client  # noqa: F401 (a fixture)
 
 NAMES = ["get_time", "get_weather"]
 
@@ -294,16 +294,9 @@ PYTHONIC_TEMPLATE = """{%- for message in messages %}<|im_start|>{{ message.role
 {%- else %}{{ message.content }}{% endif %}<|im_end|>
 {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=120)
 
 
 server = tool_server_fixture("pythonic", PYTHONIC_TEMPLATE)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
 
 
 @pytest.mark.parametrize("seed", [1, 2])

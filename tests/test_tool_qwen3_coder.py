@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from folio.entrypoints.openai.protocol import ChatTool, NamedFunction, NamedToolChoice
 from folio.entrypoints.openai.tool_parser import CallEnd
 from folio.entrypoints.openai.tool_qwen3_coder import Qwen3CoderToolCallReader, qwen3_coder_constraint
-from server_fixture import MODEL_NAME
-from tool_format_fixture import (accepts, assert_calls_stream_as_plain, assert_named_call, assert_responses_call, cut,
-                                 llguidance_backend, read_pieces, streamed, tool_server_fixture)
+from tool_format_fixture import (MESSAGES, SAMPLING, accepts, assert_calls_stream_as_plain, assert_named_call,
+                                 assert_responses_call, cut, llguidance_backend, read_pieces, streamed,
+                                 tool_server_fixture)
+from tool_format_fixture import client  # noqa: F401 (a fixture)
 
 FORECAST = {"type": "object", "properties": {
     "city": {"type": "string", "description": "free text: raw"},
@@ -300,8 +301,7 @@ SERVER_TOOLS = [  # bounded values: the random model ends them
         "additionalProperties": False}}}]
 NOTE_TOOL = {"type": "function", "function": {"name": "note", "parameters": {
     "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=150)
+SAMPLING = {**SAMPLING, "max_tokens": 150}
 
 
 def test_the_template_renders_calls_the_reader_reads(tiny_model_factory):
@@ -319,11 +319,6 @@ def test_the_template_renders_calls_the_reader_reads(tiny_model_factory):
 
 
 server = tool_server_fixture("qwen3_coder", QWEN3_CODER_STYLE_TEMPLATE, arch="qwen3_moe")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
 
 
 @pytest.mark.parametrize("seed", [1, 2])

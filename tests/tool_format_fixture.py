@@ -28,6 +28,17 @@ if TYPE_CHECKING:
 EOS = 2  # the tiny models' end-of-sequence token
 
 
+# the servers' chat requests: a question a tool answers, sampled (a random model writes what the grammars allow)
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+SAMPLING = dict(model=MODEL_NAME, temperature=1.0, max_tokens=120)
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    """The openai client of the module's `server` fixture."""
+    return server.openai()
+
+
 def read_pieces(reader: ToolCallReader, pieces: list[str]) -> tuple[str, list[ToolCall], list[Piece]]:
     """The content and the whole calls a choice's pieces give `reader` (the last piece final), and every piece read;
     checks that each call has one end and that the reader counted them."""
