@@ -15,8 +15,9 @@ from folio.models.rope_scaling import SUPPORTED as SUPPORTED_ROPE_TYPES, rope_ty
 
 
 def num_experts(cfg: dict[str, Any]) -> int:
-    """Routed experts of a config.json (Mixtral's num_local_experts, the others' num_experts); 0: dense."""
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    """Routed experts of a config.json (Mixtral's num_local_experts, DeepSeek's n_routed_experts, the others'
+    num_experts); 0: dense."""
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
 
 
 @dataclass
@@ -42,16 +43,24 @@ class MoEConfig:
             return None
         if cfg.get("clip_qkv") is not None:
             raise ValueError(f"clip_qkv={cfg['clip_qkv']} (OLMoE's q/k/v clamping) is not supported")
+        if int(cfg.get("moe_layer_freq") or 1) != 1:
+            raise ValueError(f"moe_layer_freq={cfg['moe_layer_freq']} (DeepSeek's sparse layers at intervals) is not "
+                             "supported (supported: 1)")
         mixtral = cfg.get("model_type") == "mixtral" or "MixtralForCausalLM" in (cfg.get("architectures") or ())
+        intermediate = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         return cls(num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),
                    # OLMoE's and Mixtral's experts have intermediate_size; Qwen's have their own
-                   intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                   intermediate_size=intermediate,
                    norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
-                   # Qwen2-MoE's gated shared expert, or Granite MoE's ungated shared MLP
+                   # Qwen2-MoE's gated shared expert, Granite MoE's ungated shared MLP, or DeepSeek's n_shared_experts
+                   # experts' worth of one ungated MLP
                    shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size")
-                                                       or cfg.get("shared_intermediate_size") or 0),
+                                                       or cfg.get("shared_intermediate_size")
+                                                       or int(cfg.get("n_shared_experts") or 0) * intermediate),
                    decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
-                   mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+                   # Qwen's dense layers by index, or DeepSeek's first first_k_dense_replace layers
+                   mlp_only_layers=tuple(cfg.get("mlp_only_layers") or range(int(cfg.get("first_k_dense_replace")
+                                                                                     or 0))))
 
 
 # Fields a config.json may leave out, as Transformers' config classes default them (Gemma 3's multimodal
@@ -116,6 +125,8 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
             inner["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         cfg = inner
     cfg = {**HF_DEFAULTS.get(text_arch, {}), **cfg}
+    if cfg.get("kv_lora_rank"):  # multi-head latent attention (folio.models.mla): the KV cache keeps one row a token
+        cfg["num_key_value_heads"], cfg["head_dim"] = 1, int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
     if text_arch == "Olmo3ForCausalLM" and cfg.get("layer_types") is None:  # Olmo3Config: every 4th layer full
         cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                               for i in range(int(cfg.get("num_hidden_layers") or 0))]
