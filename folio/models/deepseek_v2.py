@@ -1,4 +1,4 @@
-"""DeepSeek V2 (DeepSeek-V2, V2-Lite, V2.5, DeepSeek-Coder-V2) and V3 (DeepSeek-V3, R1, Kimi K2, Moonlight): the Llama
+"""DeepSeek V2 (DeepSeek-V2, V2-Lite, V2.5, DeepSeek-Coder-V2) and V3 (DeepSeek-V3, R1): the Llama
 decoder with
 
   * multi-head latent attention, computed on the compressed latent that the KV cache keeps (folio.models.mla);

@@ -1,4 +1,4 @@
-"""DeepSeek's routers (DeepSeek V2 and V3, Kimi K2, Moonlight, GLM-4.5 MoE): each token's top-k experts chosen
+"""DeepSeek's routers (DeepSeek V2 and V3, GLM-4.5 MoE): each token's top-k experts chosen
 within its best groups of experts, with weights that need not sum to one.
 
 Against the softmax-top-k router of Mixtral and Qwen (folio.models.moe.TopKRouter):

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA: DeepSeek V2 and V3, Kimi K2, Moonlight), computed on the compressed latent.
+"""Multi-head latent attention (MLA: DeepSeek V2 and V3), computed on the compressed latent.
 
 Each token's keys and values come from one latent: kv_a_proj_with_mqa gives a row c (kv_lora_rank wide, then
 RMS-normalised) and a key part k_pe (qk_rope_head_dim wide, rotated, shared by every head); per head h,
