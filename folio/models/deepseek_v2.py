@@ -33,10 +33,10 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class DeepseekMoE(HotPathModule):
     """Routed experts (float32 routing weights) and the shared experts' MLP, their ranks' partial sums added once."""
 
-    def __init__(self, cfg: ModelConfig, router_defaults: tuple[str, str]) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         moe = cfg.moe
-        self.gate = GroupedTopKRouter(cfg.hidden_size, cfg.hf_config, moe.num_experts, moe.top_k, *router_defaults)
+        self.gate = GroupedTopKRouter(cfg.hidden_size, cfg.hf_config, moe.num_experts, moe.top_k)
         self.experts = Experts(cfg, moe)
         self.shared_experts = (LlamaMLP(cfg, moe.shared_expert_intermediate_size, reduce_results=False)
                                if moe.shared_expert_intermediate_size else None)
@@ -51,16 +51,11 @@ class DeepseekMoE(HotPathModule):
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     attention_cls = MultiHeadLatentAttention
-    router_defaults = ("greedy", "softmax")  # (topk_method, scoring_func) where the config leaves them out
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         if cfg.moe is not None and cfg.moe.is_sparse(layer_idx):
-            return DeepseekMoE(cfg, self.router_defaults)
+            return DeepseekMoE(cfg)
         return LlamaMLP(cfg)
-
-
-class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):
-    router_defaults = ("noaux_tc", "sigmoid")
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
@@ -73,7 +68,3 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if layer is not None and int(layer.group(1)) >= self.config.num_hidden_layers:
             return None  # V3's multi-token-prediction layers
         return super().map_checkpoint_name(name)
-
-
-class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
-    layer_cls = DeepseekV3DecoderLayer

@@ -32,13 +32,12 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 class GroupedTopKRouter(HotPathModule):
-    def __init__(self, hidden_size: int, hf: dict[str, Any], num_experts: int, top_k: int,
-                 default_topk_method: str, default_scoring: str) -> None:
-        """hf: the config.json dict; the defaults: the architecture's (V2: greedy softmax, V3: noaux_tc sigmoid),
-        for a config that leaves them out, as Transformers' config classes default them."""
+    def __init__(self, hidden_size: int, hf: dict[str, Any], num_experts: int, top_k: int) -> None:
+        """hf: the config.json dict, with its architecture's defaults (folio.models.model_config.HF_DEFAULTS: V2's
+        router is a greedy softmax, V3's and GLM-4.5's noaux_tc on sigmoids, where config.json leaves them out)."""
         super().__init__()
-        self.topk_method = hf.get("topk_method") or default_topk_method
-        self.scoring = hf.get("scoring_func") or default_scoring
+        self.topk_method = hf.get("topk_method") or "greedy"
+        self.scoring = hf.get("scoring_func") or "softmax"
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"unsupported topk_method {self.topk_method!r} (supported: {', '.join(TOPK_METHODS)})")
         if self.scoring not in SCORING_FUNCS:

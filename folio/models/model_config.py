@@ -82,6 +82,19 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "Ernie4_5ForCausalLM": {"head_dim": 128, "tie_word_embeddings": True},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "sliding_window_pattern": 4},
     "Olmo2ForCausalLM": {"rms_norm_eps": 1e-5},
+    # DeepSeek V2 and V3 (Transformers' configs, and the router fields their config.json files state), GLM-4.5 MoE
+    "DeepseekV2ForCausalLM": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                              "v_head_dim": 128, "n_shared_experts": 2, "moe_intermediate_size": 1407,
+                              "topk_method": "greedy", "scoring_func": "softmax"},
+    "DeepseekV3ForCausalLM": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                              "v_head_dim": 128, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+                              "num_experts_per_tok": 8, "n_routed_experts": 256, "first_k_dense_replace": 3,
+                              "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                              "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    "Glm4MoeForCausalLM": {"partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "n_shared_experts": 1,
+                           "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_routed_experts": 128,
+                           "first_k_dense_replace": 1, "norm_topk_prob": True, "topk_method": "noaux_tc",
+                           "scoring_func": "sigmoid"},
     # OLMo 3 (Transformers' Olmo3Config): a RoPE base of 500000 for both layer types; a legacy rope_theta (and
     # rope_scaling) is the full layers' only
     "Olmo3ForCausalLM": {"rms_norm_eps": 1e-5, "sliding_window": 4096, "rope_theta": 500_000.0,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from folio.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from folio.models.deepseek_v2 import DeepseekV2ForCausalLM
 from folio.models.ernie4_5 import Ernie4_5ForCausalLM
 from folio.models.exaone4 import Exaone4ForCausalLM
 from folio.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from folio.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
+from folio.models.glm4_moe import Glm4MoeForCausalLM
 from folio.models.granite import GraniteForCausalLM
 from folio.models.gpt_oss import GptOssForCausalLM
 from folio.models.granite_moe import GraniteMoeForCausalLM
@@ -47,8 +48,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
-    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,  # the router differs by its config (HF_DEFAULTS)
 }
 # multimodal checkpoints (Gemma 3, Mistral 3): their language model's class, text in and text out
 MODEL_CLASSES.update({arch: MODEL_CLASSES[text_arch] for arch, (text_arch, _) in LANGUAGE_MODELS.items()})
