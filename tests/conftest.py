@@ -91,6 +91,10 @@ ARCH_CONFIGS = {
     "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
                                  "intermediate_size": 32, "swiglu_limit": 0.5,
                                  "layer_types": ["sliding_attention", "full_attention"]}),
+    # Command-R: parallel blocks, LayerNorms, interleaved RoPE, logits times logit_scale (per test: q/k norms)
+    "cohere": ("CohereConfig", {}),
+    # Command R7B's layout: an 8-token window on layers 0-2 (with RoPE), layer 3 global (NoPE), by the pattern 4
+    "cohere2": ("Cohere2Config", {"num_hidden_layers": 4, "sliding_window": 8}),
 }
 
 

@@ -104,6 +104,11 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
     if arch == "exaone4" and cfg.get("sliding_window") is not None:  # its converter: the window, a flag a layer
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if arch in ("command-r", "cohere2"):  # llama.cpp's converter: Cohere's logit scale and LayerNorm epsilon
+        w.add_logit_scale(cfg["logit_scale"])
+        w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    if arch == "cohere2":  # the window alone: llama.cpp hard-codes which layers slide (three of every four)
+        w.add_sliding_window(cfg["sliding_window"])
     if arch in ("granite", "granitemoe"):  # llama.cpp's converter renames Granite's multipliers
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])

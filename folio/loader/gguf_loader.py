@@ -15,6 +15,8 @@ What the translation has to undo:
   layers slide; Gemma 3: five of six, and none without a sliding_window), and the attention scale
   (1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 27B models); SmolLM3's NoPE layers (every fourth);
 * Granite's multipliers: stored as *_scale keys, back to their config.json names;
+* Cohere's LayerNorm epsilon and logit scale, back to their config.json names; Command R+'s q/k norms, from their
+  tensors; Cohere 2's window on three layers of every four (llama.cpp hard-codes the pattern);
 * GPT-OSS: its window on the even layers and YaRN without truncation (GptOssConfig's), its SwiGLU clamp at
   Transformers' defaults (llama.cpp hard-codes them); its stacked experts' biases one per expert as its weights;
   its MXFP4 experts, where they run as stored, repacked from ggml's block order into the blocks and scales the
@@ -80,6 +82,8 @@ ARCHITECTURES = {
     "glm4": ("Glm4ForCausalLM", "glm4"),
     "chatglm": ("GlmForCausalLM", "glm"),  # GLM-4-9B-0414's predecessors: glm-4-9b-chat(-hf), ChatGLM2/3
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "command-r": ("CohereForCausalLM", "cohere"),  # Q/K as in Transformers: llama.cpp rotates Cohere's pairs
+    "cohere2": ("Cohere2ForCausalLM", "cohere2"),
 }
 # llama.cpp writes Mixtral as "llama" with experts (llama.expert_count).
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -309,8 +313,10 @@ def _hf_config(reader: GGUFReader) -> dict:
         config.update(_granite_config(reader, arch, head_dim))
     if model_type == "olmo3":
         config.update(_olmo3_config(reader, arch, config))
-    if arch == "exaone4":
-        config.update(_exaone4_config(reader, arch))
+    if arch in ("command-r", "cohere2"):
+        config.update(_cohere_config(reader, arch, tensors))
+    if arch in ("exaone4", "cohere2"):
+        config.update(_hybrid_attention_config(reader, arch))
     if arch == "smollm3":  # llama.cpp hard-codes SmolLM3's NoPE layers (every fourth): no GGUF key says so
         config["no_rope_layer_interval"] = 4
     if arch in GLM:  # stated whatever it is: Transformers' GLM configs default to half of each head
@@ -365,9 +371,18 @@ def _olmo3_config(reader: GGUFReader, arch: str, config: dict) -> dict:
     return extra
 
 
-def _exaone4_config(reader: GGUFReader, arch: str) -> dict:
-    """EXAONE 4's window, and its sliding layers where the file lists them (one flag a layer; else Transformers'
-    sliding_window_pattern 4). No window (1.2B): every layer global, and rotated."""
+def _cohere_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
+    """Cohere's LayerNorm epsilon and logit scale (keys llama.cpp requires), and q/k norms where the file has their
+    tensors (llama.cpp's Command-R: in models of 64 layers or more, Command R+)."""
+    return {"layer_norm_eps": _f32(need_field(reader, f"{arch}.attention.layer_norm_epsilon")),
+            "logit_scale": _f32(need_field(reader, f"{arch}.logit_scale")),
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
+
+
+def _hybrid_attention_config(reader: GGUFReader, arch: str) -> dict:
+    """EXAONE 4's and Cohere 2's window, and their sliding layers where the file lists them (one flag a layer; else
+    Transformers' sliding_window_pattern 4, which llama.cpp hard-codes for Cohere 2). No window (EXAONE 4.0 1.2B):
+    every layer global (and rotated in EXAONE 4, NoPE in Cohere 2, as in Transformers)."""
     window = get_field(reader, f"{arch}.attention.sliding_window")
     extra = {"sliding_window": int(window) if window else None}
     pattern = get_field(reader, f"{arch}.attention.sliding_window_pattern")

@@ -95,11 +95,18 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                            "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_routed_experts": 128,
                            "first_k_dense_replace": 1, "norm_topk_prob": True, "topk_method": "noaux_tc",
                            "scoring_func": "sigmoid"},
+    # Cohere's CohereConfig / Cohere2Config (Cohere 2: a window on three layers of every four)
+    "CohereForCausalLM": {"layer_norm_eps": 1e-5, "logit_scale": 0.0625, "tie_word_embeddings": True},
+    "Cohere2ForCausalLM": {"layer_norm_eps": 1e-5, "logit_scale": 0.0625, "tie_word_embeddings": True,
+                           "sliding_window": 4096, "sliding_window_pattern": 4},
     # OLMo 3 (Transformers' Olmo3Config): a RoPE base of 500000 for both layer types; a legacy rope_theta (and
     # rope_scaling) is the full layers' only
     "Olmo3ForCausalLM": {"rms_norm_eps": 1e-5, "sliding_window": 4096, "rope_theta": 500_000.0,
                          "rope_local_base_freq": 500_000.0},
 }
+# RoPE bases of the architectures whose config classes default to another than 10000 (Transformers' default_theta):
+# apart from HF_DEFAULTS, since a file may state its base in rope_parameters, where a default would shadow it.
+DEFAULT_ROPE_THETA: dict[str, float] = {"CohereForCausalLM": 500_000.0}
 # Multimodal architectures whose language model folio serves, text in and text out (the vision tower and projector
 # are not served: folio.models.llama.checkpoint_target skips their tensors) -> the architecture of that language
 # model, whose defaults, attention pattern and model class apply, and the model_type its text_config must declare
@@ -171,7 +178,8 @@ def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Op
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer (Phi-3-mini-4k: 2047)
             types = ["sliding_attention"] * num_layers
-        elif arch == "Exaone4ForCausalLM" and window is not None:  # the pattern: 4 (every 4th global) or "LLLG"
+        # the pattern: 4 (every 4th global) or EXAONE 4's "LLLG"
+        elif arch in ("Exaone4ForCausalLM", "Cohere2ForCausalLM") and window is not None:
             pattern = cfg.get("sliding_window_pattern") or 4
             slides = ([pattern[i % len(pattern)] == "L" for i in range(num_layers)] if isinstance(pattern, str)
                       else [(i + 1) % int(pattern) != 0 for i in range(num_layers)])
@@ -280,7 +288,8 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+            default_theta = DEFAULT_ROPE_THETA.get(text_arch, 10000.0)
+            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", default_theta)))
             kind = rope_type(rope)
             if kind not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"{arch}: unsupported rope_scaling type {kind!r} "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from folio.models.cohere import CohereForCausalLM
+from folio.models.cohere2 import Cohere2ForCausalLM
 from folio.models.deepseek_v2 import DeepseekV2ForCausalLM
 from folio.models.ernie4_5 import Ernie4_5ForCausalLM
 from folio.models.exaone4 import Exaone4ForCausalLM
@@ -51,6 +53,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,  # the router differs by its config (HF_DEFAULTS)
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
 }
 # multimodal checkpoints (Gemma 3, Mistral 3): their language model's class, text in and text out
 MODEL_CLASSES.update({arch: MODEL_CLASSES[text_arch] for arch, (text_arch, _) in LANGUAGE_MODELS.items()})
