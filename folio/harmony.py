@@ -1,7 +1,8 @@
 """OpenAI's harmony format (GPT-OSS), read from the text of an output whose special tokens are kept.
 
 A GPT-OSS turn is a run of messages. The prompt ends with `<|start|>assistant`, so the output opens with the first
-message's header; each later message opens with `<|start|>assistant` again:
+message's header (or, after an assistant prefill, goes on in the prefilled message); each later message opens with
+`<|start|>assistant` again:
 
     <|channel|>analysis<|message|>THINKING<|end|>
     <|start|>assistant<|channel|>final<|message|>ANSWER<|return|>
@@ -32,6 +33,7 @@ MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 ENDS = (END, RETURN, CALL)
 _MARKER = re.compile("|".join(re.escape(marker) for marker in MARKERS))
 _RECIPIENT = re.compile(r"(?:^|\s)to=(\S+)")
+FUNCTIONS = "functions."  # a recipient that names a function: a call's
 HEADER_LIMIT = 512  # characters of a header (a role, a channel, a recipient of at most 64 + 10, a type)
 
 
@@ -41,6 +43,12 @@ class Header:
 
     channel: str
     recipient: Optional[str] = None
+
+    def function(self) -> Optional[str]:
+        """The function the recipient names, if it names one (the message is a call of it)."""
+        if self.recipient is None or not self.recipient.startswith(FUNCTIONS):
+            return None
+        return self.recipient[len(FUNCTIONS):]
 
     def text(self) -> str:
         """The header as harmony writes it after `<|start|>assistant`, up to and with `<|message|>`."""
@@ -57,7 +65,8 @@ class Body:
 
 @dataclass(frozen=True)
 class Closed:
-    """The open message ended: by its end marker, or (marker None) where the text ended."""
+    """The open message ended: by its end marker, by the next message's `<|start|>`, or (marker None) where the
+    text ended (which an end-of-sequence marker, left out of the text, or max_tokens may have ended)."""
 
     marker: Optional[str]
 
@@ -96,13 +105,23 @@ class HarmonyReader:
     """One output's harmony text, piece by piece, as events; work per piece is its length (a header is held back
     whole until its `<|message|>`, at most HEADER_LIMIT characters)."""
 
-    def __init__(self) -> None:
-        self._state = "header"  # header (of the message the output opens with), body, between
+    def __init__(self, opening: str = START) -> None:
+        """opening: the prompt's text from its last `<|start|>`, the message the output writes or goes on: by
+        default the start alone (the generation prompt's role aside), so the output opens with the header; an
+        assistant prefill's, up to its text so far, so the output goes on in that message's body, whose header
+        comes out first, as if the output had written it (or in its header, or between messages, where the
+        prompt ends there)."""
+        self._state = "between"  # header, body, between
         self._header = ""  # the header's text so far
         self._held = ""  # a possible start of a marker
+        self._opened: list[Event] = []
+        headers = [event for event in self.feed(opening) if isinstance(event, Header)]
+        self._held = ""  # (the prompt's text is not the output's: it ends where a token, a marker too, does)
+        self._opened = headers[-1:] if self._state == "body" else []  # the header to give first
 
     def feed(self, text: str, final: bool = False) -> list[Event]:
-        out: list[Event] = []
+        out: list[Event] = self._opened
+        self._opened = []
         text, self._held = self._held + text, ""
         while True:
             match = _MARKER.search(text)
@@ -147,7 +166,7 @@ class HarmonyReader:
                 self._state = "header" if marker == START else "between"
         elif marker == START or (marker == CHANNEL and self._state == "between"):
             if self._state == "body":
-                out.append(Closed(None))
+                out.append(Closed(START))
             self._state, self._header = "header", marker if marker == CHANNEL else ""
         elif self._state == "body" and marker in ENDS:
             out.append(Closed(marker))

@@ -7,8 +7,16 @@ tool-call format `openai` (folio.entrypoints.openai.tool_harmony), which reads e
 makes final and preamble text content and calls tool calls; text in no message is content as it is. So the
 markers never reach a client, and a call stays a call whatever the tokens' split.
 
-Reasoning tokens are counted on the token ids: those of analysis messages from their `<|message|>` to their end
-marker, included (headers are the format's, not the reasoning's).
+The tokens are told apart on their ids: the reasoning tokens are those of analysis messages from their
+`<|message|>` to their end marker, included (headers are the format's, not the reasoning's); the content's are
+those of the text the client gets as content, without the headers, markers and calls around it, so that the
+logprobs the chat's content has are its own tokens' (its reasoning's are not given, with include_reasoning or
+without: there are no tags among them to tell it from the content, as a think block's are).
+
+After an assistant prefill (continue_final_message) the output goes on in the prefilled message: the text and the
+tokens are read from where the prompt's last message leaves off, so that what follows a final message's text is
+content, and an analysis message's reasoning; the content handed on opens with the prefilled message's header
+where it is not analysis, so the tool-call reader after it needs no prompt.
 """
 
 from __future__ import annotations
@@ -16,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from folio.harmony import CALL, END, MARKERS, MESSAGE, RETURN, START, Body, Closed, HarmonyReader, Header, \
-    Stray, parse_header
+from folio.harmony import CALL, CHANNEL, END, ENDS, MARKERS, MESSAGE, RETURN, START, Body, Closed, HarmonyReader, \
+    Header, Stray, parse_header
 from folio.reasoning_split import ReasoningSplit
 from folio.tokenizer import Tokenizer
 
@@ -45,45 +53,82 @@ class HarmonyTokens:
         return self.ids[marker]
 
 
-class _ReasoningTokens:
-    """Counts the reasoning tokens of an output, fed its token ids."""
+_REASONING, _CONTENT = "reasoning", "content"  # what a token wrote (None: the format's, or a call's)
 
-    def __init__(self, tokens: HarmonyTokens, tokenizer: Tokenizer) -> None:
+
+def prompt_opening(tokens: HarmonyTokens, prompt_token_ids: Sequence[int]) -> list[int]:
+    """The prompt's tokens from its last `<|start|>`: the message the output writes (the generation prompt's
+    `<|start|>assistant`) or goes on (an assistant prefill's, continue_final_message); a start alone where the
+    prompt has none."""
+    ids = list(prompt_token_ids)
+    try:
+        return ids[len(ids) - 1 - ids[::-1].index(tokens[START]):]
+    except ValueError:
+        return [tokens[START]]
+
+
+class _TokenParts:
+    """What each token of an output wrote, read on its ids as HarmonyReader reads its text: reasoning (an analysis
+    message, from its `<|message|>` to its end marker: the reasoning tokens), content (the text of a message to no
+    function, or in no message: what the client gets as content), or neither (headers, calls, and special tokens:
+    the markers, and the end-of-sequence token, whose text the output leaves out). Each token is told as it comes,
+    so where only a malformed output makes them differ, the text reader has the last word on the text: a header
+    it finds stray (cut off, too long) has its tokens taken for the format's here, and a message to a function
+    the request has not for a call's."""
+
+    def __init__(self, tokens: HarmonyTokens, tokenizer: Tokenizer, opening: Sequence[int]) -> None:
         self._tokenizer = tokenizer
-        self._start, self._message = tokens[START], tokens[MESSAGE]
+        self._start, self._message, self._channel = tokens[START], tokens[MESSAGE], tokens[CHANNEL]
         self._ends = frozenset(tokens[marker] for marker in (END, RETURN, CALL))
+        self._special = frozenset(tokenizer.all_special_ids) | frozenset(tokens.ids.values())
+        self._state = "between"  # header, between, or in a body what its text is: reasoning, content, call
         self._header: list[int] = []
-        self._body: Optional[bool] = None  # in a body: whether it is analysis; None in a header
+        self.parts(opening)
 
-    def count(self, token_ids: Sequence[int]) -> int:
-        counted = 0
-        for token_id in token_ids:
-            if self._body is not None:
-                counted += self._body
-                if token_id in self._ends or token_id == self._start:
-                    counted -= token_id == self._start
-                    self._body, self._header = None, []
-            elif token_id == self._message:
+    def parts(self, token_ids: Sequence[int]) -> list[Optional[str]]:
+        return [self._part(token_id) for token_id in token_ids]
+
+    def _part(self, token_id: int) -> Optional[str]:
+        state = self._state
+        if token_id == self._start or (token_id == self._channel and state == "between"):
+            self._state, self._header = "header", [token_id]
+            return None
+        if token_id in self._ends:
+            self._state = "between"
+            return _REASONING if state == _REASONING else None
+        if state == "header":
+            if token_id == self._message:
                 header = parse_header(self._tokenizer.decode(self._header, skip_special_tokens=False))
-                self._body = header is not None and header.channel == ANALYSIS
-                counted += self._body
-            elif token_id == self._start:
-                self._header = []
-            else:
-                self._header = (self._header + [token_id])[-_HEADER_TOKENS:]
-        return counted
+                self._state = self._body(header)
+                return _REASONING if self._state == _REASONING else None
+            self._header = (self._header + [token_id])[-_HEADER_TOKENS:]
+            return None
+        if token_id in self._special:
+            return None
+        return _CONTENT if state == "between" else None if state == "call" else state
+
+    @staticmethod
+    def _body(header: Optional[Header]) -> str:
+        """What the text of a message with this header is ("between" where it has none: its text is stray)."""
+        if header is None:
+            return "between"
+        return _REASONING if header.channel == ANALYSIS else "call" if header.function() is not None else _CONTENT
 
 
 class HarmonySplitter:
-    """One choice's harmony output split into its reasoning and the rest (an OutputSplitter)."""
+    """One choice's harmony output split into its reasoning and the rest (an OutputSplitter), read from where the
+    prompt leaves off (prompt_opening)."""
 
-    def __init__(self, tokens: HarmonyTokens, tokenizer: Tokenizer) -> None:
-        self._reader = HarmonyReader()
-        self._tokens = _ReasoningTokens(tokens, tokenizer)
+    def __init__(self, tokens: HarmonyTokens, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> None:
+        opening = prompt_opening(tokens, prompt_token_ids)
+        self._reader = HarmonyReader(tokenizer.decode(opening, skip_special_tokens=False))
+        self._tokens = _TokenParts(tokens, tokenizer, opening)
         self._analysis = False  # the open message is analysis
 
     def feed(self, text: str, token_ids: Sequence[int] = (), final: bool = False) -> ReasoningSplit:
-        out = ReasoningSplit(num_reasoning_tokens=self._tokens.count(token_ids))
+        parts = self._tokens.parts(token_ids)
+        out = ReasoningSplit(num_reasoning_tokens=parts.count(_REASONING),
+                             content_tokens=[i for i, part in enumerate(parts) if part == _CONTENT])
         content: list[str] = []
         for event in self._reader.feed(text, final):
             if isinstance(event, Header):
@@ -96,11 +141,10 @@ class HarmonySplitter:
                 else:
                     content.append(event.text)
             elif isinstance(event, Closed):
-                if not self._analysis and event.marker is not None:
+                if not self._analysis and event.marker in ENDS:
                     content.append(event.marker)
                 self._analysis = False
             elif isinstance(event, Stray):
                 content.append(event.text)
         out.content = "".join(content)
         return out
-

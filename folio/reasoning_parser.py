@@ -139,7 +139,7 @@ class HarmonyReasoningParser(ReasoningParser):
         HarmonyTokens.of(tokenizer)
 
     def splitter(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> "OutputSplitter":
-        return HarmonySplitter(HarmonyTokens.of(tokenizer), tokenizer)
+        return HarmonySplitter(HarmonyTokens.of(tokenizer), tokenizer, prompt_token_ids)
 
 
 # vLLM's names (folio.config.REASONING_PARSER_NAMES). Qwen3's and DeepSeek-R1's differ only in their templates,

@@ -39,15 +39,17 @@ def client(server: RunningServer) -> openai.OpenAI:
     return server.openai()
 
 
-def read_pieces(reader: ToolCallReader, pieces: list[str]) -> tuple[str, list[ToolCall], list[Piece]]:
+def read_pieces(reader: ToolCallReader, pieces: list[str], cut: bool = False) -> tuple[str, list[ToolCall],
+                                                                                   list[Piece]]:
     """The content and the whole calls a choice's pieces give `reader` (the last piece final), and every piece read;
-    checks that each call has one end and that the reader counted them."""
+    checks that each call has one end (but for the last where `cut`: the text ended inside it) and that the reader
+    counted them."""
     out: list[Piece] = []
     for i, piece in enumerate(pieces):
         out += reader.pieces(piece, final=i == len(pieces) - 1)
     content = "".join(p for p in out if isinstance(p, str))
     calls = join_tool_calls([p for p in out if not isinstance(p, (str, CallEnd))])
-    assert sum(isinstance(p, CallEnd) for p in out) == len(calls) == reader.num_calls
+    assert sum(isinstance(p, CallEnd) for p in out) == len(calls) - cut and len(calls) == reader.num_calls
     return content, calls, out
 
 

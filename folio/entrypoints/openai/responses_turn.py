@@ -144,15 +144,16 @@ class Turn:
             self.output_tokens += len(completion.token_ids)
             self.finish_reason = completion.finish_reason
             final = self.finish_reason is not None
-            text, answer_from = completion.text, 0  # the answer's text, and where its tokens begin
+            text, answer = completion.text, range(len(completion.token_ids))  # the answer's text, and its tokens
             if self.splitter is not None:
                 split = self.splitter.feed(text, completion.token_ids, final)
-                text, answer_from = split.content, split.num_reasoning_tokens
-                self.reasoning_tokens += answer_from
+                text, answer = split.content, split.logprob_tokens(len(completion.token_ids), with_reasoning=False)
+                self.reasoning_tokens += split.num_reasoning_tokens
                 edits += self._reasoning(split.reasoning)
             if completion.logprobs is not None:  # (asked for without tools only: then the answer is the message)
-                self.pending_logprobs += token_logprobs(completion.token_ids[answer_from:],
-                                                        completion.logprobs[answer_from:], self.request.logprobs or 0)
+                self.pending_logprobs += token_logprobs([completion.token_ids[i] for i in answer],
+                                                        [completion.logprobs[i] for i in answer],
+                                                        self.request.logprobs or 0)
             for piece in [text] if self.parser is None else self.parser.pieces(text, final=final):
                 if isinstance(piece, str):
                     edits += self._text(piece)

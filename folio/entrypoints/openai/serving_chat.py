@@ -101,10 +101,10 @@ class OpenAIServingChat(OpenAIServing):
     async def read_deltas(self, request: ChatCompletionRequest, prompts: list[Prompt],
                           deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
         """With a reasoning parser, each choice's reasoning leaves its text first (dropped where include_reasoning
-        is false). With tools (and tool_choice not "none"; always for a format that is the whole output's structure,
-        harmony), the text left goes through the tool format's reader: calls
-        leave the content for tool_calls, and a choice that called tools finishes with "tool_calls" (OpenAI keeps
-        "stop" when tool_choice named the function)."""
+        is false, and its tokens' logprobs with it; harmony's logprobs are its content's alone). With tools (and
+        tool_choice not "none"; always for a format that is the whole output's structure, harmony), the text left
+        goes through the tool format's reader: calls leave the content for tool_calls, and a choice that called
+        tools finishes with "tool_calls" (OpenAI keeps "stop" when tool_choice named the function)."""
         tool_choice = resolve_tool_choice(request.tools, request.tool_choice, self.auto_tool_choice)
         parsers: dict[int, ToolCallReader] = {}
         splitters: dict[int, OutputSplitter] = {}
@@ -119,9 +119,10 @@ class OpenAIServingChat(OpenAIServing):
                 delta.text, delta.num_reasoning_tokens = split.content, split.num_reasoning_tokens
                 if request.include_reasoning:
                     delta.reasoning = split.reasoning
-                elif delta.logprobs is not None:  # nor its tokens' logprobs
-                    delta.token_ids = delta.token_ids[split.num_reasoning_tokens:]
-                    delta.logprobs = delta.logprobs[split.num_reasoning_tokens:]
+                if delta.logprobs is not None:  # the tokens of what the message gives
+                    kept = split.logprob_tokens(len(delta.token_ids), request.include_reasoning)
+                    delta.token_ids = [delta.token_ids[i] for i in kept]
+                    delta.logprobs = [delta.logprobs[i] for i in kept]
             if self.tool_format.reads(tool_choice):
                 parser = parsers.get(delta.index)
                 if parser is None:

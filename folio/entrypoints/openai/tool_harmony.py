@@ -10,7 +10,8 @@ server (ToolCallFormat.whole_output; under tool_choice "none" no function may be
 preamble (commentary without a recipient) messages is content, a call's text streams as its arguments as it
 comes, as the model writes it; a message to anything else than one of the request's functions, and text in no
 message, is content too; analysis messages are content where no reasoning parser took them out (as any reasoning
-is without one). The markers never reach the content.
+is without one). The markers never reach the content. A call the output ends in, cut off before its arguments are
+whole JSON (max_tokens), has no end: the Responses API gives it as incomplete.
 
 The grammars write the markers by id (`<[id]>` in llguidance's Lark) and let the model think first: any number of
 analysis messages (free text, which cannot hold a special token), then by tool_choice
@@ -30,12 +31,11 @@ from typing import Collection, Optional
 from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
 from folio.entrypoints.openai.tool_grammar import (ToolChoice, arguments_schema, call_alternatives, chosen_tools,
                                                    grammar_json, grammar_literal)
-from folio.entrypoints.openai.tool_parser import CallEnd, Piece, ToolCallReader, call_opening, may_name
-from folio.harmony import CHANNEL, CONSTRAIN, END, MESSAGE, START, Body, Closed, HarmonyReader, Header, Stray
+from folio.entrypoints.openai.tool_parser import CallEnd, Piece, ToolCallReader, call_opening, may_name, read_json
+from folio.harmony import CHANNEL, CONSTRAIN, END, FUNCTIONS, MESSAGE, START, Body, Closed, HarmonyReader, Header, \
+    Stray
 from folio.harmony_split import HarmonyTokens
 from folio.structured_output.params import StructuredOutputsParams
-
-FUNCTIONS = "functions."
 
 
 def _call_rule(tokens: HarmonyTokens):
@@ -71,13 +71,6 @@ def harmony_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_
     return StructuredOutputsParams(grammar="\n".join(["%llguidance {}", *lines]) + "\n")
 
 
-def _function(recipient: Optional[str]) -> Optional[str]:
-    """The function a recipient names, if it names one."""
-    if recipient is None or not recipient.startswith(FUNCTIONS):
-        return None
-    return recipient[len(FUNCTIONS):]
-
-
 class HarmonyToolCallReader(ToolCallReader):
     """One choice's reader. names: the functions a call may be of (none under tool_choice "none")."""
 
@@ -86,22 +79,35 @@ class HarmonyToolCallReader(ToolCallReader):
         self._names = frozenset(names)
         self._reader = HarmonyReader()
         self._call: Optional[int] = None  # the index of the call whose message is open
+        self._arguments: list[str] = []  # its arguments' text so far
 
     def pieces(self, text: str, final: bool = False) -> list[Piece]:
         out: list[Piece] = []
         for event in self._reader.feed(text, final):
             if isinstance(event, Header):
-                name = _function(event.recipient)
+                name = event.function()
                 if name is not None and may_name(self._names, name):
-                    self._call = self.num_calls
+                    self._call, self._arguments = self.num_calls, []
                     self.num_calls += 1
                     out.append(call_opening(self._call, name))
             elif isinstance(event, Body) and self._call is not None:
+                self._arguments.append(event.text)
                 out.append(DeltaToolCall(index=self._call, function=DeltaFunctionCall(arguments=event.text)))
             elif isinstance(event, (Body, Stray)):
                 self._content(out, event.text)
             elif isinstance(event, Closed) and self._call is not None:
-                out.append(CallEnd(self._call))
+                if event.marker is not None or _whole_json("".join(self._arguments)):
+                    out.append(CallEnd(self._call))
                 self._call, self._after_call = None, True
         return out
 
+
+def _whole_json(text: str) -> bool:
+    """Whether the arguments of a call the text ended in are whole JSON. `<|call|>`, which ends generation, is
+    left out of the text, so such a call is taken as ended, as a Hermes call stopped before `</tool_call>` with
+    its object whole is (tool_parser._Call); one cut off inside them (max_tokens) has no end, and is incomplete."""
+    try:
+        read_json(text)
+    except ValueError:
+        return False
+    return True
