@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from folio.models.ernie4_5 import Ernie4_5ForCausalLM
+from folio.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from folio.models.exaone4 import Exaone4ForCausalLM
 from folio.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from folio.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
@@ -43,6 +44,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
