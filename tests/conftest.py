@@ -65,6 +65,12 @@ ARCH_CONFIGS = {
                                   "attention_multiplier": 0.05, "logits_scaling": 3.0}),
     # ERNIE 4.5: a head_dim (32) that is not hidden_size / heads (16), as the released 128 against 64
     "ernie4_5": ("Ernie4_5Config", {"head_dim": 32}),
+    # ERNIE 4.5 MoE: dense ERNIE's 32-wide heads; layers 1 and 3 sparse (from moe_layer_start_index 1, every 2nd),
+    # six experts of 32 (two a token) and two shared ones (an MLP of 64); build_tiny_model gives the routers a
+    # correction bias that changes their choices
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"head_dim": 32, "num_hidden_layers": 4, "moe_layer_interval": 2,
+                                            "moe_num_experts": 6, "moe_k": 2, "moe_intermediate_size": 32,
+                                            "moe_num_shared_experts": 2}),
     # EXAONE 4: an 8-token window on layers 0-2 (with RoPE), layer 3 global (NoPE), by sliding_window_pattern 4
     "exaone4": ("Exaone4Config", {"num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4}),
     # Granite MoE: the same scalars, four experts of 32 (two a token); the shared variant adds an MLP of 48
@@ -121,6 +127,10 @@ def build_tiny_model(folder: str, arch: str = "llama", tie: bool = False, seed: 
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.data.normal_(0, 0.2)
+    if arch == "ernie4_5_moe":  # Transformers initialises the routers' correction bias to zeros: the test needs one
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.moe_statics.e_score_correction_bias.data.normal_(0, 0.3)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder)
     write_tokenizer(folder)

@@ -30,7 +30,10 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",  # GLM-4's
           "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
           "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          # ERNIE 4.5 MoE's shared experts and correction bias (which the converter renames e_score_correction.bias)
+          "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+          "mlp.shared_experts.down_proj": "ffn_down_shexp", "mlp.moe_statics.e_score_correction": "exp_probs_b"}
 # llama.cpp's names that differ by architecture: EXAONE 4's post-norms of the attention's and the MLP's outputs
 _ARCH_LAYER = {"exaone4": {"post_attention_layernorm": "post_attention_norm",
                            "post_feedforward_layernorm": "post_ffw_norm"}}
@@ -92,8 +95,15 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
         w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if experts:
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("moe_num_experts")
+    if arch == "ernie4_5-moe":  # its converter: ERNIE's fields, its first sparse layer as the leading dense blocks
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["moe_k"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["moe_num_shared_experts"])
+        w.add_interleave_moe_layer_step(cfg["moe_layer_interval"])
+        w.add_leading_dense_block_count(cfg["moe_layer_start_index"])
+    elif experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
@@ -124,12 +134,13 @@ def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_
             gguf_name = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
                          "lm_head.weight": "output"}[name] + ".weight"
         else:
-            layer, part, suffix = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
+            converted = name.replace("e_score_correction_bias", "e_score_correction.bias")
+            layer, part, suffix = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", converted).groups()
             gguf_name = f"blk.{layer}.{_ARCH_LAYER.get(arch, {}).get(part) or _LAYER[part]}.{suffix}"
             if arch in ("llama", "smollm3", "granite", "granitemoe") and part in ("self_attn.q_proj",
                                                                                  "self_attn.k_proj"):
                 t = _permute(t, heads if part == "self_attn.q_proj" else kv_heads)
-            if part == "mlp.shared_expert_gate":
+            if part in ("mlp.shared_expert_gate", "mlp.moe_statics.e_score_correction"):  # the converter squeezes
                 t = t.reshape(-1)
         _add(w, gguf_name, t, layer_type if gguf_name.startswith("blk.") and t.ndim == 2 else Q.F32)
     for gguf_name, per_expert in stacked.items():

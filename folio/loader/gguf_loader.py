@@ -17,6 +17,8 @@ What the translation has to undo:
 * Granite's multipliers: stored as *_scale keys, back to their config.json names;
 * Cohere's LayerNorm epsilon and logit scale, back to their config.json names; Command R+'s q/k norms, from their
   tensors; Cohere 2's window on three layers of every four (llama.cpp hard-codes the pattern);
+* ERNIE 4.5 MoE: its layer layout from the leading dense block count and the MoE layer step, its router (and the
+  correction bias, `exp_probs_b`, whose unit dim llama.cpp drops) kept in float32, as Transformers keeps it;
 * GPT-OSS: its window on the even layers and YaRN without truncation (GptOssConfig's), its SwiGLU clamp at
   Transformers' defaults (llama.cpp hard-codes them); its stacked experts' biases one per expert as its weights;
   its MXFP4 experts, where they run as stored, repacked from ggml's block order into the blocks and scales the
@@ -76,6 +78,7 @@ ARCHITECTURES = {
     "granite": ("GraniteForCausalLM", "granite"),
     "gemma": ("GemmaForCausalLM", "gemma"),
     "ernie4_5": ("Ernie4_5ForCausalLM", "ernie4_5"),  # Q/K as in Transformers: llama.cpp rotates ERNIE's pairs
+    "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", "ernie4_5_moe"),  # likewise
     "exaone4": ("Exaone4ForCausalLM", "exaone4"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),  # and GraniteMoeShared: one class serves both
@@ -142,7 +145,14 @@ _ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "chatglm": {"ffn_
                                 "post_ffw_norm": "post_mlp_layernorm"},
                        # GPT-OSS's pre-MLP norm, attention sinks (attn_sinks.weight) and router (with a bias)
                        "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
-                                   "ffn_gate_inp": "mlp.router"}}
+                                   "ffn_gate_inp": "mlp.router"},
+                       # ERNIE 4.5 MoE's shared experts (plural) and its router's correction bias (`_hf_names`)
+                       "ernie4_5-moe": {"ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                                        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                                        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+                                        "exp_probs_b": "mlp.moe_statics.e_score_correction"}}
+# Tensors that stay float32 whatever the dtype asked for: ERNIE 4.5 MoE's router, which Transformers keeps in float32
+_FLOAT32_TENSORS = {"ernie4_5-moe": ("ffn_gate_inp.weight", "exp_probs_b.bias")}
 # Stacked expert tensors [experts, rows, cols]: one Hugging Face tensor per expert, mlp.experts.E.<name>.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward one there
@@ -333,6 +343,8 @@ def _moe_config(reader: GGUFReader, arch: str, model_type: str) -> dict:
     experts = get_field(reader, f"{arch}.expert_count")
     if not experts:
         return {}
+    if model_type == "ernie4_5_moe":
+        return _ernie4_5_moe_config(reader, arch, int(experts))
     config = {"num_experts_per_tok": int(need_field(reader, f"{arch}.expert_used_count"))}
     if model_type == "mixtral":
         return {**config, "num_local_experts": int(experts)}
@@ -344,6 +356,20 @@ def _moe_config(reader: GGUFReader, arch: str, model_type: str) -> dict:
             "shared_expert_intermediate_size": int(shared or 0),
             # llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's unless the file says so
             "norm_topk_prob": bool(get_field(reader, f"{arch}.expert_weights_norm", model_type == "qwen3_moe"))}
+
+
+def _ernie4_5_moe_config(reader: GGUFReader, arch: str, experts: int) -> dict:
+    """ERNIE 4.5 MoE's fields under their config.json names, as llama.cpp's converter writes them: the shared
+    experts' count (none where it is absent), the first sparse layer as the leading dense block count, the sparse
+    layers' interval as the MoE layer step. llama.cpp's sparse layers run to the last one (Transformers' default
+    moe_layer_end_index) and it floors the weights' sum at its own constant: moe_norm_min keeps Transformers'
+    default, which no router sum comes near."""
+    return {"moe_num_experts": experts, "moe_k": int(need_field(reader, f"{arch}.expert_used_count")),
+            "moe_intermediate_size": int(need_field(reader, f"{arch}.expert_feed_forward_length")),
+            "moe_num_shared_experts": int(get_field(reader, f"{arch}.expert_shared_count", 0)),
+            "moe_layer_start_index": int(need_field(reader, f"{arch}.leading_dense_block_count")),
+            "moe_layer_interval": int(need_field(reader, f"{arch}.interleave_moe_layer_step")),
+            "moe_layer_end_index": -1}
 
 
 def _granite_config(reader: GGUFReader, arch: str, head_dim: int) -> dict:
@@ -503,8 +529,9 @@ def _hf_names(gguf_name: str, arch: str, experts: int) -> list[str]:
         return [f"model.layers.{match[1]}.mlp.experts.{e}.{part}.{match[3]}" for e in range(experts)]
     layer_tensors = _GEMMA_LAYER_TENSORS if arch in GEMMA else _LAYER_TENSORS
     hf = _ARCH_LAYER_TENSORS.get(arch, {}).get(match[2], layer_tensors.get(match[2])) if match else None
-    if hf:
-        return [f"model.layers.{match[1]}.{hf}.{match[3]}"]
+    if hf:  # (llama.cpp's converters rename a router's e_score_correction_bias to e_score_correction.bias: undone)
+        name = f"model.layers.{match[1]}.{hf}.{match[3]}"
+        return [name.replace("e_score_correction.bias", "e_score_correction_bias")]
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that folio knows")
 
 
@@ -565,10 +592,11 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
         if arch in GEMMA_NORMS and t.name.endswith("norm.weight"):  # stored as 1 + weight; norms stay float32
             yield names[0], w.float() - 1.0
             continue
-        if t.name.endswith("ffn_gate_inp_shexp.weight") and w.dim() == 1:  # llama.cpp drops its unit dim
-            w = w.unsqueeze(0)
+        if t.name.endswith(("ffn_gate_inp_shexp.weight", "exp_probs_b.bias")) and w.dim() == 1:
+            w = w.unsqueeze(0)  # llama.cpp drops the unit dim of Qwen2-MoE's shared gate and ERNIE's bias
+        out_dtype = torch.float32 if t.name.endswith(_FLOAT32_TENSORS.get(arch, ())) else dtype
         for name, part in zip(names, w if len(names) > 1 else [w]):  # stacked experts (weights or biases): by dim 0
-            yield name, torch.empty(part.shape, dtype=dtype).copy_(part)  # one copy: contiguous, in dtype
+            yield name, torch.empty(part.shape, dtype=out_dtype).copy_(part)  # one copy: contiguous, in its dtype
 
 
 # ------------------------------------------------------------------------------------------------ cache

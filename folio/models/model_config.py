@@ -15,21 +15,37 @@ from folio.models.rope_scaling import SUPPORTED as SUPPORTED_ROPE_TYPES, rope_ty
 
 
 def num_experts(cfg: dict[str, Any]) -> int:
-    """Routed experts of a config.json (Mixtral's num_local_experts, DeepSeek's n_routed_experts, the others'
-    num_experts); 0: dense."""
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    """Routed experts of a config.json (Mixtral's num_local_experts, ERNIE 4.5's moe_num_experts, DeepSeek's
+    n_routed_experts, the others' num_experts); 0: dense."""
+    return int(cfg.get("num_local_experts") or cfg.get("moe_num_experts") or cfg.get("num_experts")
+               or cfg.get("n_routed_experts") or 0)
+
+
+def ernie_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5's mixture-of-experts fields (Transformers' Ernie4_5_MoeConfig) under the names the others use, so
+    that one parser reads them all: moe_k of the experts a token, always renormalised (folio.models.ernie4_5_moe
+    floors the sum at moe_norm_min); moe_num_shared_experts shared experts of moe_intermediate_size each, which run
+    as one MLP of their total size; sparse layers every moe_layer_interval-th (by (i + 1) % interval, as
+    Transformers counts) from moe_layer_start_index to moe_layer_end_index (-1: the last), dense MLPs elsewhere."""
+    layers = int(cfg["num_hidden_layers"])
+    start, end = int(cfg["moe_layer_start_index"]), int(cfg["moe_layer_end_index"])
+    end = layers - 1 if end == -1 else end
+    return {"num_experts_per_tok": cfg["moe_k"], "norm_topk_prob": True,
+            "decoder_sparse_step": cfg["moe_layer_interval"],
+            "shared_expert_intermediate_size": int(cfg["moe_num_shared_experts"]) * int(cfg["moe_intermediate_size"]),
+            "mlp_only_layers": [i for i in range(layers) if not start <= i <= end]}
 
 
 @dataclass
 class MoEConfig:
-    """The mixture-of-experts facts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE and GPT-OSS configs
-    (folio.models.moe)."""
+    """The mixture-of-experts facts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GPT-OSS and ERNIE 4.5 MoE
+    configs (folio.models.moe)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of each routed expert
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's / Granite MoE's always-on expert, 0: none
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's / Granite MoE's / ERNIE's always-on expert, 0: none
     decoder_sparse_step: int = 1  # every n-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... but these stay dense
 
@@ -47,6 +63,8 @@ class MoEConfig:
             raise ValueError(f"moe_layer_freq={cfg['moe_layer_freq']} (DeepSeek's sparse layers at intervals) is not "
                              "supported (supported: 1)")
         mixtral = cfg.get("model_type") == "mixtral" or "MixtralForCausalLM" in (cfg.get("architectures") or ())
+        if "Ernie4_5_MoeForCausalLM" in (cfg.get("architectures") or ()):
+            cfg = {**cfg, **ernie_moe_fields(cfg)}
         intermediate = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         return cls(num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),
                    # OLMoE's and Mixtral's experts have intermediate_size; Qwen's have their own
@@ -81,6 +99,10 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "GemmaForCausalLM": {"head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True},
     "Ernie4_5ForCausalLM": {"head_dim": 128, "tie_word_embeddings": True},
     "Exaone4ForCausalLM": {"sliding_window": 4096, "sliding_window_pattern": 4},
+    # Ernie4_5_MoeConfig's (ERNIE-4.5-21B-A3B's sizes, every layer but the first sparse)
+    "Ernie4_5_MoeForCausalLM": {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "moe_num_experts": 64, "moe_k": 6,
+                                "moe_intermediate_size": 1536, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
+                                "moe_layer_end_index": -1, "moe_layer_interval": 1, "moe_norm_min": 1e-12},
     "Olmo2ForCausalLM": {"rms_norm_eps": 1e-5},
     # DeepSeek V2 and V3 (Transformers' configs, and the router fields their config.json files state), GLM-4.5 MoE
     "DeepseekV2ForCausalLM": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,

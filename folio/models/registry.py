@@ -8,6 +8,7 @@ from folio.models.cohere import CohereForCausalLM
 from folio.models.cohere2 import Cohere2ForCausalLM
 from folio.models.deepseek_v2 import DeepseekV2ForCausalLM
 from folio.models.ernie4_5 import Ernie4_5ForCausalLM
+from folio.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from folio.models.exaone4 import Exaone4ForCausalLM
 from folio.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from folio.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
@@ -47,6 +48,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
