@@ -22,6 +22,7 @@ from folio.engine.input_processor import InputProcessor, Params, PromptType
 from folio.engine.output_processor import OutputKind, OutputProcessor
 from folio.executor import make_executor
 from folio.executor.executor import Executor
+from folio.models.model_config import ModelConfig
 from folio.outputs import EngineOutput
 from folio.platforms import current_platform
 from folio.pooling_params import PoolingParams
@@ -60,7 +61,7 @@ class LLMEngine:
             needs, config.model.max_model_len or cfg.max_context, num_lookahead_tokens)
         kv_cache_spec = needs.specs[0]
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching,
+                                               self._prefix_caching(config, cfg),
                                                [group.window for group in kv_cache_spec.groups])
         # a draft model writes the KV of its guesses past each step's tokens: slots are reserved for them
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
@@ -77,6 +78,22 @@ class LLMEngine:
         logger.info("engine ready: %s (%s, %s, %s attention%s) in %.1f s (warm-up %.2f s)", described.path,
                     cfg.architecture, config.model.torch_dtype, needs.attention_backend,
                     f", {ranks} tensor-parallel ranks" if ranks > 1 else "", time.perf_counter() - start, warm_s)
+
+    @staticmethod
+    def _prefix_caching(config: EngineConfig, cfg: ModelConfig) -> bool:
+        """Whether the KV cache manager reuses cached prefixes: as configured, except for a model with recurrent
+        layers, whose states follow each request's own tokens (folio.models.recurrent_state): a cached prefix has
+        K/V, not the states after it. Nor can those states take back rejected drafts: speculative decoding is
+        refused there."""
+        if not cfg.recurrent_layers:
+            return config.cache.enable_prefix_caching
+        if config.speculative.speculative_config is not None:
+            raise ValueError(f"speculative decoding is not supported for {cfg.architecture}: its recurrent layers' "
+                             "states cannot take back rejected draft tokens")
+        if config.cache.enable_prefix_caching:
+            logger.info("prefix caching is off: %s's recurrent layers keep per-request states, which a cached prefix "
+                        "does not have", cfg.architecture)
+        return False
 
     @property
     def runner(self) -> ModelRunner:

@@ -20,17 +20,20 @@ from folio.models.hot_path import HotPathModule
 from folio.models.layers import Embedding, RMSNorm, RotaryEmbedding
 from folio.models.linear import Linear
 from folio.models.model_config import ModelConfig
+from folio.models.recurrent_state import RecurrentStep
 from folio.models.weight_loader import ShardId
 
 
 @dataclass
 class StepContext:
     """What every attention layer needs for one step: the backend, its per-step metadata (one per KV cache group:
-    a layer's cache names its group, folio.attention.backend.LayerKVCache), the paged cache."""
+    a layer's cache names its group, folio.attention.backend.LayerKVCache), the paged cache; and what a hybrid
+    model's recurrent layers need: their states and the step's rows of them (folio.models.recurrent_state)."""
 
     backend: AttentionBackend
     metadata: list[Any]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    recurrent: Optional[RecurrentStep] = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                params: AttentionParams) -> torch.Tensor:

@@ -104,6 +104,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                                 "moe_intermediate_size": 1536, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
                                 "moe_layer_end_index": -1, "moe_layer_interval": 1, "moe_norm_min": 1e-12},
     "Olmo2ForCausalLM": {"rms_norm_eps": 1e-5},
+    "Lfm2ForCausalLM": {"tie_word_embeddings": True, "conv_L_cache": 3},
     # DeepSeek V2 and V3 (Transformers' configs, and the router fields their config.json files state), GLM-4.5 MoE
     "DeepseekV2ForCausalLM": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                               "v_head_dim": 128, "n_shared_experts": 2, "moe_intermediate_size": 1407,
@@ -128,7 +129,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # RoPE bases of the architectures whose config classes default to another than 10000 (Transformers' default_theta):
 # apart from HF_DEFAULTS, since a file may state its base in rope_parameters, where a default would shadow it.
-DEFAULT_ROPE_THETA: dict[str, float] = {"CohereForCausalLM": 500_000.0}
+DEFAULT_ROPE_THETA: dict[str, float] = {"CohereForCausalLM": 500_000.0, "Lfm2ForCausalLM": 1_000_000.0}
 # Multimodal architectures whose language model folio serves, text in and text out (the vision tower and projector
 # are not served: folio.models.llama.checkpoint_target skips their tensors) -> the architecture of that language
 # model, whose defaults, attention pattern and model class apply, and the model_type its text_config must declare
@@ -138,6 +139,9 @@ LANGUAGE_MODELS: dict[str, tuple[str, str]] = {
     "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# layers that keep a recurrent state per request instead of K/V in the paged cache (folio.models.recurrent_state):
+# LFM2's short convolutions
+RECURRENT_LAYER_TYPES = ("conv",)
 
 
 def language_model_architecture(arch: str) -> str:
@@ -167,6 +171,8 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
             inner["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         cfg = inner
     cfg = {**HF_DEFAULTS.get(text_arch, {}), **cfg}
+    if text_arch == "Lfm2ForCausalLM":
+        cfg.update(lfm2_fields(cfg))
     if cfg.get("kv_lora_rank"):  # multi-head latent attention (folio.models.mla): the KV cache keeps one row a token
         cfg["num_key_value_heads"], cfg["head_dim"] = 1, int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
     if text_arch == "Olmo3ForCausalLM" and cfg.get("layer_types") is None:  # Olmo3Config: every 4th layer full
@@ -182,6 +188,27 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         elif rope:
             cfg["rope_scaling"] = rope
     return cfg
+
+
+def lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's fields (Transformers' Lfm2Config) under the common names: its layer types (from the older
+    full_attn_idxs where layer_types is absent), its norms' epsilon, and the MLP's width as Lfm2MLP derives it
+    (block_auto_adjust_ff_dim: two thirds of intermediate_size, times block_ffn_dim_multiplier, rounded up to
+    block_multiple_of), so that tensor-parallel ranks split the width the checkpoint has."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        full = cfg.get("full_attn_idxs")
+        full = range(layers) if full is None else full
+        types = ["full_attention" if i in full else "conv" for i in range(layers)]
+    size = int(cfg["intermediate_size"])
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier, multiple = cfg.get("block_ffn_dim_multiplier", 1.0), int(cfg.get("block_multiple_of", 256))
+        if multiplier is not None:
+            size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
+    return {"layer_types": types, "rms_norm_eps": cfg.get("norm_eps", 1e-5), "intermediate_size": size,
+            "block_auto_adjust_ff_dim": False}
 
 
 def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Optional[int], ...]:
@@ -210,10 +237,10 @@ def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Op
             return ()
     if len(types) != num_layers:
         raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
-    unknown = sorted(set(types) - set(LAYER_TYPES))
+    unknown = sorted(set(types) - set(LAYER_TYPES) - set(RECURRENT_LAYER_TYPES))
     if unknown:
-        raise ValueError(f"unsupported attention layer type {unknown[0]!r} in layer_types (supported: "
-                         f"{', '.join(LAYER_TYPES)})")
+        raise ValueError(f"unsupported layer type {unknown[0]!r} in layer_types (supported: "
+                         f"{', '.join(LAYER_TYPES + RECURRENT_LAYER_TYPES)})")
     if window is None:
         return ()
     windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
@@ -240,6 +267,13 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     moe: Optional[MoEConfig] = None
     kv_head_replicas: int = 1  # of a rank's slice (for_tensor_parallel): the ranks that keep each KV head
+    # layers with a recurrent state per request and no K/V (layer_types' RECURRENT_LAYER_TYPES: LFM2's convolutions)
+    recurrent_layers: tuple[int, ...] = ()
+
+    @property
+    def kv_cache_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V in the paged cache, in order: a layer's KV cache is its index in this list."""
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.recurrent_layers)
 
     @property
     def max_context(self) -> int:
@@ -342,6 +376,8 @@ class ModelConfig:
                 moe=MoEConfig.from_hf_dict(cfg),
                 partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
                 sliding_windows=sliding_windows(cfg, text_arch, int(cfg["num_hidden_layers"])),
+                recurrent_layers=tuple(i for i, kind in enumerate(cfg.get("layer_types") or ())
+                                       if kind in RECURRENT_LAYER_TYPES),
                 hf_config=cfg,
             )
         except KeyError as e:

@@ -16,6 +16,7 @@ from folio.models.glm4_moe import Glm4MoeForCausalLM
 from folio.models.granite import GraniteForCausalLM
 from folio.models.gpt_oss import GptOssForCausalLM
 from folio.models.granite_moe import GraniteMoeForCausalLM
+from folio.models.lfm2 import Lfm2ForCausalLM
 from folio.models.llama import LlamaForCausalLM
 from folio.models.mixtral import MixtralForCausalLM
 from folio.models.model_config import LANGUAGE_MODELS, ModelConfig
@@ -53,6 +54,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,  # the router differs by its config (HF_DEFAULTS)
     "CohereForCausalLM": CohereForCausalLM,

@@ -52,6 +52,9 @@ def load_draft_model(config: SpeculativeConfig, target: ModelConfig, dtype: torc
     if loaded.config.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model has a vocabulary of {loaded.config.vocab_size} tokens, the "
                          f"target {target.vocab_size}: a draft model must share the target's vocabulary")
+    if loaded.config.recurrent_layers:  # their states would keep the rejected guesses (folio.models.recurrent_state)
+        raise ValueError(f"speculative_config.model: a draft model with recurrent layers ({loaded.config.architecture})"
+                         " is not supported")
     if loaded.config.max_context < max_model_len:
         raise ValueError(f"speculative_config.model handles {loaded.config.max_context} positions, "
                          f"fewer than max_model_len {max_model_len}")

@@ -31,6 +31,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     layouts: list[BatchLayout]  # per KV cache group: the same requests, the group's tables and slots
+    rows: np.ndarray  # [B] int64: each request's row (a hybrid model's recurrent states live in rows alike)
 
 
 class InputBatch:
@@ -121,7 +122,8 @@ class InputBatch:
             tables = table[rows_a, :max_blocks]
             layouts.append(BatchLayout(qlens, seq_lens, torch.from_numpy(tables).to(device),
                                        torch.from_numpy(slots).to(device), bs))
-        return StepInputs(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), layouts)
+        return StepInputs(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), layouts,
+                          rows_a)
 
     def _add_row(self, request: RequestState) -> int:
         """A fresh row holding the request's tokens so far; its block table starts empty."""

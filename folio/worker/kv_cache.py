@@ -83,9 +83,11 @@ class KVCacheSpec:
     @classmethod
     def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto",
                   layer_windows: Sequence[Optional[int]] = ()) -> "KVCacheSpec":
-        windows = tuple(layer_windows) if any(w is not None for w in layer_windows) else ()
-        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype, cache_dtype,
-                   windows)
+        """layer_windows: per layer of the model, or (); the cache's layers are the model's kv_cache_layers (a
+        hybrid model's recurrent layers keep no K/V)."""
+        layers = cfg.kv_cache_layers
+        windows = tuple(layer_windows[i] for i in layers) if any(w is not None for w in layer_windows) else ()
+        return cls(len(layers), cfg.num_key_value_heads, cfg.head_dim, block_size, dtype, cache_dtype, windows)
 
     @cached_property
     def _grouping(self) -> tuple[tuple[KVCacheGroup, ...], int]:

@@ -24,6 +24,7 @@ from folio.attention.backend import AttentionBackend
 from folio.core.step_contract import ModelRunnerOutput, SampledTokens, ScheduledRequestData, SchedulerOutput
 from folio.models import fused_ops
 from folio.models.llama import StepContext
+from folio.models.recurrent_state import RecurrentStates
 from folio.sample import sampling_ops
 from folio.sample.logits_processors import default_logits_processors
 from folio.sample.rejection_sampler import RejectionSampler
@@ -66,6 +67,9 @@ class ModelRunner:
             fused_ops.prepare()  # the fused elementwise kernels serve bf16 only
         sampling_ops.prepare()
         self.kv_caches = kv_cache_spec.allocate(backend, num_blocks, device)
+        state_shapes = getattr(model, "recurrent_state_shapes", None)  # a hybrid model's (LFM2's convolutions)
+        self.recurrent = (None if state_shapes is None
+                          else RecurrentStates(state_shapes(), max_num_seqs, kv_cache_spec.dtype, device))
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.logits_processors = [GrammarTokenMask(), *default_logits_processors()]
@@ -87,7 +91,10 @@ class ModelRunner:
         step = self.inputs.prepare(sched.scheduled, self.requests)
         # one per KV cache group (sliding-window layers have groups of their own), each from the group's tables
         metadata = [self.backend.build_metadata(layout) for layout in step.layouts]
-        ctx = StepContext(self.backend, metadata, self.kv_caches)
+        recurrent = None if self.recurrent is None else self.recurrent.step(
+            step.rows, [item.num_computed_tokens == 0 for item in sched.scheduled],
+            [item.num_tokens for item in sched.scheduled])
+        ctx = StepContext(self.backend, metadata, self.kv_caches, recurrent)
         hidden = self.model(step.input_ids, step.positions, ctx)
 
         sample_rows, samplers, drafts, jobs = [], [], [], []

@@ -1,0 +1,124 @@
+"""LFM2 (Liquid AI's LFM2-350M, 700M, 1.2B, 2.6B: Lfm2ForCausalLM): a hybrid of gated short convolutions and
+grouped-query attention, the layer_types of its config saying which ("conv" / "full_attention").
+
+  * a convolution layer: in_proj gives B, C and x (hidden_size channels each); y = C * conv(B * x), where conv is a
+    causal depthwise convolution over the last conv_L_cache tokens of each channel (kernel 3 in every release), then
+    out_proj. What a request carries from token to token is the last conv_L_cache - 1 values of B * x per channel: a
+    recurrent state (folio.models.recurrent_state), kept per request by the model runner instead of K/V in the
+    paged cache, which only the attention layers use;
+  * an attention layer: Qwen3's (per-head RMSNorms of q and k before RoPE, no biases);
+  * Llama's SwiGLU MLP (w1, w3, w2), of the width Lfm2MLP derives from the config (model_config.lfm2_fields), and
+    pre-norm blocks with a final norm (embedding_norm); tied embeddings.
+
+Tensor parallelism: each rank computes its share of the convolutions' channels (in_proj by columns of B, C and x,
+the kernel's rows, out_proj by rows) and of the attention heads.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from folio.distributed.parallel_state import tensor_parallel_group
+from folio.models.hot_path import HotPathModule
+from folio.models.layers import RMSNorm, RotaryEmbedding
+from folio.models.linear import Linear, load_rank_rows
+from folio.models.llama import LlamaForCausalLM, LlamaMLP, StepContext
+from folio.models.model_config import ModelConfig
+from folio.models.qwen3 import Qwen3Attention
+from folio.models.recurrent_state import StateShapes
+from folio.models.weight_loader import ALL_SHARDS, ShardId, uninitialized
+
+_RENAMES = ((".feed_forward.", ".mlp."), (".operator_norm.", ".input_layernorm."),
+            (".ffn_norm.", ".post_attention_layernorm."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+            (".q_layernorm.", ".q_norm."), (".k_layernorm.", ".k_norm."), ("embedding_norm.", "norm."))
+
+
+class DepthwiseKernel(nn.Module):
+    """The convolution's weights, one row of conv_L_cache taps per channel (Conv1d's [channels, 1, taps]), and its
+    bias where conv_bias says so: each rank loads its channels' rows."""
+
+    def __init__(self, channels: int, taps: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = uninitialized(channels, 1, taps)
+        load_rank_rows(self.weight)
+        self.bias = None
+        if bias:
+            self.bias = uninitialized(channels)
+            load_rank_rows(self.bias)
+
+
+class ShortConv(HotPathModule):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.channels = cfg.hidden_size // tensor_parallel_group().size
+        self.taps = int(cfg.hf_config["conv_L_cache"])
+        bias = bool(cfg.hf_config.get("conv_bias", False))
+        self.in_proj = Linear(cfg.hidden_size, {"B": self.channels, "C": self.channels, "x": self.channels},
+                              bias=bias, parallel="column")
+        self.conv = DepthwiseKernel(self.channels, self.taps, bias)
+        self.out_proj = Linear(self.channels, cfg.hidden_size, bias=bias, parallel="row")
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        b, c, v = self.in_proj(x).chunk(3, dim=-1)
+        bx = b * v  # [T, channels]
+        step = ctx.recurrent
+        (state,) = step.states[self.layer_idx]  # [rows, channels, taps - 1]: each request's last B * x values
+        taps = self.conv.weight[:, 0]  # [channels, taps]
+        if step.decodes_only:  # one token a request: its window is its state and the token
+            window = torch.cat([state[step.rows], bx.unsqueeze(-1)], dim=-1)
+            out = (window * taps).sum(-1)
+            state[step.rows] = window[..., 1:]
+        else:  # a request's tokens, after its state, through the convolution; its last values are its new state
+            out, start = torch.empty_like(bx), 0
+            for row, n in zip(step.rows.tolist(), step.query_lens):
+                seq = torch.cat([state[row], bx[start:start + n].t()], dim=-1)  # [channels, taps - 1 + n]
+                out[start:start + n] = nn.functional.conv1d(seq.unsqueeze(0), self.conv.weight,
+                                                            groups=self.channels)[0].t()
+                state[row] = seq[:, -(self.taps - 1):]
+                start += n
+        if self.conv.bias is not None:
+            out = out + self.conv.bias
+        return self.out_proj(c * out)
+
+
+class Lfm2DecoderLayer(HotPathModule):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        recurrent = layer_idx in cfg.recurrent_layers
+        self.conv = ShortConv(cfg, layer_idx) if recurrent else None
+        # an attention layer's KV cache is its place among the layers that keep one
+        self.self_attn = None if recurrent else Qwen3Attention(cfg, cfg.kv_cache_layers.index(layer_idx), rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], ctx: StepContext):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.conv(x, ctx) if self.conv is not None else self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Lfm2ForCausalLM(LlamaForCausalLM):
+    layer_cls = Lfm2DecoderLayer
+    stacked_params = {**LlamaForCausalLM.stacked_params, "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+                      "w2": ("down_proj", None), "in_proj": ("in_proj", ALL_SHARDS)}
+
+    def recurrent_state_shapes(self) -> StateShapes:
+        """Per convolution layer, its state for one request: the last conv_L_cache - 1 values of B * x of each of
+        the rank's channels."""
+        return {i: ((layer.conv.channels, layer.conv.taps - 1),)
+                for i, layer in enumerate(self.layers) if layer.conv is not None}
+
+    def map_checkpoint_name(self, name: str) -> Optional[tuple[str, ShardId]]:
+        for old, new in _RENAMES:
+            name = name.replace(old, new)
+        return super().map_checkpoint_name(name)
