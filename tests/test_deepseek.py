@@ -44,13 +44,13 @@ VARIANTS = {
 }
 
 
-def build_deepseek(folder: str, variant: str) -> str:
+def build_deepseek(folder: str, variant: str, **overrides) -> str:
     import transformers
 
     cls_name, extra = VARIANTS[variant]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**{**COMMON, **extra}),
-                                                          dtype=torch.float32)
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for layer in model.model.layers[1:]:
         if hasattr(layer.mlp.gate, "e_score_correction_bias"):  # large enough to change the chosen experts
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.5)

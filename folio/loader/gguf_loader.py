@@ -23,6 +23,9 @@ What the translation has to undo:
   Transformers' defaults (llama.cpp hard-codes them); its stacked experts' biases one per expert as its weights;
   its MXFP4 experts, where they run as stored, repacked from ggml's block order into the blocks and scales the
   Hugging Face checkpoints hold (`weight` and `weight_scale`, as the MXFP4 method loads them);
+* DeepSeek V2/V3 and GLM-4.5: kv_b_proj whole again from the per-head halves newer converters store (attn_k_b
+  transposed, attn_v_b), the router's settings and correction bias back under DeepSeek's names, YaRN's mscale from
+  yarn_log_multiplier (`_mla_config`); GLM-4.5's multi-token-prediction blocks (in its block count) left out;
 * the tokenizer: a GGUF stores vocabulary, merges and token types as metadata, not a tokenizer.json,
   so one is rebuilt with the `tokenizers` library, splitting text the way llama.cpp does.
 
@@ -43,11 +46,12 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Union
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFReader
+from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
@@ -87,11 +91,19 @@ ARCHITECTURES = {
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
     "command-r": ("CohereForCausalLM", "cohere"),  # Q/K as in Transformers: llama.cpp rotates Cohere's pairs
     "cohere2": ("Cohere2ForCausalLM", "cohere2"),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # and V3 (DEEPSEEK_V3): one class serves both
+    "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),
 }
 # llama.cpp writes Mixtral as "llama" with experts (llama.expert_count).
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # and OLMo 3 as "olmo2" with a sliding window (olmo2.attention.sliding_window).
 OLMO3 = ("Olmo3ForCausalLM", "olmo3")
+# and DeepSeek V3 as "deepseek2" with a router correction bias (exp_probs_b).
+DEEPSEEK_V3 = ("DeepseekV3ForCausalLM", "deepseek_v3")
+# DeepSeek's grouped router and shared experts (folio.models.grouped_topk): DeepSeek V2/V3 and GLM-4.5 MoE.
+GROUPED_MOE = frozenset({"deepseek2", "glm4moe"})
+# llama.cpp's expert_gating_func -> DeepSeek's scoring_func.
+SCORING_FUNCS = {ExpertGatingFuncType.SOFTMAX: "softmax", ExpertGatingFuncType.SIGMOID: "sigmoid"}
 # The model types whose Q and K rows llama.cpp's converter permutes (its LlamaModel and subclasses).
 PERMUTED_QK = frozenset({"llama", "mixtral", "smollm3", "granite", "granitemoe"})
 GEMMA = frozenset({"gemma2", "gemma3"})
@@ -132,6 +144,14 @@ _LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# DeepSeek's shared experts (several experts' worth of one MLP) and its router's correction bias, which llama.cpp's
+# converter renames e_score_correction.bias (Hugging Face: e_score_correction_bias, _CORRECTION_BIAS)
+_DEEPSEEK_MOE_TENSORS = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                         "ffn_down_shexp": "mlp.shared_experts.down_proj", "exp_probs_b": "mlp.gate.e_score_correction"}
+_CORRECTION_BIAS = ("e_score_correction.bias", "e_score_correction_bias")
+# DeepSeek's kv_b_proj, which newer llama.cpp converters store split per head: attn_k_b (W_UK transposed) and attn_v_b
+# (W_UV). The first stands for the rebuilt whole (_kv_b_proj), the second is read with it.
+KV_B_SPLIT = ("attn_k_b", "attn_v_b")
 # Per-architecture exceptions: Phi-3's and GLM's ffn_up hold gate and up, fused as in their Hugging Face checkpoints.
 _ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "chatglm": {"ffn_up": "mlp.gate_up_proj"},
                        # OLMo 2's post-norms: of the attention's and of the MLP's outputs
@@ -150,9 +170,20 @@ _ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "chatglm": {"ffn_
                        "ernie4_5-moe": {"ffn_gate_shexp": "mlp.shared_experts.gate_proj",
                                         "ffn_up_shexp": "mlp.shared_experts.up_proj",
                                         "ffn_down_shexp": "mlp.shared_experts.down_proj",
-                                        "exp_probs_b": "mlp.moe_statics.e_score_correction"}}
-# Tensors that stay float32 whatever the dtype asked for: ERNIE 4.5 MoE's router, which Transformers keeps in float32
-_FLOAT32_TENSORS = {"ernie4_5-moe": ("ffn_gate_inp.weight", "exp_probs_b.bias")}
+                                        "exp_probs_b": "mlp.moe_statics.e_score_correction"},
+                       # DeepSeek's latent attention: queries through q_a / q_b (attn_q without, V2-Lite), the latent
+                       # and shared rotated key (kv_a_mqa), its expansion per head (kv_b, or k_b and v_b)
+                       "deepseek2": {**_DEEPSEEK_MOE_TENSORS, "attn_q_a": "self_attn.q_a_proj",
+                                     "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+                                     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                                     "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                                     KV_B_SPLIT[0]: "self_attn.kv_b_proj"},
+                       # GLM-4.5's pre-MLP norm is the one after the attention in llama.cpp's names
+                       "glm4moe": {**_DEEPSEEK_MOE_TENSORS, "post_attention_norm": "post_attention_layernorm"}}
+# Tensors that stay float32 whatever the dtype asked for: ERNIE 4.5 MoE's router, which Transformers keeps in float32,
+# and DeepSeek's and GLM-4.5's correction bias, which their float32 router adds
+_FLOAT32_TENSORS = {"ernie4_5-moe": ("ffn_gate_inp.weight", "exp_probs_b.bias"), "deepseek2": ("exp_probs_b.bias",),
+                    "glm4moe": ("exp_probs_b.bias",)}
 # Stacked expert tensors [experts, rows, cols]: one Hugging Face tensor per expert, mlp.experts.E.<name>.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward one there
@@ -160,6 +191,7 @@ _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm
                         "post_attention_norm": "post_attention_layernorm",
                         "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 # Llama 3.1+ rope scaling factors: folded into hf_config's rope_scaling, not a model weight.
 ROPE_FREQS = "rope_freqs.weight"
 # Phi-3's LongRoPE factors: folded into rope_scaling likewise.
@@ -167,7 +199,7 @@ ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rop
 _NOT_WEIGHTS = frozenset({ROPE_FREQS, *ROPE_FACTORS.values()})
 
 # Bumped whenever the conversion changes, so stale caches are not reused.
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 @dataclass
@@ -268,18 +300,24 @@ def _hf_config(reader: GGUFReader) -> dict:
     hf_arch, model_type = ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
     fused_qkv = arch in FUSED_QKV and "blk.0.attn_q.weight" not in tensors
-    for name in ("token_embd.weight", "blk.0.attn_qkv.weight" if fused_qkv else "blk.0.attn_q.weight"):
+    attention = ("blk.0.attn_kv_a_mqa.weight" if arch == "deepseek2"
+                 else "blk.0.attn_qkv.weight" if fused_qkv else "blk.0.attn_q.weight")
+    for name in ("token_embd.weight", attention):
         if name not in tensors:
             raise ValueError(f"the GGUF file has no tensor {name!r}")
     heads = int(need_field(reader, f"{arch}.attention.head_count"))
     hidden = int(need_field(reader, f"{arch}.embedding_length"))
-    # key_length is only written when it differs from hidden/heads (Qwen3); q's rows always tell.
+    # key_length is only written when it differs from hidden/heads (Qwen3); q's rows always tell. DeepSeek's is the
+    # latent row's (or a whole query head's): its configs' head_dim is the rotated part's.
     q_rows = int(tensors["blk.0.attn_q.weight"].shape[1]) if "blk.0.attn_q.weight" in tensors else hidden
-    head_dim = int(get_field(reader, f"{arch}.attention.key_length", q_rows // heads))
+    head_dim = int(get_field(reader, f"{arch}.rope.dimension_count" if arch == "deepseek2"
+                             else f"{arch}.attention.key_length", q_rows // heads))
     if arch == "llama" and get_field(reader, "llama.expert_count"):
         hf_arch, model_type = MIXTRAL
     if arch == "olmo2" and get_field(reader, "olmo2.attention.sliding_window"):
         hf_arch, model_type = OLMO3
+    if arch == "deepseek2" and _correction_bias(tensors):
+        hf_arch, model_type = DEEPSEEK_V3
     config = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -298,7 +336,8 @@ def _hf_config(reader: GGUFReader) -> dict:
         "bos_token_id": get_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": get_field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    config.update(_moe_config(reader, arch, model_type))
+    config.update(_grouped_moe_config(reader, arch, tensors) if arch in GROUPED_MOE
+                  else _moe_config(reader, arch, model_type))
     rope_dim = int(get_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
@@ -308,6 +347,10 @@ def _hf_config(reader: GGUFReader) -> dict:
         original = get_field(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = int(original)
+        for beta in ("beta_fast", "beta_slow"):  # YaRN's ramp, where the file states it (else Transformers' 32 and 1)
+            value = get_field(reader, f"{arch}.rope.scaling.yarn_{beta}")
+            if value is not None:
+                config["rope_scaling"][beta] = _f32(value)
     if ROPE_FACTORS["long_factor"] in tensors:
         original = need_field(reader, f"{arch}.rope.scaling.original_context_length")
         config["original_max_position_embeddings"] = int(original)
@@ -329,8 +372,12 @@ def _hf_config(reader: GGUFReader) -> dict:
         config.update(_hybrid_attention_config(reader, arch))
     if arch == "smollm3":  # llama.cpp hard-codes SmolLM3's NoPE layers (every fourth): no GGUF key says so
         config["no_rope_layer_interval"] = 4
-    if arch in GLM:  # stated whatever it is: Transformers' GLM configs default to half of each head
+    if arch in GLM or arch == "glm4moe":  # stated whatever it is: Transformers' GLM configs default to half a head
         config["partial_rotary_factor"] = rope_dim / head_dim
+    if arch == "deepseek2":
+        config.update(_mla_config(reader, arch, tensors, config))
+    if arch == "glm4moe":
+        config.update(_glm4_moe_config(reader, arch, tensors, config))
     if arch == "gpt-oss":  # the window of its even layers; GptOssConfig's YaRN does not truncate its ramp
         config["sliding_window"] = int(need_field(reader, "gpt-oss.attention.sliding_window"))
         if "rope_scaling" in config:
@@ -370,6 +417,67 @@ def _ernie4_5_moe_config(reader: GGUFReader, arch: str, experts: int) -> dict:
             "moe_layer_start_index": int(need_field(reader, f"{arch}.leading_dense_block_count")),
             "moe_layer_interval": int(need_field(reader, f"{arch}.interleave_moe_layer_step")),
             "moe_layer_end_index": -1}
+def _correction_bias(tensors: dict) -> bool:
+    """Whether the file's router has DeepSeek V3's correction bias (on its sparse layers: any of them)."""
+    return any(name.endswith(".exp_probs_b.bias") for name in tensors)
+
+
+def _grouped_moe_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
+    """DeepSeek's router and experts (DeepSeek V2/V3, GLM-4.5) under their config.json names. The file states the
+    scoring (expert_gating_func; without it llama.cpp takes softmax for deepseek2, sigmoid for glm4moe) but not how
+    groups of experts are ranked: a correction bias means V3's noaux_tc (groups by their two best biased scores, as
+    llama.cpp ranks any groups), groups without one V2's group_limited_greedy (Transformers ranks them by their best
+    score, llama.cpp by their two best: folio keeps the checkpoint's rule), no groups greedy. An unset or zero
+    expert_weights_scale is llama.cpp's "no scaling"."""
+    default = ExpertGatingFuncType.SIGMOID if arch == "glm4moe" else ExpertGatingFuncType.SOFTMAX
+    gating = int(get_field(reader, f"{arch}.expert_gating_func", default))
+    if gating not in SCORING_FUNCS:
+        raise ValueError(f"unsupported {arch}.expert_gating_func {gating} (supported: "
+                         f"{', '.join(f'{int(k)} ({v})' for k, v in SCORING_FUNCS.items())})")
+    groups = int(get_field(reader, f"{arch}.expert_group_count") or 1)
+    biased = _correction_bias(tensors)
+    return {"n_routed_experts": int(need_field(reader, f"{arch}.expert_count")),
+            "num_experts_per_tok": int(need_field(reader, f"{arch}.expert_used_count")),
+            "moe_intermediate_size": int(need_field(reader, f"{arch}.expert_feed_forward_length")),
+            "n_shared_experts": int(get_field(reader, f"{arch}.expert_shared_count", 0)),
+            "first_k_dense_replace": int(get_field(reader, f"{arch}.leading_dense_block_count", 0)),
+            "n_group": groups, "topk_group": int(get_field(reader, f"{arch}.expert_group_used_count") or groups),
+            "norm_topk_prob": bool(get_field(reader, f"{arch}.expert_weights_norm", False)),
+            "routed_scaling_factor": _f32(get_field(reader, f"{arch}.expert_weights_scale") or 1.0),
+            "scoring_func": SCORING_FUNCS[gating],
+            "topk_method": "noaux_tc" if biased else "group_limited_greedy" if groups > 1 else "greedy"}
+
+
+def _mla_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> dict:
+    """DeepSeek's latent attention sizes, and its YaRN's mscale.
+
+    llama.cpp's converter writes the latent row's widths as key_length / value_length and a head's as
+    key_length_mla / value_length_mla (and splits kv_b_proj, KV_B_SPLIT); files from before that split have a
+    head's widths under the plain keys and kv_b_proj whole (attn_kv_b). A file with attn_q has no query bottleneck
+    (V2-Lite). YaRN's yarn_log_multiplier is 0.1 * mscale_all_dim; llama.cpp takes mscale equal to it (as DeepSeek's
+    configs have them), so the rotary tables keep their scale and only the softmax sharpens, by mscale_all_dim's."""
+    rope = int(need_field(reader, f"{arch}.rope.dimension_count"))
+    key = get_field(reader, f"{arch}.attention.key_length_mla") or need_field(reader, f"{arch}.attention.key_length")
+    value = (get_field(reader, f"{arch}.attention.value_length_mla")
+             or need_field(reader, f"{arch}.attention.value_length"))
+    extra = {"num_key_value_heads": config["num_attention_heads"],  # the checkpoint's; the cache keeps one latent row
+             "q_lora_rank": (None if "blk.0.attn_q.weight" in tensors
+                             else int(need_field(reader, f"{arch}.attention.q_lora_rank"))),
+             "kv_lora_rank": int(need_field(reader, f"{arch}.attention.kv_lora_rank")),
+             "qk_nope_head_dim": int(key) - rope, "qk_rope_head_dim": rope, "v_head_dim": int(value)}
+    log_multiplier = get_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
+    if log_multiplier and "rope_scaling" in config:
+        mscale = _f32(_f32(log_multiplier) * 10)  # from the decimal 0.1 * mscale_all_dim was written from
+        extra["rope_scaling"] = {**config["rope_scaling"], "mscale": mscale, "mscale_all_dim": mscale}
+    return extra
+
+
+def _glm4_moe_config(reader: GGUFReader, arch: str, tensors: dict, config: dict) -> dict:
+    """GLM-4.5's block count includes its multi-token-prediction layers (nextn_predict_layers, after the decoder's:
+    not served, their tensors skipped); its per-head q/k norms are there or not (the 355B's are)."""
+    mtp_layers = int(get_field(reader, f"{arch}.nextn_predict_layers", 0))
+    return {"num_hidden_layers": config["num_hidden_layers"] - mtp_layers,
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors}
 
 
 def _granite_config(reader: GGUFReader, arch: str, head_dim: int) -> dict:
@@ -524,15 +632,37 @@ def _hf_names(gguf_name: str, arch: str, experts: int) -> list[str]:
     if base in _GLOBAL_TENSORS:
         return [f"{_GLOBAL_TENSORS[base]}.{suffix}"]
     match = _LAYER_NAME.fullmatch(gguf_name)
+    if match and match[2] == KV_B_SPLIT[1]:
+        return []  # read with attn_k_b
     if match and match[2] in _EXPERT_TENSORS:
         part = _EXPERT_TENSORS[match[2]]
         return [f"model.layers.{match[1]}.mlp.experts.{e}.{part}.{match[3]}" for e in range(experts)]
     layer_tensors = _GEMMA_LAYER_TENSORS if arch in GEMMA else _LAYER_TENSORS
     hf = _ARCH_LAYER_TENSORS.get(arch, {}).get(match[2], layer_tensors.get(match[2])) if match else None
-    if hf:  # (llama.cpp's converters rename a router's e_score_correction_bias to e_score_correction.bias: undone)
-        name = f"model.layers.{match[1]}.{hf}.{match[3]}"
-        return [name.replace("e_score_correction.bias", "e_score_correction_bias")]
+    if hf:
+        return [f"model.layers.{match[1]}.{hf}.{match[3]}".replace(*_CORRECTION_BIAS)]
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that folio knows")
+
+
+def _weights(reader: GGUFReader, hf_config: dict) -> Iterator[ReaderTensor]:
+    """The file's tensors that are the model's weights: not the RoPE factors folded into the config, nor the blocks
+    after the decoder's (GLM-4.5's multi-token-prediction layers, which its block count includes)."""
+    layers = hf_config["num_hidden_layers"]
+    for t in reader.tensors:
+        block = _BLOCK.match(t.name)
+        if t.name not in _NOT_WEIGHTS and (block is None or int(block[1]) < layers):
+            yield t
+
+
+def _dequantized(t: ReaderTensor) -> torch.Tensor:
+    # F32 tensors come back as read-only views of the file mapping; torch wants writable memory.
+    return torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements="W"))
+
+
+def _kv_b_proj(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's kv_b_proj [heads * (nope + v_head_dim), kv_lora_rank] from llama.cpp's halves of it: attn_k_b
+    [heads, kv_lora_rank, nope] (each head's W_UK transposed) and attn_v_b [heads, v_head_dim, kv_lora_rank]."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).flatten(0, 1)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -548,8 +678,7 @@ def _tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype) -> dict[st
 def _tensor_types(reader: GGUFReader, hf_config: dict) -> dict[str, GGMLQuantizationType]:
     """Hugging Face name -> GGUF type of every weight of the file (hf_config: its config)."""
     arch, experts = _architecture(reader), num_experts(hf_config)
-    return {name: t.tensor_type for t in reader.tensors if t.name not in _NOT_WEIGHTS
-            for name in _hf_names(t.name, arch, experts)}
+    return {name: t.tensor_type for t in _weights(reader, hf_config) for name in _hf_names(t.name, arch, experts)}
 
 
 def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_quantized: frozenset[str]):
@@ -559,7 +688,7 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
     format (folio.models.mxfp4_linear), whose weight loaders take a checkpoint's tensors."""
     from folio.loader.gguf_native import GGUFBlocks, mxfp4_from_ggml  # (their methods import the kernels' builds)
 
-    for t in reader.tensors:  # fail before spending seconds dequantising the rest
+    for t in _weights(reader, hf_config):  # fail before spending seconds dequantising the rest
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ValueError(
                 f"GGUF tensor {t.name!r} is stored as {t.tensor_type.name}, which folio cannot dequantise; "
@@ -568,10 +697,11 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
     permuted = heads if hf_config["model_type"] in PERMUTED_QK else {}  # llama.cpp permutes llama's Q/K only
     arch, experts = _architecture(reader), num_experts(hf_config)
-    for t in reader.tensors:
-        if t.name in _NOT_WEIGHTS:
-            continue
+    tensors = {t.name: t for t in reader.tensors}
+    for t in _weights(reader, hf_config):
         names = _hf_names(t.name, arch, experts)
+        if not names:
+            continue
         layer_tensor = _LAYER_NAME.fullmatch(t.name)
         n_head = permuted.get(layer_tensor[2]) if layer_tensor else None
         if names[0] in keep_quantized:
@@ -585,14 +715,16 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
                 else:
                     yield name, GGUFBlocks(t.tensor_type, part)
             continue
-        # F32 tensors come back as read-only views of the file mapping; torch wants writable memory.
-        w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements="W"))
+        w = _dequantized(t)
         if n_head is not None:
             w = _unpermute(w, n_head)
         if arch in GEMMA_NORMS and t.name.endswith("norm.weight"):  # stored as 1 + weight; norms stay float32
             yield names[0], w.float() - 1.0
             continue
-        if t.name.endswith(("ffn_gate_inp_shexp.weight", "exp_probs_b.bias")) and w.dim() == 1:
+        if layer_tensor and layer_tensor[2] == KV_B_SPLIT[0]:
+            w = _kv_b_proj(w, _dequantized(tensors[t.name.replace(*KV_B_SPLIT)]))
+        if w.dim() == 1 and (t.name.endswith("ffn_gate_inp_shexp.weight")
+                             or (arch == "ernie4_5-moe" and t.name.endswith("exp_probs_b.bias"))):
             w = w.unsqueeze(0)  # llama.cpp drops the unit dim of Qwen2-MoE's shared gate and ERNIE's bias
         out_dtype = torch.float32 if t.name.endswith(_FLOAT32_TENSORS.get(arch, ())) else dtype
         for name, part in zip(names, w if len(names) > 1 else [w]):  # stacked experts (weights or biases): by dim 0
