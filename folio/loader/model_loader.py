@@ -24,6 +24,7 @@ from folio.loader.gguf_native import native_chooser, native_layers
 from folio.loader.weights import load_weights
 from folio.memory import release_freed_memory
 from folio.models.compressed_tensors import compressed_tensors_chooser
+from folio.models.fp8_checkpoints import dequantized, fp8_config
 from folio.models.hot_path import mirror_members
 from folio.models.int4_checkpoints import int4_checkpoint_chooser, quantized_layers
 from folio.models.linear import (LinearMethodChooser, LinearMethods, as_chooser, bind_linear_methods,
@@ -115,7 +116,7 @@ def _prequantized_chooser(quantization_config: dict, folder: str, model: torch.n
         return int4_checkpoint_chooser(quantization_config, layers, otherwise)
     raise ValueError(f"quantization_config: quant_method {quant_method!r} is not supported; folio loads "
                      f"\"compressed-tensors\" (int8), \"gptq\" and \"awq\" (int4), \"mxfp4\" (GPT-OSS's "
-                     f"experts)")
+                     f"experts), \"fp8\" (dequantised)")
 
 
 def eos_token_ids(hf_config: dict, generation_config: dict, tokenizer: Tokenizer) -> frozenset[int]:
@@ -205,7 +206,8 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     gguf_native: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / MXFP4 linear layers keep their blocks and run on the
     int8 / int4 / MXFP4 kernels (folio.loader.gguf_native); its other tensors are dequantised. A Hugging Face folder
     whose config.json has a quantization_config (compressed-tensors int8, folio.models.compressed_tensors;
-    GPTQ or AWQ int4, folio.models.int4_checkpoints) loads its quantised layers as stored.
+    GPTQ or AWQ int4, folio.models.int4_checkpoints) loads its quantised layers as stored; an FP8 one
+    (folio.models.fp8_checkpoints) is dequantised as it streams in and loads as a float folder does.
     """
     path = _model_path(model)
     if gguf_native and os.path.isdir(path):
@@ -213,6 +215,10 @@ def load_model(model: Optional[str], dtype: torch.dtype, max_positions_cap: Opti
     if os.path.isdir(path):
         described, hf_config = _describe_folder(path)
         tensors: Iterator[tuple[str, torch.Tensor]] = _iter_safetensors(_safetensors_files(path))
+        fp8 = fp8_config(hf_config.get("quantization_config"))
+        if fp8 is not None:  # float tensors from here on: no layer loads as stored, and ranks split them
+            tensors = dequantized(tensors, fp8, dtype)
+            hf_config = {key: value for key, value in hf_config.items() if key != "quantization_config"}
     else:
         if gguf_native:
             checkpoint, types = read_gguf_cached(path)
