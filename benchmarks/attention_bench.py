@@ -47,6 +47,7 @@ SHAPES = {  # name: (num_heads, num_kv_heads, head_dim)
     "Qwen3-0.6B": (16, 8, 128),
     "Llama-3-8B": (32, 8, 128),
     "Qwen2.5-7B": (28, 4, 128),
+    "DeepSeek-V2-Lite": (16, 1, 576),  # latent attention: one 512 + 64 row a token (folio.models.mla)
 }
 
 
