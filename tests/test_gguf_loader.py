@@ -21,6 +21,8 @@ from tokenizers import Tokenizer
 from folio.loader import gguf_loader, gguf_metadata, gguf_tokenizer
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import load_gguf_cached, load_gguf_tensors, read_gguf
+from folio.loader.gguf_tokenizer import (_DEEPSEEK_CODER_SPLITS, _DEEPSEEK_V3_SPLITS, _PRE_TOKENIZERS,
+                                         _bytes_to_unicode)
 from folio.models.model_config import ModelConfig
 
 torch.set_num_threads(1)
@@ -455,3 +457,33 @@ def test_default_model_splits_digits_like_llama_cpp(default_ours):
     ours = Tokenizer.from_str(default_ours[0].tokenizer_json)
     assert ours.encode("Hello.\n\n1. First").ids == [19556, 30, 1116, 33, 30, 3508]
     assert ours.encode("a  1").ids == [81, 256, 33]
+
+
+def _regex_pieces(text: str, expressions: tuple[str, ...]) -> list[str]:
+    """llama.cpp's unicode_regex_split, with Python's regex module: each expression splits every piece left by the
+    one before into its matches and the text between them; then each piece's bytes as GPT-2's characters."""
+    import regex
+
+    pieces = [text]
+    for expression in expressions:
+        out = []
+        for piece in pieces:
+            pos = 0
+            for m in regex.finditer(expression, piece):
+                out += [piece[pos:m.start()]] if m.start() > pos else []
+                out += [m.group()] if m.end() > m.start() else []
+                pos = m.end()
+            out += [piece[pos:]] if pos < len(piece) else []
+        pieces = out
+    chars = _bytes_to_unicode()
+    return ["".join(chars[b] for b in piece.encode()) for piece in pieces]
+
+
+@pytest.mark.parametrize("pre, expressions", [("deepseek-v3", _DEEPSEEK_V3_SPLITS),
+                                              ("deepseek-coder", _DEEPSEEK_CODER_SPLITS)])
+def test_deepseek_pre_tokenizers_split_as_llama_cpp(pre, expressions):
+    texts = ["Hello world!! 1234567 apples,\n\n  and 日本語のテキスト and 中文 x", "def f(x):\n    return x**2  # ok",
+             "'s it's \"quoted\" é café naïve 42.5%", "\tTabs\r\nCRLF ..."]
+    for text in texts:
+        ours = [piece for piece, _ in _PRE_TOKENIZERS[pre]().pre_tokenize_str(text)]
+        assert ours == _regex_pieces(text, expressions), text

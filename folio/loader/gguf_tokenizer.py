@@ -44,11 +44,24 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# DeepSeek V3's (llama.cpp's DEEPSEEK3_LLM): digits in threes, then CJK runs, then the rest; each expression splits
+# the pieces the one before left
+_DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# DeepSeek Coder's (llama.cpp's DEEPSEEK_CODER)
+_DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}")
 
-def _regex_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
+
+def _regex_then_bytes(*regexes: str) -> pre_tokenizers.PreTokenizer:
+    """Split by each expression in turn (each splits the pieces the one before left, matches and the text between
+    them alike, as llama.cpp's unicode_regex_split does), then map bytes to GPT-2's characters."""
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -78,6 +91,8 @@ _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     **dict.fromkeys(["glm4", "chatglm-bpe"], lambda: _regex_then_bytes(_LLAMA3_SPLIT)),  # llama.cpp's CHATGLM4
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2"],
                     lambda: _regex_then_bytes(_QWEN2_SPLIT)),
+    "deepseek-v3": lambda: _regex_then_bytes(*_DEEPSEEK_V3_SPLITS),
+    "deepseek-coder": lambda: _regex_then_bytes(*_DEEPSEEK_CODER_SPLITS),
 }
 # Llama-3's tokenizer looks a whole pre-token up in the vocabulary before merging (llama.cpp's ignore_merges).
 _IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
