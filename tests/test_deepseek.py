@@ -19,7 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import EOS_ID, VOCAB, hf_greedy_logprobs, write_tokenizer
 from folio import LLM
+from folio.attention.cpu_paged import CPUPagedAttentionBackend
 from folio.models.model_config import ModelConfig
+from folio.worker.kv_cache import KVCacheSpec
 from greedy_match import assert_greedy_matches, greedy_logprobs
 from test_tensor_parallel import GREEDY, _assert_same, _run
 
@@ -85,7 +87,7 @@ def _edit_config(src: str, dst: str, **changes) -> str:
 def test_greedy_matches_transformers(folders, variant):
     cfg = json.load(open(f"{folders[variant]}/config.json"))
     row = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-    assert_greedy_matches(folders[variant], 2 * LAYERS * row * 4 * 4)  # K and V rows, float32, 4-token blocks
+    assert_greedy_matches(folders[variant], LAYERS * row * 4 * 4)  # one row (V is K), float32, 4-token blocks
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -101,6 +103,10 @@ def test_the_cache_keeps_one_latent_row_a_token(folders):
     assert (cfg.num_key_value_heads, cfg.head_dim) == (1, 576)
     assert cfg.moe.mlp_only_layers == (0,) and cfg.moe.shared_expert_intermediate_size == 32
     assert cfg.for_tensor_parallel(2).num_key_value_heads == 1  # the row is every rank's
+    spec = KVCacheSpec.for_model(cfg, 16, torch.bfloat16)
+    assert spec.values_are_keys and spec.bytes_per_token == LAYERS * 576 * 2  # one row a token and layer
+    k, v = spec.allocate(CPUPagedAttentionBackend(), 4, torch.device("cpu"))[0]
+    assert k is v
 
 
 def test_the_correction_bias_and_the_yarn_softmax_scale_matter(folders, expected, tmp_path):

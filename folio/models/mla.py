@@ -14,7 +14,8 @@ kv_lora_rank + qk_rope_head_dim wide: 576 for DeepSeek's 512 + 64), and the valu
 kv_lora_rank channels of the output W_UV[h] then maps to the head's value. The paged KV cache holds that one row a
 token (folio.models.model_config.text_config sets the cache's geometry to one KV head of that width) instead of the
 heads' expanded keys and values: 1152 bytes a token and layer in bf16 for DeepSeek-V2-Lite's 16 heads against 10240.
-The row goes into the cache as both K and V (the attention seam takes a pair), so the cache is twice what MLA needs.
+The attention seam takes K and V as a pair: the cache's V is its K, one tensor (ModelConfig.values_are_keys), so a
+row is stored once and the kernels' second read of it comes from the CPU's caches.
 
 kv_b_proj stays out of the linear methods (a `Gate`, full precision): its two halves are multiplied into the
 queries and outputs per head (batched matrix products), not applied as a layer.

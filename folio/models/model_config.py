@@ -269,6 +269,8 @@ class ModelConfig:
     kv_head_replicas: int = 1  # of a rank's slice (for_tensor_parallel): the ranks that keep each KV head
     # layers with a recurrent state per request and no K/V (layer_types' RECURRENT_LAYER_TYPES: LFM2's convolutions)
     recurrent_layers: tuple[int, ...] = ()
+    # the KV cache's values are its keys: multi-head latent attention's one row a token (folio.models.mla)
+    values_are_keys: bool = False
 
     @property
     def kv_cache_layers(self) -> tuple[int, ...]:
@@ -378,6 +380,7 @@ class ModelConfig:
                 sliding_windows=sliding_windows(cfg, text_arch, int(cfg["num_hidden_layers"])),
                 recurrent_layers=tuple(i for i, kind in enumerate(cfg.get("layer_types") or ())
                                        if kind in RECURRENT_LAYER_TYPES),
+                values_are_keys=bool(cfg.get("kv_lora_rank")),
                 hf_config=cfg,
             )
         except KeyError as e:

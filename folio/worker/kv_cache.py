@@ -79,6 +79,9 @@ class KVCacheSpec:
     # per layer, the sliding window its attention uses (None: full); () for none. Sliding layers form KV
     # cache groups of their own, whose blocks out of the window are freed.
     layer_windows: tuple[Optional[int], ...] = ()
+    # a layer's values are its keys (multi-head latent attention's one row a token, folio.models.mla): one tensor
+    # serves as both, and a block takes half the bytes
+    values_are_keys: bool = False
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto",
@@ -87,7 +90,8 @@ class KVCacheSpec:
         hybrid model's recurrent layers keep no K/V)."""
         layers = cfg.kv_cache_layers
         windows = tuple(layer_windows[i] for i in layers) if any(w is not None for w in layer_windows) else ()
-        return cls(len(layers), cfg.num_key_value_heads, cfg.head_dim, block_size, dtype, cache_dtype, windows)
+        return cls(len(layers), cfg.num_key_value_heads, cfg.head_dim, block_size, dtype, cache_dtype, windows,
+                   cfg.values_are_keys)
 
     @cached_property
     def _grouping(self) -> tuple[tuple[KVCacheGroup, ...], int]:
@@ -130,7 +134,12 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of K and V one token's KV takes across all layers (the data, whatever the layout)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.row_size * self.storage_dtype.itemsize
+        return (self._tensors_per_layer * self.num_layers * self.num_kv_heads * self.row_size
+                * self.storage_dtype.itemsize)
+
+    @property
+    def _tensors_per_layer(self) -> int:
+        return 1 if self.values_are_keys else 2
 
     def layer_shape(self, backend: AttentionBackend, num_blocks: int) -> tuple[int, ...]:
         return backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.row_size)
@@ -138,21 +147,26 @@ class KVCacheSpec:
     def bytes_per_block(self, backend: AttentionBackend) -> int:
         """Bytes one block takes in the backend's layout, K and V of its N layers (every layer, without
         sliding groups)."""
-        return 2 * self.layers_per_block * math.prod(self.layer_shape(backend, 1)) * self.storage_dtype.itemsize
+        return (self._tensors_per_layer * self.layers_per_block * math.prod(self.layer_shape(backend, 1))
+                * self.storage_dtype.itemsize)
 
     def allocate(self, backend: AttentionBackend, num_blocks: int, device: torch.device) -> KVCaches:
         """Per layer, its (K, V) cache: N pairs of tensors, layer j of each group on pair j. The tensors are
         zeros: padded reads of never-written slots must be finite (masked, but NaN * 0 is NaN). On the CPU the
         zeros cost no resident memory until a block is written (folio.memory.zeros_on_demand), so the budget is
         address space and a small workload pays for few blocks; elsewhere they are plain zeros in device
-        memory."""
+        memory. Where values are keys, a layer's pair is one tensor twice."""
         shape, dtype = self.layer_shape(backend, num_blocks), self.storage_dtype
-        if device.type == "cpu":
-            pairs = [(zeros_on_demand(shape, dtype), zeros_on_demand(shape, dtype))
-                     for _ in range(self.layers_per_block)]
-        else:
-            pairs = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
-                     for _ in range(self.layers_per_block)]
+
+        def zeros() -> torch.Tensor:
+            if device.type == "cpu":
+                return zeros_on_demand(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        pairs = []
+        for _ in range(self.layers_per_block):
+            keys = zeros()
+            pairs.append((keys, keys) if self.values_are_keys else (keys, zeros()))
         if len(self.groups) == 1:
             return pairs
         caches: list = [None] * self.num_layers
