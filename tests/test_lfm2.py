@@ -25,8 +25,7 @@ LAYER_TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
 KV_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # K and V, attention layers, kv heads, head_dim, fp32 bytes, block_size
 
 
-@pytest.fixture(scope="module")
-def lfm2_dir(tmp_path_factory) -> str:
+def build_lfm2(folder: str) -> str:
     import transformers
 
     cfg = transformers.Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=5,
@@ -35,10 +34,14 @@ def lfm2_dir(tmp_path_factory) -> str:
                                   initializer_range=0.2, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    folder = str(tmp_path_factory.mktemp("lfm2"))
     model.save_pretrained(folder)
     write_tokenizer(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def lfm2_dir(tmp_path_factory) -> str:
+    return build_lfm2(str(tmp_path_factory.mktemp("lfm2")))
 
 
 @pytest.fixture(scope="module")

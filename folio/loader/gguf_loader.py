@@ -26,6 +26,9 @@ What the translation has to undo:
 * DeepSeek V2/V3 and GLM-4.5: kv_b_proj whole again from the per-head halves newer converters store (attn_k_b
   transposed, attn_v_b), the router's settings and correction bias back under DeepSeek's names, YaRN's mscale from
   yarn_log_multiplier (`_mla_config`); GLM-4.5's multi-token-prediction blocks (in its block count) left out;
+* LFM2 and LFM2-MoE: the layer types from the per-layer KV head counts (0: a convolution layer), the MLP width as
+  stored (LFM2's already derived), the convolution's kernel unsqueezed back to Conv1d's shape, the final norm under
+  llama.cpp's token_embd_norm (`_lfm2_config`); LFM2-MoE's router as llama.cpp runs it (`_lfm2_moe_config`);
 * the tokenizer: a GGUF stores vocabulary, merges and token types as metadata, not a tokenizer.json,
   so one is rebuilt with the `tokenizers` library, splitting text the way llama.cpp does.
 
@@ -93,6 +96,8 @@ ARCHITECTURES = {
     "cohere2": ("Cohere2ForCausalLM", "cohere2"),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # and V3 (DEEPSEEK_V3): one class serves both
     "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),
+    "lfm2": ("Lfm2ForCausalLM", "lfm2"),  # Q/K as in Transformers: llama.cpp rotates LFM2's halves (NEOX)
+    "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe"),  # likewise
 }
 # llama.cpp writes Mixtral as "llama" with experts (llama.expert_count).
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -152,6 +157,12 @@ _CORRECTION_BIAS = ("e_score_correction.bias", "e_score_correction_bias")
 # DeepSeek's kv_b_proj, which newer llama.cpp converters store split per head: attn_k_b (W_UK transposed) and attn_v_b
 # (W_UV). The first stands for the rebuilt whole (_kv_b_proj), the second is read with it.
 KV_B_SPLIT = ("attn_k_b", "attn_v_b")
+# LFM2's final norm, which llama.cpp names token_embd_norm, and its short convolutions (the converter squeezes the
+# kernel's unit dim: `_iter_tensors` puts it back)
+LFM2 = frozenset({"lfm2", "lfm2moe"})
+_ARCH_GLOBAL_TENSORS = dict.fromkeys(LFM2, {"token_embd_norm": "model.norm"})
+_LFM2_TENSORS = {"shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
+                 "shortconv.out_proj": "conv.out_proj"}
 # Per-architecture exceptions: Phi-3's and GLM's ffn_up hold gate and up, fused as in their Hugging Face checkpoints.
 _ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "chatglm": {"ffn_up": "mlp.gate_up_proj"},
                        # OLMo 2's post-norms: of the attention's and of the MLP's outputs
@@ -179,18 +190,21 @@ _ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "chatglm": {"ffn_
                                      "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
                                      KV_B_SPLIT[0]: "self_attn.kv_b_proj"},
                        # GLM-4.5's pre-MLP norm is the one after the attention in llama.cpp's names
-                       "glm4moe": {**_DEEPSEEK_MOE_TENSORS, "post_attention_norm": "post_attention_layernorm"}}
+                       "glm4moe": {**_DEEPSEEK_MOE_TENSORS, "post_attention_norm": "post_attention_layernorm"},
+                       # LFM2-MoE's expert_bias: its router's correction bias, as DeepSeek's (folio.models.lfm2_moe)
+                       "lfm2": _LFM2_TENSORS, "lfm2moe": {**_LFM2_TENSORS, **_DEEPSEEK_MOE_TENSORS}}
 # Tensors that stay float32 whatever the dtype asked for: ERNIE 4.5 MoE's router, which Transformers keeps in float32,
-# and DeepSeek's and GLM-4.5's correction bias, which their float32 router adds
+# and DeepSeek's, GLM-4.5's and LFM2-MoE's correction bias, which their float32 router adds
 _FLOAT32_TENSORS = {"ernie4_5-moe": ("ffn_gate_inp.weight", "exp_probs_b.bias"), "deepseek2": ("exp_probs_b.bias",),
-                    "glm4moe": ("exp_probs_b.bias",)}
+                    "glm4moe": ("exp_probs_b.bias",), "lfm2moe": ("exp_probs_b.bias",)}
 # Stacked expert tensors [experts, rows, cols]: one Hugging Face tensor per expert, mlp.experts.E.<name>.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward one there
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
                         "post_attention_norm": "post_attention_layernorm",
                         "post_ffw_norm": "post_feedforward_layernorm"}
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)")  # LFM2's hold a dot: shortconv.in_proj
+_ATTN_Q = re.compile(r"blk\.\d+\.attn_q\.weight")
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 # Llama 3.1+ rope scaling factors: folded into hf_config's rope_scaling, not a model weight.
 ROPE_FREQS = "rope_freqs.weight"
@@ -299,9 +313,12 @@ def _hf_config(reader: GGUFReader) -> dict:
     arch = _architecture(reader)
     hf_arch, model_type = ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
-    fused_qkv = arch in FUSED_QKV and "blk.0.attn_q.weight" not in tensors
+    # block 0's q, or a hybrid's first attention layer's (LFM2's first layers may be convolutions)
+    q_name = min((name for name in tensors if _ATTN_Q.fullmatch(name)), key=lambda name: int(_BLOCK.match(name)[1]),
+                 default="blk.0.attn_q.weight")
+    fused_qkv = arch in FUSED_QKV and q_name not in tensors
     attention = ("blk.0.attn_kv_a_mqa.weight" if arch == "deepseek2"
-                 else "blk.0.attn_qkv.weight" if fused_qkv else "blk.0.attn_q.weight")
+                 else "blk.0.attn_qkv.weight" if fused_qkv else q_name)
     for name in ("token_embd.weight", attention):
         if name not in tensors:
             raise ValueError(f"the GGUF file has no tensor {name!r}")
@@ -309,7 +326,7 @@ def _hf_config(reader: GGUFReader) -> dict:
     hidden = int(need_field(reader, f"{arch}.embedding_length"))
     # key_length is only written when it differs from hidden/heads (Qwen3); q's rows always tell. DeepSeek's is the
     # latent row's (or a whole query head's): its configs' head_dim is the rotated part's.
-    q_rows = int(tensors["blk.0.attn_q.weight"].shape[1]) if "blk.0.attn_q.weight" in tensors else hidden
+    q_rows = int(tensors[q_name].shape[1]) if q_name in tensors else hidden
     head_dim = int(get_field(reader, f"{arch}.rope.dimension_count" if arch == "deepseek2"
                              else f"{arch}.attention.key_length", q_rows // heads))
     if arch == "llama" and get_field(reader, "llama.expert_count"):
@@ -326,17 +343,18 @@ def _hf_config(reader: GGUFReader) -> dict:
         "intermediate_size": int(need_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(need_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "num_key_value_heads": _kv_heads(reader, arch, heads),
         "head_dim": head_dim,
         "rms_norm_eps": _f32(get_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": _f32(get_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(need_field(reader, f"{arch}.context_length")),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        "attention_bias": q_name.replace(".weight", ".bias") in tensors or "blk.0.attn_qkv.bias" in tensors,
         "bos_token_id": get_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": get_field(reader, "tokenizer.ggml.eos_token_id"),
     }
     config.update(_grouped_moe_config(reader, arch, tensors) if arch in GROUPED_MOE
+                  else _lfm2_moe_config(reader, arch, tensors) if arch == "lfm2moe"
                   else _moe_config(reader, arch, model_type))
     rope_dim = int(get_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
@@ -378,11 +396,61 @@ def _hf_config(reader: GGUFReader) -> dict:
         config.update(_mla_config(reader, arch, tensors, config))
     if arch == "glm4moe":
         config.update(_glm4_moe_config(reader, arch, tensors, config))
+    if arch in LFM2:
+        config.update(_lfm2_config(reader, arch, config))
     if arch == "gpt-oss":  # the window of its even layers; GptOssConfig's YaRN does not truncate its ramp
         config["sliding_window"] = int(need_field(reader, "gpt-oss.attention.sliding_window"))
         if "rope_scaling" in config:
             config["rope_scaling"]["truncate"] = False
     return config
+
+
+def _kv_heads(reader: GGUFReader, arch: str, heads: int) -> int:
+    """The attention layers' KV heads: one count, or, in LFM2's files, one a layer, 0 for a convolution layer
+    (`_lfm2_config`), as llama.cpp's converter writes them."""
+    value = get_field(reader, f"{arch}.attention.head_count_kv", heads)
+    if not isinstance(value, list):
+        return int(value)
+    counts = set(value) - {0}
+    if arch not in LFM2 or len(counts) != 1:
+        raise ValueError(f"{arch}.attention.head_count_kv {value}: KV head counts per layer are not supported "
+                         "(supported: one count, or LFM2's, 0 for a convolution layer)")
+    return int(counts.pop())
+
+
+def _lfm2_config(reader: GGUFReader, arch: str, config: dict) -> dict:
+    """LFM2's and LFM2-MoE's fields as llama.cpp reads them: a layer without KV heads is a gated convolution over
+    shortconv.l_cache tokens, without biases (llama.cpp's graph has none); the norms' epsilon is required; LFM2's
+    feed_forward_length is the width Lfm2MLP derives (the converter's), not to be derived again. What llama.cpp
+    runs otherwise is refused: a sliding window (LFM2.5's audio tokenizer) and bidirectional attention."""
+    if get_field(reader, f"{arch}.attention.sliding_window"):
+        raise ValueError(f"{arch}.attention.sliding_window is not supported (folio's LFM2 attends without a window)")
+    if get_field(reader, f"{arch}.attention.causal", True) is False:
+        raise ValueError(f"{arch}.attention.causal false (bidirectional LFM2) is not supported")
+    kv_heads = get_field(reader, f"{arch}.attention.head_count_kv", config["num_attention_heads"])
+    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * config["num_hidden_layers"]
+    extra = {"layer_types": ["conv" if n == 0 else "full_attention" for n in per_layer],
+             "conv_L_cache": int(need_field(reader, f"{arch}.shortconv.l_cache")), "conv_bias": False,
+             "norm_eps": _f32(need_field(reader, f"{arch}.attention.layer_norm_rms_epsilon"))}
+    return {**extra, "block_auto_adjust_ff_dim": False} if arch == "lfm2" else extra
+
+
+def _lfm2_moe_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
+    """LFM2-MoE's experts and router under Lfm2MoeConfig's names, as llama.cpp's graph runs them: sigmoid scores
+    (the expert_gating_func its converter writes; another is refused), the correction bias (exp_probs_b) choosing
+    where the file has it, the weights always renormalised (llama.cpp hard-codes it: no key says so) and scaled by
+    expert_weights_scale where the file has one; dense leading blocks as leading_dense_block_count says (none
+    without it, as llama.cpp reads it)."""
+    gating = int(need_field(reader, f"{arch}.expert_gating_func"))
+    if gating != ExpertGatingFuncType.SIGMOID:
+        raise ValueError(f"unsupported {arch}.expert_gating_func {gating} "
+                         f"(supported: {int(ExpertGatingFuncType.SIGMOID)} (sigmoid))")
+    return {"num_experts": int(need_field(reader, f"{arch}.expert_count")),
+            "num_experts_per_tok": int(need_field(reader, f"{arch}.expert_used_count")),
+            "moe_intermediate_size": int(need_field(reader, f"{arch}.expert_feed_forward_length")),
+            "num_dense_layers": int(get_field(reader, f"{arch}.leading_dense_block_count", 0)),
+            "use_expert_bias": _correction_bias(tensors), "norm_topk_prob": True,
+            "routed_scaling_factor": _f32(get_field(reader, f"{arch}.expert_weights_scale") or 1.0)}
 
 
 def _moe_config(reader: GGUFReader, arch: str, model_type: str) -> dict:
@@ -629,8 +697,9 @@ def _checkpoint(reader: GGUFReader) -> GGUFCheckpoint:
 def _hf_names(gguf_name: str, arch: str, experts: int) -> list[str]:
     """The Hugging Face names of a GGUF tensor: one, or one per expert of a stacked expert tensor."""
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _GLOBAL_TENSORS:
-        return [f"{_GLOBAL_TENSORS[base]}.{suffix}"]
+    global_tensors = {**_GLOBAL_TENSORS, **_ARCH_GLOBAL_TENSORS.get(arch, {})}
+    if base in global_tensors:
+        return [f"{global_tensors[base]}.{suffix}"]
     match = _LAYER_NAME.fullmatch(gguf_name)
     if match and match[2] == KV_B_SPLIT[1]:
         return []  # read with attn_k_b
@@ -726,6 +795,8 @@ def _iter_tensors(reader: GGUFReader, hf_config: dict, dtype: torch.dtype, keep_
         if w.dim() == 1 and (t.name.endswith("ffn_gate_inp_shexp.weight")
                              or (arch == "ernie4_5-moe" and t.name.endswith("exp_probs_b.bias"))):
             w = w.unsqueeze(0)  # llama.cpp drops the unit dim of Qwen2-MoE's shared gate and ERNIE's bias
+        if layer_tensor and layer_tensor[2] == "shortconv.conv":
+            w = w.unsqueeze(1)  # and the middle one of LFM2's kernels, Conv1d's [channels, 1, taps]
         out_dtype = torch.float32 if t.name.endswith(_FLOAT32_TENSORS.get(arch, ())) else dtype
         for name, part in zip(names, w if len(names) > 1 else [w]):  # stacked experts (weights or biases): by dim 0
             yield name, torch.empty(part.shape, dtype=out_dtype).copy_(part)  # one copy: contiguous, in its dtype

@@ -92,9 +92,13 @@ class Lfm2DecoderLayer(HotPathModule):
         self.conv = ShortConv(cfg, layer_idx) if recurrent else None
         # an attention layer's KV cache is its place among the layers that keep one
         self.self_attn = None if recurrent else Qwen3Attention(cfg, cfg.kv_cache_layers.index(layer_idx), rotary)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.make_mlp(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        """Hook for LFM2-MoE's sparse layers (folio.models.lfm2_moe)."""
+        return LlamaMLP(cfg)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], ctx: StepContext):
         if residual is None:

@@ -105,6 +105,10 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                                 "moe_layer_end_index": -1, "moe_layer_interval": 1, "moe_norm_min": 1e-12},
     "Olmo2ForCausalLM": {"rms_norm_eps": 1e-5},
     "Lfm2ForCausalLM": {"tie_word_embeddings": True, "conv_L_cache": 3},
+    # Lfm2MoeConfig's (LFM2-8B-A1B's router: sigmoid scores, a bias that chooses, renormalised, unscaled)
+    "Lfm2MoeForCausalLM": {"tie_word_embeddings": True, "conv_L_cache": 3, "num_dense_layers": 2, "num_experts": 32,
+                           "num_experts_per_tok": 4, "moe_intermediate_size": 1792, "use_expert_bias": True,
+                           "norm_topk_prob": True, "routed_scaling_factor": 1.0},
     # DeepSeek V2 and V3 (Transformers' configs, and the router fields their config.json files state), GLM-4.5 MoE
     "DeepseekV2ForCausalLM": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                               "v_head_dim": 128, "n_shared_experts": 2, "moe_intermediate_size": 1407,
@@ -129,7 +133,8 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # RoPE bases of the architectures whose config classes default to another than 10000 (Transformers' default_theta):
 # apart from HF_DEFAULTS, since a file may state its base in rope_parameters, where a default would shadow it.
-DEFAULT_ROPE_THETA: dict[str, float] = {"CohereForCausalLM": 500_000.0, "Lfm2ForCausalLM": 1_000_000.0}
+DEFAULT_ROPE_THETA: dict[str, float] = {"CohereForCausalLM": 500_000.0, "Lfm2ForCausalLM": 1_000_000.0,
+                                         "Lfm2MoeForCausalLM": 1_000_000.0}
 # Multimodal architectures whose language model folio serves, text in and text out (the vision tower and projector
 # are not served: folio.models.llama.checkpoint_target skips their tensors) -> the architecture of that language
 # model, whose defaults, attention pattern and model class apply, and the model_type its text_config must declare
@@ -142,6 +147,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # layers that keep a recurrent state per request instead of K/V in the paged cache (folio.models.recurrent_state):
 # LFM2's short convolutions
 RECURRENT_LAYER_TYPES = ("conv",)
+LFM2_ARCHITECTURES = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 
 
 def language_model_architecture(arch: str) -> str:
@@ -171,8 +177,8 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
             inner["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         cfg = inner
     cfg = {**HF_DEFAULTS.get(text_arch, {}), **cfg}
-    if text_arch == "Lfm2ForCausalLM":
-        cfg.update(lfm2_fields(cfg))
+    if text_arch in LFM2_ARCHITECTURES:
+        cfg.update(lfm2_fields(cfg, moe=text_arch == "Lfm2MoeForCausalLM"))
     if cfg.get("kv_lora_rank"):  # multi-head latent attention (folio.models.mla): the KV cache keeps one row a token
         cfg["num_key_value_heads"], cfg["head_dim"] = 1, int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
     if text_arch == "Olmo3ForCausalLM" and cfg.get("layer_types") is None:  # Olmo3Config: every 4th layer full
@@ -190,25 +196,35 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """LFM2's fields (Transformers' Lfm2Config) under the common names: its layer types (from the older
-    full_attn_idxs where layer_types is absent), its norms' epsilon, and the MLP's width as Lfm2MLP derives it
-    (block_auto_adjust_ff_dim: two thirds of intermediate_size, times block_ffn_dim_multiplier, rounded up to
-    block_multiple_of), so that tensor-parallel ranks split the width the checkpoint has."""
+def lfm2_fields(cfg: dict[str, Any], moe: bool) -> dict[str, Any]:
+    """LFM2's fields (Transformers' Lfm2Config, Lfm2MoeConfig) under the common names: its layer types (LFM2's from
+    the older full_attn_idxs where layer_types is absent; LFM2-MoE has no such fallback), its norms' epsilon, the
+    older tie_embedding where a config.json has it (it wins, as in Transformers), and LFM2's MLP width as Lfm2MLP
+    derives it (block_auto_adjust_ff_dim: two thirds of intermediate_size, times block_ffn_dim_multiplier, rounded
+    up to block_multiple_of), so that tensor-parallel ranks split the width the checkpoint has. LFM2-MoE's dense
+    MLPs have intermediate_size as it is, its first num_dense_layers layers are dense, and its router
+    (folio.models.grouped_topk) takes sigmoid scores whose expert_bias, where use_expert_bias says so, chooses the
+    experts (DeepSeek V3's noaux_tc, in one group)."""
     layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
+    if types is None and moe:
+        raise ValueError("Lfm2MoeForCausalLM: the model config has no 'layer_types' (Lfm2MoeConfig has no default)")
     if types is None:
         full = cfg.get("full_attn_idxs")
         full = range(layers) if full is None else full
         types = ["full_attention" if i in full else "conv" for i in range(layers)]
+    fields = {"layer_types": types, "rms_norm_eps": cfg.get("norm_eps", 1e-5),
+              "tie_word_embeddings": cfg.get("tie_embedding", cfg["tie_word_embeddings"])}
+    if moe:
+        return {**fields, "mlp_only_layers": list(range(int(cfg["num_dense_layers"]))), "scoring_func": "sigmoid",
+                "topk_method": "noaux_tc" if cfg["use_expert_bias"] else "greedy"}
     size = int(cfg["intermediate_size"])
     if cfg.get("block_auto_adjust_ff_dim", True):
         size = int(2 * size / 3)
         multiplier, multiple = cfg.get("block_ffn_dim_multiplier", 1.0), int(cfg.get("block_multiple_of", 256))
         if multiplier is not None:
             size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
-    return {"layer_types": types, "rms_norm_eps": cfg.get("norm_eps", 1e-5), "intermediate_size": size,
-            "block_auto_adjust_ff_dim": False}
+    return {**fields, "intermediate_size": size, "block_auto_adjust_ff_dim": False}
 
 
 def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Optional[int], ...]:

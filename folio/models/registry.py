@@ -17,6 +17,7 @@ from folio.models.granite import GraniteForCausalLM
 from folio.models.gpt_oss import GptOssForCausalLM
 from folio.models.granite_moe import GraniteMoeForCausalLM
 from folio.models.lfm2 import Lfm2ForCausalLM
+from folio.models.lfm2_moe import Lfm2MoeForCausalLM
 from folio.models.llama import LlamaForCausalLM
 from folio.models.mixtral import MixtralForCausalLM
 from folio.models.model_config import LANGUAGE_MODELS, ModelConfig
@@ -55,6 +56,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,  # the router differs by its config (HF_DEFAULTS)
     "CohereForCausalLM": CohereForCausalLM,
