@@ -232,7 +232,7 @@ def test_unpermute_moves_weight_rows_and_bias_alike():
     assert np.array_equal(gguf_loader._unpermute(torch.from_numpy(w[:, 0].copy()), n_head).numpy(), expected[:, 0])
 
 
-@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2", "default"])
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2", "default", "lfm2", "pixtral"])
 def test_tiny_byte_level_tokenizer_matches_transformers(tmp_path, pre):
     path = write_tiny_gguf(str(tmp_path / "tok.gguf"), pre=pre, tensor_type=Q.F16)
     checkpoint = read_gguf(path)

@@ -52,6 +52,18 @@ ARCHITECTURES.update({
     "qwen3-moe-small-dense": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_SMALL_QWEN3,
                               "intermediate_size": 1536},
 })
+# DeepSeek-V2-Lite (16B, 2.4B active): latent attention, 64 experts of 1408 (6 a token) and 2 shared after one dense
+# layer; benchmarks take a few of its 27 layers (--set num_hidden_layers=4: 2.6B parameters)
+ARCHITECTURES["deepseek-v2-lite"] = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+    "intermediate_size": 10944, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+    "first_k_dense_replace": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "vocab_size": 102400, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}}
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TRAINED_VOCAB = 8192  # BPE merges learnt from the corpus; the rest of the vocabulary is filler
 INIT_STD = 0.02
@@ -82,34 +94,56 @@ def _parse_overrides(items: list[str]) -> dict[str, Any]:
 
 def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a Llama-family checkpoint (Qwen2 adds q/k/v biases, Qwen3 q/k norms, Qwen3-MoE
-    experts and a router in place of the MLP; tied models have no lm_head)."""
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or h // heads
+    experts and a router in place of the MLP, DeepSeek V2 latent attention and experts after its dense layers; tied
+    models have no lm_head)."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (kv_heads * d, h),
-                       p + "self_attn.v_proj.weight": (kv_heads * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter)})
-        if cfg["model_type"] == "qwen2":
-            shapes.update({p + "self_attn.q_proj.bias": (heads * d,), p + "self_attn.k_proj.bias": (kv_heads * d,),
-                           p + "self_attn.v_proj.bias": (kv_heads * d,)})
-        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
-            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
-        if cfg["model_type"] == "qwen3_moe":
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                del shapes[p + f"mlp.{name}.weight"]
-            e_inter = cfg["moe_intermediate_size"]
-            shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
-            for e in range(cfg["num_experts"]):
-                shapes.update({p + f"mlp.experts.{e}.gate_proj.weight": (e_inter, h),
-                               p + f"mlp.experts.{e}.up_proj.weight": (e_inter, h),
-                               p + f"mlp.experts.{e}.down_proj.weight": (h, e_inter)})
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        shapes.update(_attention_shapes(cfg, p + "self_attn."))
+        shapes.update(_mlp_shapes(cfg, p + "mlp.", i))
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def _attention_shapes(cfg: dict[str, Any], p: str) -> dict[str, tuple[int, ...]]:
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg["model_type"] == "deepseek_v2":  # latent attention, without a query bottleneck (V2-Lite)
+        rank, rope, nope, v = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        return {p + "q_proj.weight": (heads * (nope + rope), h), p + "kv_a_proj_with_mqa.weight": (rank + rope, h),
+                p + "kv_a_layernorm.weight": (rank,), p + "kv_b_proj.weight": (heads * (nope + v), rank),
+                p + "o_proj.weight": (h, heads * v)}
+    kv_heads = cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    shapes = {p + "q_proj.weight": (heads * d, h), p + "k_proj.weight": (kv_heads * d, h),
+              p + "v_proj.weight": (kv_heads * d, h), p + "o_proj.weight": (h, heads * d)}
+    if cfg["model_type"] == "qwen2":
+        shapes.update({p + "q_proj.bias": (heads * d,), p + "k_proj.bias": (kv_heads * d,),
+                       p + "v_proj.bias": (kv_heads * d,)})
+    if cfg["model_type"] in ("qwen3", "qwen3_moe"):
+        shapes.update({p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)})
+    return shapes
+
+
+def _mlp_shapes(cfg: dict[str, Any], p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    h = cfg["hidden_size"]
+    experts = cfg.get("num_experts") or cfg.get("n_routed_experts")
+    if not experts or layer < cfg.get("first_k_dense_replace", 0):
+        inter = cfg["intermediate_size"]
+        return {p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h),
+                p + "down_proj.weight": (h, inter)}
+    e_inter = cfg["moe_intermediate_size"]
+    shapes = {p + "gate.weight": (experts, h)}
+    if cfg.get("n_shared_experts"):  # DeepSeek's shared experts: one MLP of their summed width
+        shapes.update({p + "shared_experts.gate_proj.weight": (cfg["n_shared_experts"] * e_inter, h),
+                       p + "shared_experts.up_proj.weight": (cfg["n_shared_experts"] * e_inter, h),
+                       p + "shared_experts.down_proj.weight": (h, cfg["n_shared_experts"] * e_inter)})
+    for e in range(experts):
+        mlp = f"experts.{e}."
+        shapes.update({p + mlp + "gate_proj.weight": (e_inter, h), p + mlp + "up_proj.weight": (e_inter, h),
+                       p + mlp + "down_proj.weight": (h, e_inter)})
     return shapes
 
 

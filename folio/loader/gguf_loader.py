@@ -361,7 +361,8 @@ def _hf_config(reader: GGUFReader) -> dict:
         config["partial_rotary_factor"] = rope_dim / head_dim
     rope_type = get_field(reader, f"{arch}.rope.scaling.type", "none")
     if rope_type != "none":
-        config["rope_scaling"] = {"rope_type": rope_type, "factor": _f32(need_field(reader, f"{arch}.rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": rope_type,
+                                  "factor": _f32(need_field(reader, f"{arch}.rope.scaling.factor"))}
         original = get_field(reader, f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = int(original)

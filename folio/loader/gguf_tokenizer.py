@@ -87,7 +87,8 @@ _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     **dict.fromkeys(["default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo"], _gpt2),
     **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
                     _digits_then_gpt2),
-    **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe"], lambda: _regex_then_bytes(_LLAMA3_SPLIT)),
+    **dict.fromkeys(["llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "lfm2", "dbrx", "smaug-bpe"],
+                    lambda: _regex_then_bytes(_LLAMA3_SPLIT)),
     **dict.fromkeys(["glm4", "chatglm-bpe"], lambda: _regex_then_bytes(_LLAMA3_SPLIT)),  # llama.cpp's CHATGLM4
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2"],
                     lambda: _regex_then_bytes(_QWEN2_SPLIT)),
@@ -95,7 +96,7 @@ _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "deepseek-coder": lambda: _regex_then_bytes(*_DEEPSEEK_CODER_SPLITS),
 }
 # Llama-3's tokenizer looks a whole pre-token up in the vocabulary before merging (llama.cpp's ignore_merges).
-_IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
+_IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "lfm2"})
 
 
 def _build_tokenizer(reader: GGUFReader, model: Optional[str], tokens: list[str]) -> Tokenizer:
