@@ -1,10 +1,11 @@
 """The tensor-parallel group of this process: which rank it is, how many ranks share each layer, and their
-collective.
+collectives.
 
 A worker process joins the group (`init_tensor_parallel`) before it builds its model, through torch.distributed
 with the platform's backend (gloo on CPUs). Parallel linear layers (folio.models.linear) read the group as they
 are built: each rank keeps its slice of their weights, and a row-parallel layer sums the ranks' partial
-products with `all_reduce`. A process that joined no group is rank 0 of 1, and every layer is whole.
+products with `all_reduce`; a vocabulary-parallel lm_head (folio.models.vocab_parallel) gathers the ranks'
+logits with `all_gather`. A process that joined no group is rank 0 of 1, and every layer is whole.
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ class TensorParallelGroup:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)  # a rank's reduced piece is copied to the others
         return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's x (each the same shape), concatenated along dim in rank order: a vocabulary-parallel
+        lm_head's logits (folio.models.vocab_parallel). x itself on one rank."""
+        if self.shared_memory is not None and self.shared_memory.fits(x):
+            return self.shared_memory.all_gather(x, dim)
+        if self.size == 1:
+            return x
+        pieces = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(pieces, x.contiguous(), group=self.group)
+        return torch.cat(pieces, dim=dim)
 
 
 _SINGLE = TensorParallelGroup(0, 1)

@@ -30,10 +30,11 @@ from torch import nn
 
 from folio.attention.backend import AttentionParams
 from folio.models.hot_path import HotPathModule
-from folio.models.layers import Embedding, RotaryEmbedding
+from folio.models.layers import RotaryEmbedding
 from folio.models.linear import Linear
 from folio.models.llama import LlamaAttention, LlamaMLP, StepContext, checkpoint_target
 from folio.models.model_config import ModelConfig
+from folio.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from folio.models.weight_loader import ShardId, copy_checked, set_weight_loader, uninitialized
 from folio.sample.sampling_ops import argmax_rows
 
@@ -165,15 +166,15 @@ class Gemma2ForCausalLM(nn.Module):
                                               hf.get("rope_local_scaling"))
         cap = hf.get("attn_logit_softcapping") if self.attn_softcap else None
         softcap = None if cap is None else float(cap)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size ** 0.5
         self._embed_scales: dict[torch.dtype, torch.Tensor] = {}  # the scale rounded to each dtype, made once
         self.layers = nn.ModuleList(
             self.layer_cls(cfg, i, local if cfg.sliding_window(i) is not None else rotary, self.qk_norm, softcap)
             for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
-                              tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size,
+                                      tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
         cap = hf.get("final_logit_softcapping") if self.logit_softcap else None
         self.final_logit_softcap = None if cap is None else float(cap)
 

@@ -17,7 +17,8 @@ Tensor parallelism (folio.distributed): a model built for one rank's slice decla
 sizes and marks them `parallel`. A column-parallel layer (q/k/v, gate/up) holds the rank's rows of each shard,
 a row-parallel one (o_proj, down_proj) the rank's columns, and sums the ranks' partial products. The slicing
 wraps the parameters' weight loaders after the method created them, so every method that loads plain
-checkpoint tensors (the dense one, those that quantise as they load) gets its slice without knowing of ranks.
+checkpoint tensors (the dense one, those that quantise as they load) gets its slice without knowing of ranks. The
+lm_head splits by vocabulary, its rows: folio.models.vocab_parallel.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ from torch import nn
 
 from folio.attention.backend import AttentionBackend, AttentionParams
 from folio.models.hot_path import HotPathModule
-from folio.models.layers import Embedding, RMSNorm, RotaryEmbedding
+from folio.models.layers import RMSNorm, RotaryEmbedding
 from folio.models.linear import Linear
 from folio.models.model_config import ModelConfig
 from folio.models.recurrent_state import RecurrentStep
+from folio.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from folio.models.weight_loader import ShardId
 
 
@@ -144,11 +145,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{cfg.architecture}: hidden_act {activation!r} is not supported (supported: 'silu')")
         self.config = cfg
         rotary = self.rotary_cls.for_model(cfg, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
-                              tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size,
+                                      tied_to=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Hook for architectures that scale the embeddings before the first layer (Granite)."""

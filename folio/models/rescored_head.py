@@ -14,6 +14,10 @@ table kept in bf16 (weight_loader.keep_bf16_tensors), its rows widened exactly a
 
 The same at every batch size (chunks of CHUNK_ROWS rows), so a token's logits do not depend on the
 batch it ran in, and perplexity over prompt logprobs measures what decoding samples from.
+
+Under tensor parallelism (folio.models.vocab_parallel) each rank holds its slice of the vocabulary and recomputes the
+TOP_K largest of its own logits: the whole vocabulary's TOP_K are among them, exact as on one rank, and so are up to
+TOP_K more a rank, which moves the softmax's tail, and logprobs, a little with the number of ranks.
 """
 
 from __future__ import annotations
