@@ -21,7 +21,7 @@ import numpy as np
 from safetensors.torch import load_file
 
 from folio.models.model_config import HF_DEFAULTS
-from test_gguf_models import add_byte_level_tokenizer, write_out
+from test_gguf_models import add_byte_level_tokenizer, add_named_tensors, write_out
 
 Q = gguf.GGMLQuantizationType
 ARCHS = {"DeepseekV2ForCausalLM": gguf.MODEL_ARCH.DEEPSEEK2, "DeepseekV3ForCausalLM": gguf.MODEL_ARCH.DEEPSEEK2,
@@ -45,16 +45,8 @@ def deepseek_to_gguf(folder: str, path: str, split_kv_b: bool = True, layer_type
     _write_metadata(w, hp, layers, model_arch, split_kv_b)
     add_byte_level_tokenizer(w)
     names = gguf.get_tensor_name_map(model_arch, layers)
-    for name, t in _llama_cpp_tensors(tensors, hp, split_kv_b):
-        gguf_name = names.get_name(name.replace("e_score_correction_bias", "e_score_correction.bias"),
-                                   try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        quantize = (t.ndim >= 2 and gguf_name.startswith("blk.") and "ffn_gate_inp" not in gguf_name
-                    and t.shape[-1] % gguf.GGML_QUANT_SIZES[layer_type][0] == 0 and layer_type != Q.F32)
-        if quantize:
-            w.add_tensor(gguf_name, gguf.quants.quantize(t, layer_type), raw_dtype=layer_type)
-        else:
-            w.add_tensor(gguf_name, np.ascontiguousarray(t, dtype=np.float32))
+    add_named_tensors(w, names, ((name.replace("e_score_correction_bias", "e_score_correction.bias"), t)
+                                 for name, t in _llama_cpp_tensors(tensors, hp, split_kv_b)), layer_type)
     write_out(w)
     return path
 

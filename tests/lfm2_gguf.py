@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 from safetensors.torch import load_file
 
-from test_gguf_models import add_byte_level_tokenizer, write_out
+from test_gguf_models import add_byte_level_tokenizer, add_named_tensors, write_out
 
 Q = gguf.GGMLQuantizationType
 ARCHS = {"Lfm2ForCausalLM": gguf.MODEL_ARCH.LFM2, "Lfm2MoeForCausalLM": gguf.MODEL_ARCH.LFM2MOE}
@@ -40,15 +40,7 @@ def lfm2_to_gguf(folder: str, path: str, layer_type: Q = Q.F32,
         extra_metadata(w)
     add_byte_level_tokenizer(w)
     names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
-    for name, t in _llama_cpp_tensors(tensors):
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        quantize = (layer_type != Q.F32 and t.ndim >= 2 and gguf_name.startswith("blk.")
-                    and "ffn_gate_inp" not in gguf_name and t.shape[-1] % gguf.GGML_QUANT_SIZES[layer_type][0] == 0)
-        if quantize:
-            w.add_tensor(gguf_name, gguf.quants.quantize(t, layer_type), raw_dtype=layer_type)
-        else:
-            w.add_tensor(gguf_name, np.ascontiguousarray(t, dtype=np.float32))
+    add_named_tensors(w, names, _llama_cpp_tensors(tensors), layer_type)
     write_out(w)
     return path
 

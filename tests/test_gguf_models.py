@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Iterable
 
 import gguf
 import numpy as np
@@ -69,6 +70,18 @@ def _add(w: gguf.GGUFWriter, name: str, t: np.ndarray, qtype: Q) -> None:
         w.add_tensor(name, np.ascontiguousarray(t))
     else:
         w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+
+
+def add_named_tensors(w: gguf.GGUFWriter, names: gguf.TensorNameMap, tensors: Iterable[tuple[str, np.ndarray]],
+                      layer_type: Q) -> None:
+    """Each Hugging Face tensor under its llama.cpp name (gguf-py's map): the layers' matrices as layer_type where
+    their rows allow it, the rest (norms, biases, routers, embeddings) float32, as llama.cpp's converter keeps them."""
+    for name, t in tensors:
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        quantize = (layer_type != Q.F32 and t.ndim >= 2 and gguf_name.startswith("blk.")
+                    and "ffn_gate_inp" not in gguf_name and t.shape[-1] % gguf.GGML_QUANT_SIZES[layer_type][0] == 0)
+        _add(w, gguf_name, t if quantize else np.asarray(t, dtype=np.float32), layer_type if quantize else Q.F32)
 
 
 def hf_to_gguf(folder: str, path: str, arch: str, expert_type: Q = Q.F32, layer_type: Q = Q.F32) -> str:
