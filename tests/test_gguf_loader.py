@@ -21,8 +21,8 @@ from tokenizers import Tokenizer
 from folio.loader import gguf_loader, gguf_metadata, gguf_tokenizer
 from folio.loader.default_model import default_model_path
 from folio.loader.gguf_loader import load_gguf_cached, load_gguf_tensors, read_gguf
-from folio.loader.gguf_tokenizer import (_DEEPSEEK_CODER_SPLITS, _DEEPSEEK_V3_SPLITS, _PRE_TOKENIZERS,
-                                         _bytes_to_unicode)
+from folio.loader.gguf_tokenizer import (_DEEPSEEK_CODER_SPLITS, _DEEPSEEK_LLM_SPLITS, _DEEPSEEK_V3_SPLITS,
+                                         _PRE_TOKENIZERS, _bytes_to_unicode)
 from folio.models.model_config import ModelConfig
 
 torch.set_num_threads(1)
@@ -480,10 +480,11 @@ def _regex_pieces(text: str, expressions: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.parametrize("pre, expressions", [("deepseek-v3", _DEEPSEEK_V3_SPLITS),
+                                              ("deepseek-llm", _DEEPSEEK_LLM_SPLITS),
                                               ("deepseek-coder", _DEEPSEEK_CODER_SPLITS)])
 def test_deepseek_pre_tokenizers_split_as_llama_cpp(pre, expressions):
     texts = ["Hello world!! 1234567 apples,\n\n  and 日本語のテキスト and 中文 x", "def f(x):\n    return x**2  # ok",
-             "'s it's \"quoted\" é café naïve 42.5%", "\tTabs\r\nCRLF ..."]
+             "'s it's \"quoted\" é café naïve 42.5%", "\tTabs\r\nCRLF ...", "Ωmega Ñandú 𐐀𐐁 ok  "]
     for text in texts:
         ours = [piece for piece, _ in _PRE_TOKENIZERS[pre]().pre_tokenize_str(text)]
         assert ours == _regex_pieces(text, expressions), text

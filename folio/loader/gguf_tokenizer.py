@@ -52,6 +52,22 @@ _DEEPSEEK_V3_SPLITS = (
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+# DeepSeek LLM's and V2's (llama.cpp's DEEPSEEK_LLM): line breaks, runs of cased letters (its table of scripts with
+# case, the Deseret range written as its characters), of ASCII and full-width punctuation, trailing spaces, CJK, digits
+_DEEPSEEK_LLM_SPLITS = (
+    r"[\r\n]",
+    r"\s?["
+    "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁ"
+    "Ҋ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝ"
+    "Ὗ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴ"
+    "ῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮ"
+    "ⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟"
+    "𞤀-𞥃" "]+",  # (escaped: characters NFC would turn into others)
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+)
 # DeepSeek Coder's (llama.cpp's DEEPSEEK_CODER)
 _DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}")
 
@@ -92,6 +108,7 @@ _PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     **dict.fromkeys(["glm4", "chatglm-bpe"], lambda: _regex_then_bytes(_LLAMA3_SPLIT)),  # llama.cpp's CHATGLM4
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2"],
                     lambda: _regex_then_bytes(_QWEN2_SPLIT)),
+    "deepseek-llm": lambda: _regex_then_bytes(*_DEEPSEEK_LLM_SPLITS),
     "deepseek-v3": lambda: _regex_then_bytes(*_DEEPSEEK_V3_SPLITS),
     "deepseek-coder": lambda: _regex_then_bytes(*_DEEPSEEK_CODER_SPLITS),
 }
