@@ -17,14 +17,15 @@ def _tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[in
 
 
 def assert_greedy_matches(folder: str, kv_block_bytes: int, max_tokens: int = 24, max_model_len: int = 48,
-                          prompts: list[list[int]] = PROMPTS) -> None:
+                          prompts: list[list[int]] = PROMPTS, state_bytes: int = 0) -> None:
     """kv_block_bytes: one 4-token block's K and V over all layers in float32, to size a cache of 12 blocks:
-    too few for every request at once, so the scheduler must preempt."""
+    too few for every request at once, so the scheduler must preempt. state_bytes: a hybrid model's recurrent
+    states of one request in float32, which the budget holds for each prompt besides the blocks."""
     expected = [hf_greedy(folder, p, max_tokens) for p in prompts]
     chunked = LLM(folder, dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=7)
     assert _tokens(chunked, prompts, max_tokens) == expected
-    preempted = LLM(folder, dtype="float32", block_size=4, kv_cache_memory=12 * kv_block_bytes,
-                    max_model_len=max_model_len)
+    preempted = LLM(folder, dtype="float32", block_size=4, max_num_seqs=len(prompts),
+                    kv_cache_memory=12 * kv_block_bytes + len(prompts) * state_bytes, max_model_len=max_model_len)
     assert _tokens(preempted, prompts, max_tokens) == [e[:max_model_len - len(p)] for p, e in zip(prompts, expected)]
     assert preempted.llm_engine.scheduler.num_preemptions > 0
 

@@ -23,6 +23,7 @@ PROMPTS = [list(range(20, 61)), [100, 3, 250, 77, 1, 90, 91, 92, 93, 94, 95, 17,
 MAX_TOKENS = 24
 LAYER_TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
 KV_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # K and V, attention layers, kv heads, head_dim, fp32 bytes, block_size
+STATE_BYTES = 3 * 64 * 2 * 4  # a request's states: conv layers, channels, conv_L_cache - 1, fp32 bytes
 
 
 def build_lfm2(folder: str) -> str:
@@ -50,7 +51,7 @@ def expected(lfm2_dir) -> list[tuple[list[int], list[float]]]:
 
 
 def test_greedy_matches_transformers(lfm2_dir):
-    assert_greedy_matches(lfm2_dir, KV_BLOCK, prompts=PROMPTS)
+    assert_greedy_matches(lfm2_dir, KV_BLOCK, prompts=PROMPTS, state_bytes=STATE_BYTES)
 
 
 def test_logprobs_match_transformers(lfm2_dir, expected):

@@ -18,10 +18,9 @@ from safetensors.torch import load_file, save_file
 from conftest import EOS_ID, VOCAB, hf_greedy_logprobs, write_tokenizer
 from folio.models.model_config import ModelConfig
 from greedy_match import assert_greedy_matches, greedy_logprobs
-from test_lfm2 import LAYER_TYPES, MAX_TOKENS, PROMPTS
+from test_lfm2 import KV_BLOCK, LAYER_TYPES, MAX_TOKENS, PROMPTS, STATE_BYTES
 from test_tensor_parallel import GREEDY, _assert_same, _run
 
-KV_BLOCK = 2 * 2 * 2 * 16 * 4 * 4  # K and V, attention layers, kv heads, head_dim, fp32 bytes, block_size
 ROUTERS = {"lfm2-8b-a1b": dict(use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.0),
            "unbiased-scaled": dict(use_expert_bias=False, norm_topk_prob=False, routed_scaling_factor=1.5)}
 
@@ -65,7 +64,7 @@ def test_config(folders):
 
 
 def test_greedy_matches_transformers(folders):
-    assert_greedy_matches(folders["lfm2-8b-a1b"], KV_BLOCK, prompts=PROMPTS)
+    assert_greedy_matches(folders["lfm2-8b-a1b"], KV_BLOCK, prompts=PROMPTS, state_bytes=STATE_BYTES)
 
 
 @pytest.mark.parametrize("router", list(ROUTERS))

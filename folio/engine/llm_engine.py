@@ -9,6 +9,7 @@ scheduler at once, so their blocks are free before the next step. What depends o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -57,16 +58,18 @@ class LLMEngine:
         spec = config.speculative.speculative_config
         draft_model = spec is not None and spec.method == "draft_model"  # writes the KV of its guesses ahead
         num_lookahead_tokens = spec.num_speculative_tokens if draft_model else 0
-        num_blocks, self.max_model_len = self._size_kv_cache(
+        num_blocks, self.max_model_len, max_num_seqs = self._size_kv_cache(
             needs, config.model.max_model_len or cfg.max_context, num_lookahead_tokens)
         kv_cache_spec = needs.specs[0]
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                self._prefix_caching(config, cfg),
                                                [group.window for group in kv_cache_spec.groups])
         # a draft model writes the KV of its guesses past each step's tokens: slots are reserved for them
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
+        self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_num_seqs=max_num_seqs),
+                                   self.kv_cache_manager, self.max_model_len, num_lookahead_tokens)
         warm_start = time.perf_counter()
-        executor.initialize_cache(num_blocks, self.max_model_len)  # and warms up: the first request runs warm
+        # and warms up: the first request runs warm
+        executor.initialize_cache(num_blocks, self.max_model_len, max_num_seqs)
         warm_s = time.perf_counter() - warm_start
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len,
                                               described.eos_token_ids)
@@ -105,21 +108,25 @@ class LLMEngine:
         self.executor.shutdown()
 
     def _size_kv_cache(self, needs: KVCacheNeeds, max_model_len: int,
-                       num_lookahead_tokens: int) -> tuple[int, int]:
+                       num_lookahead_tokens: int) -> tuple[int, int, int]:
         """The number of blocks the platform's KV budget holds (a block: the KV of every model that keeps some,
-        the target's and a draft model's, on every tensor-parallel rank: each holds its share of the heads), and
-        max_model_len lowered so that one request of that length and the lookahead slots reserved past it fit
-        in them."""
+        the target's and a draft model's, on every tensor-parallel rank: each holds its share of the heads) once
+        a hybrid model's recurrent states have theirs (`_rows_of_states`), max_model_len lowered so that one
+        request of that length and the lookahead slots reserved past it fit in them, and max_num_seqs."""
         bytes_per_block = needs.bytes_per_block * self.config.parallel.tensor_parallel_size
-        num_blocks = self.platform.kv_cache_budget(self.config.cache.kv_cache_memory) // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory is too small for even one block of {bytes_per_block} bytes")
+        budget = self.platform.kv_cache_budget(self.config.cache.kv_cache_memory)
         block_size = self.config.cache.block_size
         target, chunk = needs.specs[0], self.config.scheduler.max_num_batched_tokens
 
         def blocks_for(num_tokens: int) -> int:  # the most one request of num_tokens holds
             return target.max_blocks(num_tokens + num_lookahead_tokens, chunk)
 
+        state_bytes = needs.state_bytes_per_seq * self.config.parallel.tensor_parallel_size
+        max_num_seqs = self._rows_of_states(state_bytes, budget, blocks_for(max_model_len) * bytes_per_block,
+                                            bytes_per_block)
+        num_blocks = (budget - max_num_seqs * state_bytes) // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory is too small for even one block of {bytes_per_block} bytes")
         capacity = num_blocks * block_size - num_lookahead_tokens  # tokens, as full attention holds them
         if blocks_for(max_model_len) > num_blocks:
             low, high = 0, max_model_len  # the longest request that fits: blocks_for grows with its length
@@ -145,7 +152,28 @@ class LLMEngine:
                         "at most %d blocks, %.0f without sliding groups (%.1f%%)", target.layers_per_block,
                         ", ".join(f"{kind} x{n}" for kind, n in kinds.items()), max_model_len, held, full,
                         100 * held / full)
-        return num_blocks, max_model_len
+        return num_blocks, max_model_len, max_num_seqs
+
+    def _rows_of_states(self, state_bytes: int, budget: int, longest_request_bytes: int, bytes_per_block: int) -> int:
+        """max_num_seqs: as configured, or for a model with recurrent layers (one request's states: state_bytes,
+        every rank's), lowered so that the budget holds that many requests' states besides the KV of one request
+        of max_model_len (longest_request_bytes); one at least, whose states and one block must fit (the blocks
+        left then lower max_model_len). The states of every row are set aside whether or not a request is
+        running in it: they are what lets max_num_seqs requests run at once."""
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if not state_bytes:
+            return max_num_seqs
+        if budget < state_bytes + bytes_per_block:
+            raise ValueError(f"kv_cache_memory ({budget} bytes) is too small for one request's recurrent states "
+                             f"({state_bytes} bytes) and one block of KV cache ({bytes_per_block} bytes)")
+        rows = min(max_num_seqs, max(1, (budget - longest_request_bytes) // state_bytes))
+        if rows < max_num_seqs:
+            logger.warning("the KV cache budget holds the recurrent states of %d requests (%.2f MiB each) besides the "
+                           "KV of one request of max_model_len: lowering max_num_seqs from %d to %d", rows,
+                           state_bytes / 2**20, max_num_seqs, rows)
+        logger.info("recurrent states: %d rows of %.2f MiB (%.1f MiB of the KV cache budget)", rows,
+                    state_bytes / 2**20, rows * state_bytes / 2**20)
+        return rows
 
     @classmethod
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "LLMEngine":

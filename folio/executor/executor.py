@@ -33,9 +33,10 @@ class Executor(ABC):
         """Rank 0's KV cache per block (every rank holds the same share of each block)."""
         return self._call("kv_cache_needs")
 
-    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        """Every worker allocates num_blocks blocks, builds its model runner and warms it up."""
-        self._call("initialize_cache", num_blocks, max_model_len)
+    def initialize_cache(self, num_blocks: int, max_model_len: int, max_num_seqs: int) -> None:
+        """Every worker allocates num_blocks blocks (and max_num_seqs rows of recurrent states), builds its model
+        runner and warms it up."""
+        self._call("initialize_cache", num_blocks, max_model_len, max_num_seqs)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every worker; rank 0's answer."""

@@ -109,6 +109,11 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "Lfm2MoeForCausalLM": {"tie_word_embeddings": True, "conv_L_cache": 3, "num_dense_layers": 2, "num_experts": 32,
                            "num_experts_per_tok": 4, "moe_intermediate_size": 1792, "use_expert_bias": True,
                            "norm_topk_prob": True, "routed_scaling_factor": 1.0},
+    # Transformers' GraniteMoeHybridConfig (its Mamba2 layers' sizes, and eight experts unless the file says 0)
+    "GraniteMoeHybridForCausalLM": {"mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
+                                    "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2,
+                                    "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
+                                    "num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 1024},
     # DeepSeek V2 and V3 (Transformers' configs, and the router fields their config.json files state), GLM-4.5 MoE
     "DeepseekV2ForCausalLM": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                               "v_head_dim": 128, "n_shared_experts": 2, "moe_intermediate_size": 1407,
@@ -145,8 +150,8 @@ LANGUAGE_MODELS: dict[str, tuple[str, str]] = {
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # layers that keep a recurrent state per request instead of K/V in the paged cache (folio.models.recurrent_state):
-# LFM2's short convolutions
-RECURRENT_LAYER_TYPES = ("conv",)
+# LFM2's short convolutions, Granite 4.0-H's Mamba2 mixers
+RECURRENT_LAYER_TYPES = ("conv", "mamba")
 LFM2_ARCHITECTURES = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 
 
@@ -179,6 +184,8 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = {**HF_DEFAULTS.get(text_arch, {}), **cfg}
     if text_arch in LFM2_ARCHITECTURES:
         cfg.update(lfm2_fields(cfg, moe=text_arch == "Lfm2MoeForCausalLM"))
+    if text_arch == "GraniteMoeHybridForCausalLM":
+        cfg.update(granite_hybrid_fields(cfg))
     if cfg.get("kv_lora_rank"):  # multi-head latent attention (folio.models.mla): the KV cache keeps one row a token
         cfg["num_key_value_heads"], cfg["head_dim"] = 1, int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
     if text_arch == "Olmo3ForCausalLM" and cfg.get("layer_types") is None:  # Olmo3Config: every 4th layer full
@@ -225,6 +232,15 @@ def lfm2_fields(cfg: dict[str, Any], moe: bool) -> dict[str, Any]:
         if multiplier is not None:
             size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
     return {**fields, "intermediate_size": size, "block_auto_adjust_ff_dim": False}
+
+
+def granite_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4.0-H's layer types under the common names: the released files' "mamba" and "attention" (in
+    layer_types, or layers_block_type in older ones), which Transformers 5 writes "linear_attention" and
+    "full_attention"; every layer a Mamba2 one where neither is given (Transformers' default)."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * int(cfg["num_hidden_layers"])
+    names = {"attention": "full_attention", "linear_attention": "mamba"}
+    return {"layer_types": [names.get(t, t) for t in types]}
 
 
 def sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[Optional[int], ...]:

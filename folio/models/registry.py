@@ -16,6 +16,7 @@ from folio.models.glm4_moe import Glm4MoeForCausalLM
 from folio.models.granite import GraniteForCausalLM
 from folio.models.gpt_oss import GptOssForCausalLM
 from folio.models.granite_moe import GraniteMoeForCausalLM
+from folio.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from folio.models.lfm2 import Lfm2ForCausalLM
 from folio.models.lfm2_moe import Lfm2MoeForCausalLM
 from folio.models.llama import LlamaForCausalLM
@@ -39,6 +40,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeForCausalLM,  # the shared MLP: shared_intermediate_size
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Granite 4.0-H: Mamba2 and attention layers
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

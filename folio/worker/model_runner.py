@@ -67,7 +67,8 @@ class ModelRunner:
             fused_ops.prepare()  # the fused elementwise kernels serve bf16 only
         sampling_ops.prepare()
         self.kv_caches = kv_cache_spec.allocate(backend, num_blocks, device)
-        state_shapes = getattr(model, "recurrent_state_shapes", None)  # a hybrid model's (LFM2's convolutions)
+        # a hybrid model's (LFM2's convolutions, Granite 4.0-H's Mamba2 layers): max_num_seqs rows, resident as written
+        state_shapes = getattr(model, "recurrent_state_shapes", None)
         self.recurrent = (None if state_shapes is None
                           else RecurrentStates(state_shapes(), max_num_seqs, kv_cache_spec.dtype, device))
         self.sampler = Sampler()

@@ -1,12 +1,12 @@
 """Worker: what one rank of the engine runs, in the engine's process or a process of its own.
 
 A worker keeps to the cores its executor gives it, joins its tensor-parallel group (folio.distributed), loads its slice
-of the model (a draft model's too), and reports the KV cache it needs per block; the engine sizes the cache from
-rank 0's report and then has every worker allocate it and warm up (`initialize_cache`). From then on each
-step's SchedulerOutput goes to every worker, each runs the same forward over its slice of the layers, and the
-ranks' partial sums meet in the row-parallel layers' all-reduce, so each rank holds the same hidden states,
-samples the same tokens from the same seeds and keeps the same per-request state. The engine reads rank 0's
-answer.
+of the model (a draft model's too), and reports the KV cache it needs per block and a hybrid model's recurrent states
+per request; the engine sizes the cache and max_num_seqs from rank 0's report and then has every worker allocate them
+and warm up (`initialize_cache`). From then on each step's SchedulerOutput goes to every worker, each runs the same
+forward over its slice of the layers, and the ranks' partial sums meet in the row-parallel layers' all-reduce, so
+each rank holds the same hidden states, samples the same tokens from the same seeds and keeps the same per-request
+state. The engine reads rank 0's answer.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from folio.config import EngineConfig
 from folio.core.step_contract import ModelRunnerOutput, SchedulerOutput
 from folio.distributed.parallel_state import init_tensor_parallel
 from folio.loader.model_loader import LoadedModel, load_model
+from folio.models.recurrent_state import request_state_bytes
 from folio.platforms import current_platform
 from folio.spec_decode.draft_model import load_draft_model
 from folio.worker.kv_cache import KVCacheSpec
@@ -30,11 +31,13 @@ from folio.worker.warm_up import warm_up
 
 @dataclass(frozen=True)
 class KVCacheNeeds:
-    """A rank's KV cache, per block: the target's spec (and a draft model's), their bytes under its backend."""
+    """A rank's KV cache, per block: the target's spec (and a draft model's), their bytes under its backend; and
+    the bytes of one request's recurrent states (a hybrid model's: folio.models.recurrent_state; 0 for others)."""
 
     specs: list[KVCacheSpec]
     bytes_per_block: int
     attention_backend: str
+    state_bytes_per_seq: int = 0
 
 
 class Worker:
@@ -75,12 +78,14 @@ class Worker:
     def kv_cache_needs(self) -> KVCacheNeeds:
         specs = [self.kv_cache_spec] + ([self.draft.kv_cache_spec] if self.draft else [])
         return KVCacheNeeds(specs, sum(spec.bytes_per_block(self.backend) for spec in specs),
-                            type(self.backend).__name__)
+                            type(self.backend).__name__,
+                            request_state_bytes(self.loaded.model, self.kv_cache_spec.dtype))
 
-    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
-        """Allocate num_blocks blocks of KV cache, build the model runner and warm it up."""
+    def initialize_cache(self, num_blocks: int, max_model_len: int, max_num_seqs: int) -> None:
+        """Allocate num_blocks blocks of KV cache (and max_num_seqs rows of recurrent states), build the model
+        runner and warm it up."""
         config = self.config
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache_spec, num_blocks, config.scheduler.max_num_seqs,
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache_spec, num_blocks, max_num_seqs,
                                   max_model_len, self.backend, self.platform.device,
                                   config.speculative.speculative_config, self.draft,
                                   step_threads=self.platform.step_threads)
