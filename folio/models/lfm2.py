@@ -22,32 +22,19 @@ import torch
 from torch import nn
 
 from folio.distributed.parallel_state import tensor_parallel_group
+from folio.models.causal_conv import CausalDepthwiseConv
 from folio.models.hot_path import HotPathModule
 from folio.models.layers import RMSNorm, RotaryEmbedding
-from folio.models.linear import Linear, load_rank_rows
+from folio.models.linear import Linear
 from folio.models.llama import LlamaForCausalLM, LlamaMLP, StepContext
 from folio.models.model_config import ModelConfig
 from folio.models.qwen3 import Qwen3Attention
 from folio.models.recurrent_state import StateShapes
-from folio.models.weight_loader import ALL_SHARDS, ShardId, uninitialized
+from folio.models.weight_loader import ALL_SHARDS, ShardId
 
 _RENAMES = ((".feed_forward.", ".mlp."), (".operator_norm.", ".input_layernorm."),
             (".ffn_norm.", ".post_attention_layernorm."), (".self_attn.out_proj.", ".self_attn.o_proj."),
             (".q_layernorm.", ".q_norm."), (".k_layernorm.", ".k_norm."), ("embedding_norm.", "norm."))
-
-
-class DepthwiseKernel(nn.Module):
-    """The convolution's weights, one row of conv_L_cache taps per channel (Conv1d's [channels, 1, taps]), and its
-    bias where conv_bias says so: each rank loads its channels' rows."""
-
-    def __init__(self, channels: int, taps: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = uninitialized(channels, 1, taps)
-        load_rank_rows(self.weight)
-        self.bias = None
-        if bias:
-            self.bias = uninitialized(channels)
-            load_rank_rows(self.bias)
 
 
 class ShortConv(HotPathModule):
@@ -59,7 +46,7 @@ class ShortConv(HotPathModule):
         bias = bool(cfg.hf_config.get("conv_bias", False))
         self.in_proj = Linear(cfg.hidden_size, {"B": self.channels, "C": self.channels, "x": self.channels},
                               bias=bias, parallel="column")
-        self.conv = DepthwiseKernel(self.channels, self.taps, bias)
+        self.conv = CausalDepthwiseConv(self.channels, self.taps, bias)
         self.out_proj = Linear(self.channels, cfg.hidden_size, bias=bias, parallel="row")
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -67,21 +54,13 @@ class ShortConv(HotPathModule):
         bx = b * v  # [T, channels]
         step = ctx.recurrent
         (state,) = step.states[self.layer_idx]  # [rows, channels, taps - 1]: each request's last B * x values
-        taps = self.conv.weight[:, 0]  # [channels, taps]
-        if step.decodes_only:  # one token a request: its window is its state and the token
-            window = torch.cat([state[step.rows], bx.unsqueeze(-1)], dim=-1)
-            out = (window * taps).sum(-1)
-            state[step.rows] = window[..., 1:]
-        else:  # a request's tokens, after its state, through the convolution; its last values are its new state
+        if step.decodes_only:
+            out = self.conv.decodes(bx, state, step.rows)
+        else:
             out, start = torch.empty_like(bx), 0
             for row, n in zip(step.rows.tolist(), step.query_lens):
-                seq = torch.cat([state[row], bx[start:start + n].t()], dim=-1)  # [channels, taps - 1 + n]
-                out[start:start + n] = nn.functional.conv1d(seq.unsqueeze(0), self.conv.weight,
-                                                            groups=self.channels)[0].t()
-                state[row] = seq[:, -(self.taps - 1):]
+                out[start:start + n] = self.conv.tokens(bx[start:start + n], state, row)
                 start += n
-        if self.conv.bias is not None:
-            out = out + self.conv.bias
         return self.out_proj(c * out)
 
 
@@ -119,7 +98,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     def recurrent_state_shapes(self) -> StateShapes:
         """Per convolution layer, its state for one request: the last conv_L_cache - 1 values of B * x of each of
         the rank's channels."""
-        return {i: ((layer.conv.channels, layer.conv.taps - 1),)
+        return {i: (layer.conv.conv.state_shape,)
                 for i, layer in enumerate(self.layers) if layer.conv is not None}
 
     def map_checkpoint_name(self, name: str) -> Optional[tuple[str, ShardId]]:

@@ -38,8 +38,8 @@ import torch
 from torch.nn import functional as F
 
 from folio.distributed.parallel_state import tensor_parallel_group
+from folio.models.causal_conv import CausalDepthwiseConv
 from folio.models.hot_path import HotPathModule
-from folio.models.lfm2 import DepthwiseKernel
 from folio.models.linear import Linear
 from folio.models.llama import StepContext
 from folio.models.model_config import ModelConfig
@@ -99,44 +99,30 @@ class Mamba2Mixer(HotPathModule):
         self.conv_dim = self.intermediate + 2 * self.groups * self.d_state
         bias = bool(hf["mamba_proj_bias"])
         self.in_proj = Linear(cfg.hidden_size, self.intermediate + self.conv_dim + self.num_heads, bias=bias)
-        self.conv1d = DepthwiseKernel(self.conv_dim, self.taps, bool(hf["mamba_conv_bias"]))
+        self.conv1d = CausalDepthwiseConv(self.conv_dim, self.taps, bool(hf["mamba_conv_bias"]))
         self.dt_bias, self.A_log, self.D = (uninitialized(self.num_heads) for _ in range(3))
         self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.groups, cfg.rms_norm_eps)
         self.out_proj = Linear(self.intermediate, cfg.hidden_size, bias=bias)
 
     def state_shapes(self) -> tuple[tuple[int, ...], StateSpec]:
         """A request's states: the convolution's last taps - 1 inputs, and every head's SSM state (float32)."""
-        return (self.conv_dim, self.taps - 1), StateSpec((self.num_heads, self.head_dim, self.d_state), torch.float32)
+        return self.conv1d.state_shape, StateSpec((self.num_heads, self.head_dim, self.d_state), torch.float32)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         step = ctx.recurrent
         gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt + self.dt_bias).clamp(self.dt_min, self.dt_max).float()  # softplus in the model's dtype
         if step.decodes_only:
-            y = self._decode(self._convolve_decodes(xbc, step), dt, step)
+            conv = F.silu(self.conv1d.decodes(xbc, step.states[self.layer_idx][0], step.rows))
+            y = self._decode(conv, dt, step)
         else:
             y, start = torch.empty(x.shape[0], self.intermediate, dtype=torch.float32, device=x.device), 0
             for row, n in zip(step.rows.tolist(), step.query_lens):
                 tokens = slice(start, start + n)
-                y[tokens] = self._prefill(self._convolve(xbc[tokens], step, row), dt[tokens], step, row)
+                conv = F.silu(self.conv1d.tokens(xbc[tokens], step.states[self.layer_idx][0], row))
+                y[tokens] = self._prefill(conv, dt[tokens], step, row)
                 start += n
         return self.out_proj(self.norm(y, gate).to(x.dtype))
-
-    def _convolve_decodes(self, xbc: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
-        """One token a request: its window is its state and the token."""
-        state = step.states[self.layer_idx][0]
-        window = torch.cat([state[step.rows], xbc.unsqueeze(-1)], dim=-1)  # [B, conv_dim, taps]
-        state[step.rows] = window[..., 1:]
-        out = (window * self.conv1d.weight[:, 0]).sum(-1)
-        return F.silu(out if self.conv1d.bias is None else out + self.conv1d.bias)
-
-    def _convolve(self, xbc: torch.Tensor, step: RecurrentStep, row: int) -> torch.Tensor:
-        """A request's tokens after its state through the convolution; their last inputs are its new state."""
-        state = step.states[self.layer_idx][0]
-        seq = torch.cat([state[row], xbc.t()], dim=-1)  # [conv_dim, taps - 1 + n]
-        state[row] = seq[:, seq.shape[1] - (self.taps - 1):]
-        out = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)[0].t()
-        return F.silu(out)
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, groups, heads per group, head_dim], B and C [T, groups, d_state], all float32."""
