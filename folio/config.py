@@ -187,7 +187,7 @@ class ParallelOptions:
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance",)
-REASONING_PARSER_NAMES = ("deepseek_r1", "mistral", "openai_gptoss", "qwen3")  # folio.reasoning_parser
+REASONING_PARSER_NAMES = ("deepseek_r1", "glm45", "mistral", "openai_gptoss", "qwen3")  # folio.reasoning_parser
 
 
 @dataclass

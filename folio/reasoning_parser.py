@@ -1,8 +1,8 @@
 """Reasoning parsers: where a reasoning model's thinking ends and its answer begins (vLLM's `--reasoning-parser`).
 
-Qwen3, QwQ and the DeepSeek-R1 family think between `<think>` and `</think>` before they answer. Their chat
-templates differ in where the opening tag goes: R1's and newer Qwen3 templates write `<think>` at the end of the
-prompt, older Qwen3 templates let the model write it, and a template with thinking switched off (Qwen3's
+Qwen3, QwQ, the DeepSeek-R1 family and GLM-4.5 think between `<think>` and `</think>` before they answer. Their
+chat templates differ in where the opening tag goes: R1's and newer Qwen3 templates write `<think>` at the end of the
+prompt, older Qwen3 templates and GLM-4.5's let the model write it, and a template with thinking switched off (Qwen3's
 `enable_thinking: false`) writes a whole empty block, `<think>\\n\\n</think>\\n\\n`, into the prompt. One rule covers
 them all: the output starts in reasoning unless the prompt's last turn already closed it (`starts_in_reasoning`);
 an opening tag the model writes first is dropped; the output up to the closing tag is reasoning, the rest
@@ -142,10 +142,12 @@ class HarmonyReasoningParser(ReasoningParser):
         return HarmonySplitter(HarmonyTokens.of(tokenizer), tokenizer, prompt_token_ids)
 
 
-# vLLM's names (folio.config.REASONING_PARSER_NAMES). Qwen3's and DeepSeek-R1's differ only in their templates,
-# which starts_in_reasoning reads.
+# vLLM's names (folio.config.REASONING_PARSER_NAMES). Qwen3's, DeepSeek-R1's and GLM-4.5's differ only in their
+# templates, which starts_in_reasoning reads (GLM-4.5's prompt ends at <|assistant|>, or after an empty think block
+# with thinking switched off: vLLM's glm45 reads the output as its deepseek_r1 does then, or as all content).
 REASONING_PARSERS = {parser.name: parser for parser in (
     ReasoningParser("deepseek_r1"),
+    ReasoningParser("glm45"),  # GLM-4.5, GLM-4.6
     ReasoningParser("mistral", "[THINK]", "[/THINK]", model_opens=True, keeps_special_tokens=True),  # Magistral
     HarmonyReasoningParser("openai_gptoss"),  # GPT-OSS: harmony's analysis channel
     ReasoningParser("qwen3"),

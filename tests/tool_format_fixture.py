@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -164,3 +165,43 @@ def streamed(client: openai.OpenAI, **kwargs) -> tuple[str, list[tuple[str, str]
             entry = calls.setdefault(delta.index, {"name": delta.function.name, "arguments": ""})
             entry["arguments"] += delta.function.arguments or ""
     return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+
+
+def add_tokens(folder: str, tokens: list[str], special: bool = True) -> list[int]:
+    """Adds `tokens` to the tokenizer of the model in `folder` (special or plain added tokens, within its config's
+    vocab_size, which the trained tokenizer leaves room for): a format's markers as one token each. Returns their
+    ids."""
+    from tokenizers import AddedToken, Tokenizer as Backend
+
+    path = os.path.join(folder, "tokenizer.json")
+    backend = Backend.from_file(path)
+    added = [AddedToken(t, special=special, normalized=False) for t in tokens]
+    (backend.add_special_tokens if special else backend.add_tokens)(added)
+    backend.save(path)
+    ids = [backend.token_to_id(t) for t in tokens]
+    with open(os.path.join(folder, "config.json")) as f:
+        assert max(ids) < json.load(f)["vocab_size"]
+    return ids
+
+
+def random_output(backend: tuple[Tokenizer, LLGuidanceBackend], params: Any, rng: random.Random,
+                  chunks: list[list[int]], steps: int = 120) -> list[int] | None:
+    """A random output of a grammar: random allowed tokens (of the tiny vocabulary, but the end of sequence), and
+    often a chunk of the format where it fits; None where it did not end within `steps`."""
+    matcher = backend[1].compile(params).matcher
+    ids: list[int] = []
+    for _ in range(steps):
+        if matcher.is_accepting() and rng.random() < 0.5:
+            return ids
+        fitting = [chunk for chunk in chunks if matcher.validate_tokens(chunk) == len(chunk)]
+        if fitting and rng.random() < 0.7:
+            chunk = rng.choice(fitting)
+        else:
+            mask = matcher.compute_bitmask()
+            allowed = [t for t in range(512) if t != EOS and mask[t // 8] >> (t % 8) & 1]
+            chunk = [rng.choice(allowed)] if allowed else []
+        if not chunk:
+            return ids if matcher.is_accepting() else None
+        assert matcher.consume_tokens(chunk)
+        ids += chunk
+    return ids if matcher.is_accepting() else None

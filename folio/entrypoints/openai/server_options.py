@@ -18,7 +18,8 @@ from folio.tokenizer import check_chat_template
 
 
 # folio.entrypoints.openai.tool_call_format
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder")
+TOOL_CALL_PARSERS = ("deepseek_v3", "deepseek_v31", "glm45", "hermes", "llama3_json", "mistral", "openai", "pythonic",
+                     "qwen3_coder")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class ServerOptions:
               "off, 'auto' is a 400 and clients must ask for 'required', a named function or 'none')")
     tool_call_parser: Optional[str] = option(
         None, "the format the model writes tool calls in, which the tool grammars make it write and the server reads "
-              "back: hermes (Qwen2.5, Qwen3, Hermes: <tool_call> blocks of JSON), llama3_json (Llama 3.1-3.3: a JSON "
+              "back: deepseek_v3 (DeepSeek V3, R1) or deepseek_v31 (DeepSeek V3.1: calls between DeepSeek's "
+              "tool-call tokens), glm45 (GLM-4.5, GLM-4.6: <tool_call> blocks of <arg_key>/<arg_value> pairs), "
+              "hermes (Qwen2.5, Qwen3, Hermes: <tool_call> blocks of JSON), llama3_json (Llama 3.1-3.3: a JSON "
               "object of name and parameters), mistral ([TOOL_CALLS] and the calls), openai (GPT-OSS: harmony "
               "messages to functions.NAME), pythonic (Llama 3.2, Llama 4: [f(x=1)]) or qwen3_coder (Qwen3-Coder: "
               "<function=...> blocks)", default_means="hermes; openai under --reasoning-parser openai_gptoss",

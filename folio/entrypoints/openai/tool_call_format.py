@@ -13,6 +13,8 @@ from functools import partial
 from typing import Any, Callable, Collection, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool
+from folio.entrypoints.openai.tool_deepseek import DeepSeekTokens, DeepSeekToolCallReader, deepseek_constraint
+from folio.entrypoints.openai.tool_glm45 import Glm45ToolCallReader, glm45_constraint
 from folio.entrypoints.openai.tool_grammar import ToolChoice, hermes_constraint
 from folio.entrypoints.openai.tool_harmony import HarmonyToolCallReader, harmony_constraint
 from folio.entrypoints.openai.tool_llama3_json import Llama3JsonToolCallReader, llama3_json_constraint
@@ -31,8 +33,8 @@ ReaderFactory = Callable[[list[ChatTool]], ToolCallReader]  # the request's tool
 
 
 def by_names(reader: Callable[[Collection[str]], ToolCallReader]) -> ReaderFactory:
-    """A reader that needs only the names of the request's functions (every format's but Qwen3-Coder's, whose raw
-    values are read by their schemas)."""
+    """A reader that needs only the names of the request's functions (every format's but Qwen3-Coder's and
+    GLM-4.5's, whose raw values are read by their schemas)."""
     return lambda tools: reader([tool.function.name for tool in tools])
 
 
@@ -74,6 +76,12 @@ class ToolCallFormat:
 
 # The names are ServerOptions.tool_call_parser's choices (server_options.TOOL_CALL_PARSERS).
 TOOL_CALL_FORMATS = {tool_format.name: tool_format for tool_format in (
+    ToolCallFormat("deepseek_v3", partial(deepseek_constraint, fenced=True),
+                   by_names(partial(DeepSeekToolCallReader, fenced=True)), keeps_special_tokens=True,
+                   tokens_of=DeepSeekTokens.of),  # DeepSeek V3, R1: type, name and fenced JSON between markers
+    ToolCallFormat("deepseek_v31", partial(deepseek_constraint, fenced=False), by_names(DeepSeekToolCallReader),
+                   keeps_special_tokens=True, tokens_of=DeepSeekTokens.of),  # DeepSeek V3.1: name and JSON
+    ToolCallFormat("glm45", glm45_constraint, Glm45ToolCallReader),  # GLM-4.5, 4.6: <arg_key>/<arg_value> pairs
     ToolCallFormat("hermes", hermes_constraint, by_names(HermesToolCallReader)),  # Qwen2.5, Qwen3: <tool_call> JSON
     ToolCallFormat("llama3_json", llama3_json_constraint, by_names(Llama3JsonToolCallReader)),  # Llama 3.1-3.3
     ToolCallFormat("mistral", mistral_constraint, by_names(MistralToolCallReader), keeps_special_tokens=True,
