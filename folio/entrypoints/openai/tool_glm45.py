@@ -40,7 +40,7 @@ from folio.entrypoints.openai.protocol import ChatTool
 from folio.entrypoints.openai.tool_grammar import (ANNOTATIONS, CALL_CLOSE, CALL_OPEN, ToolChoice, arguments_schema,
                                                    call_alternatives, chosen_tools, grammar_json, grammar_literal,
                                                    tagged_calls_start)
-from folio.entrypoints.openai.tool_parser import JSON_SPACE, Piece, may_name, until_tag
+from folio.entrypoints.openai.tool_parser import JSON_SPACE, Piece, may_name
 from folio.entrypoints.openai.tool_qwen3_coder import NAME_LIMIT, Qwen3CoderToolCallReader, Signature, ValueForm
 from folio.structured_output.params import StructuredOutputsParams
 
@@ -120,6 +120,8 @@ class Glm45ToolCallReader(Qwen3CoderToolCallReader):
     the request's functions; then each `<arg_key>KEY</arg_key>`, whitespace, `<arg_value>VALUE</arg_value>` is an
     argument, a value ending at the first "</arg_value>"; `</tool_call>` closes the call."""
 
+    value_end = VALUE_CLOSE
+
     def _head(self, out: list[Piece], final: bool) -> bool:
         """After <tool_call>: the function's name, up to a newline or a tag."""
         ends = [at for at in (self._held.find("\n"), self._held.find("<")) if at != -1]
@@ -160,19 +162,5 @@ class Glm45ToolCallReader(Qwen3CoderToolCallReader):
             return True
         key = self._held[:end].strip(JSON_SPACE)
         self._held = rest[len(VALUE_OPEN):]
-        self._parameter = (key, self._signature.form(key)) if key not in self._written else None
-        self._written.add(key)
-        self._value, self._streaming, self._state = [], False, "value"
+        self._begin_value(key)
         return True
-
-    def _value_text(self, out: list[Piece], final: bool) -> bool:
-        """A value, up to the first </arg_value>."""
-        value, self._held, found = until_tag(self._held, VALUE_CLOSE, final)
-        self._add_value(out, value)
-        if found or final:
-            self._end_value(out)
-        if found:
-            self._state = "between"
-        elif final:
-            self._close_call(out)
-        return found

@@ -311,6 +311,8 @@ class Qwen3CoderToolCallReader(ToolCallReader):
     end of the text, where a value cut off keeps its text). A parameter written twice keeps its first value.
     Work per piece is the piece's length: only a marker's or a name's unfinished start is held back."""
 
+    value_end = VALUE_END  # what ends a value: the first one after it begins
+
     def __init__(self, tools: Optional[list[ChatTool]] = None) -> None:
         super().__init__()
         self._signatures = None if tools is None else {t.function.name: Signature.of(t, strict=False) for t in tools}
@@ -380,14 +382,18 @@ class Qwen3CoderToolCallReader(ToolCallReader):
             return self._wait_or_close(out, final)
         key, rest = self._held[:end], self._held[end + 1:]
         self._held = rest[1:] if rest.startswith("\n") else rest
+        self._begin_value(key)
+        return True
+
+    def _begin_value(self, key: str) -> None:
+        """The value of parameter `key` comes next (a parameter given twice keeps its first value)."""
         self._parameter = (key, self._signature.form(key)) if key not in self._written else None
         self._written.add(key)
         self._value, self._streaming, self._state = [], False, "value"
-        return True
 
     def _value_text(self, out: list[Piece], final: bool) -> bool:
-        """A value, up to the first \\n</parameter>."""
-        value, self._held, found = until_tag(self._held, VALUE_END, final)
+        """A value, up to the first value_end."""
+        value, self._held, found = until_tag(self._held, self.value_end, final)
         self._add_value(out, value)
         if found or final:
             self._end_value(out)
