@@ -13,9 +13,8 @@ as Transformers' Cohere2 computes it.
 from __future__ import annotations
 
 from folio.models.cohere import CohereDecoderLayer, CohereForCausalLM
-from folio.models.layers import RotaryEmbedding
+from folio.models.layers import NoRotary, RotaryEmbedding
 from folio.models.model_config import ModelConfig, sliding_windows
-from folio.models.smollm3 import NoRotary
 
 
 def rope_layers(cfg: ModelConfig) -> list[bool]:

@@ -11,11 +11,10 @@ post-norm blocks, as Transformers' Exaone4 computes them.
 
 from __future__ import annotations
 
-from folio.models.layers import RotaryEmbedding
+from folio.models.layers import NoRotary, RotaryEmbedding
 from folio.models.model_config import ModelConfig, sliding_windows
 from folio.models.post_norm import PostNormDecoderLayer, PostNormForCausalLM
 from folio.models.qwen3 import Qwen3Attention
-from folio.models.smollm3 import NoRotary
 
 
 def rope_layers(cfg: ModelConfig) -> list[bool]:

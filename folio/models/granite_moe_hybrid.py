@@ -25,22 +25,11 @@ from torch import nn
 from folio.models.granite import GraniteAttention, multiplier
 from folio.models.granite_moe import GraniteMoeBlock, GraniteMoeForCausalLM
 from folio.models.hot_path import HotPathModule
-from folio.models.layers import RMSNorm, RotaryEmbedding
+from folio.models.layers import NoRotary, RMSNorm, RotaryEmbedding
 from folio.models.llama import LlamaMLP, StepContext
 from folio.models.mamba2 import Mamba2Mixer
 from folio.models.model_config import ModelConfig
 from folio.models.recurrent_state import StateShapes
-
-
-class NoPositionEmbedding(HotPathModule):
-    """NoPE: q and k go to attention as they are."""
-
-    @classmethod
-    def for_model(cls, *args) -> "NoPositionEmbedding":
-        return cls()
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
 
 
 class GraniteSharedMLP(HotPathModule):
@@ -89,7 +78,7 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
     def rotary_cls(self) -> type[nn.Module]:
         """RoPE only where the config asks for it (read while the base class builds the layers)."""
         rope = self.config.hf_config.get("position_embedding_type") == "rope"
-        return RotaryEmbedding if rope else NoPositionEmbedding
+        return RotaryEmbedding if rope else NoRotary
 
     def recurrent_state_shapes(self) -> StateShapes:
         """Per Mamba2 layer, its states for one request (Mamba2Mixer.state_shapes)."""

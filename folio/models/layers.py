@@ -117,6 +117,18 @@ class RotaryEmbedding(HotPathModule):
         return fused_ops.rotary_embedding_(positions, q, k, self.cos, self.sin)
 
 
+class NoRotary(HotPathModule):
+    """What a NoPE layer's attention calls in place of RoPE: q and k pass as they are (SmolLM3's, EXAONE 4's and
+    Cohere 2's NoPE layers; every layer of a model whose rotary_cls it is: Granite 4.0-H)."""
+
+    @classmethod
+    def for_model(cls, *args: Any) -> "NoRotary":
+        return cls()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
 class InterleavedRotaryEmbedding(RotaryEmbedding):
     """GPT-J-style rotary embedding (GLM, GLM-4): channels 2i and 2i+1 of the rotated part of each head turn together
     by frequency i, where the neox style turns channels i and i + rotary_dim/2.

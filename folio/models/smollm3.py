@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from folio.models.hot_path import HotPathModule
-from folio.models.layers import RotaryEmbedding
+from folio.models.layers import NoRotary, RotaryEmbedding
 from folio.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from folio.models.model_config import ModelConfig
 
@@ -26,13 +23,6 @@ def rope_layers(hf_config: dict[str, Any], num_layers: int) -> list[bool]:
     if len(flags) != num_layers:
         raise ValueError(f"no_rope_layers lists {len(flags)} layers, the model has {num_layers}")
     return [bool(flag) for flag in flags]
-
-
-class NoRotary(HotPathModule):
-    """What a NoPE layer's attention calls in place of RoPE: q and k pass as they are."""
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
 
 
 class SmolLM3DecoderLayer(LlamaDecoderLayer):
