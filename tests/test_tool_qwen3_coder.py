@@ -22,6 +22,7 @@ from tool_format_fixture import (MESSAGES, SAMPLING, accepts, assert_calls_strea
                                  assert_responses_call, cut, llguidance_backend, read_pieces, streamed,
                                  tool_server_fixture)
 from tool_format_fixture import client  # noqa: F401 (a fixture)
+from tool_format_fixture import random_output
 
 FORECAST = {"type": "object", "properties": {
     "city": {"type": "string", "description": "free text: raw"},
@@ -234,29 +235,6 @@ def test_schemas_the_format_cannot_write_are_refused(parameters, problem):
         qwen3_coder_constraint([tool], "required", False)
 
 
-def _walk(backend, params, rng: random.Random, chunks: list[list[int]], steps: int = 120) -> list[int] | None:
-    """A random output of the grammar: random allowed tokens, and often a chunk of the format where it fits; None
-    where it did not end within `steps`."""
-    tokenizer, grammar_backend = backend
-    matcher = grammar_backend.compile(params).matcher
-    ids: list[int] = []
-    for _ in range(steps):
-        if matcher.is_accepting() and rng.random() < 0.5:
-            return ids
-        fitting = [chunk for chunk in chunks if matcher.validate_tokens(chunk) == len(chunk)]
-        if fitting and rng.random() < 0.7:
-            chunk = rng.choice(fitting)
-        else:
-            mask = matcher.compute_bitmask()
-            allowed = [t for t in range(512) if t != 2 and mask[t // 8] >> (t % 8) & 1]
-            chunk = [rng.choice(allowed)] if allowed else []
-        if not chunk:
-            return ids if matcher.is_accepting() else None
-        assert matcher.consume_tokens(chunk)
-        ids += chunk
-    return ids if matcher.is_accepting() else None
-
-
 def test_every_output_of_the_grammars_reads_as_valid_calls(backend):
     """Random walks through the grammars: what they write reads back as calls of the tools, valid by jsonschema."""
     tokenizer = backend[0]
@@ -269,7 +247,7 @@ def test_every_output_of_the_grammars_reads_as_valid_calls(backend):
     for choice in ("required", "auto", NamedToolChoice(type="function", function=NamedFunction(name="forecast"))):
         params = qwen3_coder_constraint(TOOLS, choice, True)
         for _ in range(60):
-            ids = _walk(backend, params, rng, chunks)
+            ids = random_output(backend, params, rng, chunks)
             if ids is None:
                 continue
             text = tokenizer.decode(ids)

@@ -36,11 +36,15 @@ class DeepseekMoE(HotPathModule):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         moe = cfg.moe
-        self.gate = GroupedTopKRouter(cfg.hidden_size, cfg.hf_config, moe.num_experts, moe.top_k)
+        self.gate = self.make_router(cfg)
         self.experts = Experts(cfg, moe)
         self.shared_experts = (LlamaMLP(cfg, moe.shared_expert_intermediate_size, reduce_results=False)
                                if moe.shared_expert_intermediate_size else None)
         self.tp = tensor_parallel_group()
+
+    def make_router(self, cfg: ModelConfig) -> nn.Module:
+        """Hook for LFM2-MoE's router (folio.models.lfm2_moe)."""
+        return GroupedTopKRouter(cfg.hidden_size, cfg.hf_config, cfg.moe.num_experts, cfg.moe.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))

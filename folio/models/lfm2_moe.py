@@ -47,9 +47,8 @@ class Lfm2MoeBlock(DeepseekMoE):
     """DeepSeek's block (routed experts, their ranks' partial sums added once; no shared experts here) around LFM2-MoE's
     router."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
-        self.gate = Lfm2MoeRouter(cfg)
+    def make_router(self, cfg: ModelConfig) -> nn.Module:
+        return Lfm2MoeRouter(cfg)
 
 
 class Lfm2MoeDecoderLayer(Lfm2DecoderLayer):
