@@ -35,7 +35,7 @@ from typing import Callable, Collection, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
 from folio.entrypoints.openai.tool_grammar import (ToolChoice, arguments_schema, call_alternatives, chosen_tools,
-                                                   grammar_json, grammar_literal)
+                                                   grammar_json, grammar_literal, marked_calls_start)
 from folio.entrypoints.openai.tool_parser import (JSON_SPACE, CallEnd, Piece, ToolCallReader, call_opening,
                                                   json_members, may_name, pending_prefix)
 from folio.structured_output.params import StructuredOutputsParams
@@ -99,12 +99,7 @@ def deepseek_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel
     more = f" ({between}call)*" if several else ""
     lines = [f"calls: <[{tokens.calls_begin}]> call{more} <[{tokens.calls_end}]>",
              *call_alternatives(tools, _call_rule(tokens, fenced))]
-    if tool_choice == "auto" and message_schema is not None:
-        start = ["start: message | calls", f"message: {grammar_json(message_schema)}"]
-    elif tool_choice == "auto":
-        start = ["start: TEXT | TEXT calls", rf"TEXT: /(.|\n)*/ & ~/(.|\n)*{CALLS_BEGIN}(.|\n)*/"]
-    else:
-        start = ["start: calls"]
+    start = marked_calls_start(tool_choice, message_schema, rf"/(.|\n)*/ & ~/(.|\n)*{CALLS_BEGIN}(.|\n)*/")
     return StructuredOutputsParams(grammar="\n".join(["%llguidance {}", *start, *lines]) + "\n")
 
 

@@ -38,10 +38,10 @@ from typing import Optional
 
 from folio.entrypoints.openai.protocol import ChatTool
 from folio.entrypoints.openai.tool_grammar import (ANNOTATIONS, CALL_CLOSE, CALL_OPEN, ToolChoice, arguments_schema,
-                                                   call_alternatives, chosen_tools, grammar_json, grammar_literal,
-                                                   tagged_calls_start)
+                                                   grammar_json, grammar_literal)
 from folio.entrypoints.openai.tool_parser import JSON_SPACE, Piece, may_name
-from folio.entrypoints.openai.tool_qwen3_coder import NAME_LIMIT, Qwen3CoderToolCallReader, Signature, ValueForm
+from folio.entrypoints.openai.tool_qwen3_coder import (NAME_LIMIT, Qwen3CoderToolCallReader, Signature, ValueForm,
+                                                       tagged_values_constraint)
 from folio.structured_output.params import StructuredOutputsParams
 
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
@@ -49,7 +49,6 @@ VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
 # The schema keywords a function's parameters may have besides its parameters' own: those Signature.of reads.
 _PER_PARAMETER = ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "$defs", "definitions",
                                 "$schema"}
-_EXTRA_NAME = r"/[A-Za-z_][A-Za-z0-9_.\-]{0,63}/"  # a parameter's name beyond the declared ones
 
 
 def _signature(tool: ChatTool) -> Signature:
@@ -103,13 +102,7 @@ def glm45_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_to
                      message_schema: Optional[dict] = None) -> Optional[StructuredOutputsParams]:
     """The grammar for a validated tool_choice, or None for "none" (tool_grammar.hermes_constraint's contract, in
     GLM-4.5's format); ValueError naming tools whose schema the format cannot write."""
-    if tool_choice == "none":
-        return None
-    tools, several = chosen_tools(tools, tool_choice, parallel_tool_calls)
-    lines = ["%llguidance {}", *tagged_calls_start(tool_choice, several, message_schema),
-             *call_alternatives(tools, _call_rule),
-             f"raw_value[lazy]: RAW {grammar_literal(VALUE_CLOSE)}", r"RAW: /(.|\n)*/", f"EXTRA_NAME: {_EXTRA_NAME}"]
-    return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
+    return tagged_values_constraint(tools, tool_choice, parallel_tool_calls, message_schema, _call_rule, VALUE_CLOSE)
 
 
 class Glm45ToolCallReader(Qwen3CoderToolCallReader):

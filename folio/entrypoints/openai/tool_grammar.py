@@ -110,6 +110,17 @@ def tagged_calls_start(tool_choice: ToolChoice, several: bool, message_schema: O
     return [f"start: {grammar_literal(CALL_OPEN)} call{more}"]
 
 
+def marked_calls_start(tool_choice: ToolChoice, message_schema: Optional[dict], text: str) -> list[str]:
+    """The `start` rules of a format whose `calls` rule opens with a marker token (Mistral's, DeepSeek's): calls only,
+    or with "auto" free text (the TEXT regex given, which may keep the marker's spelling out) and then calls, or, with
+    a message schema, such a message or calls."""
+    if tool_choice == "auto" and message_schema is not None:
+        return ["start: message | calls", f"message: {grammar_json(message_schema)}"]
+    if tool_choice == "auto":
+        return ["start: TEXT | TEXT calls", f"TEXT: {text}"]
+    return ["start: calls"]
+
+
 def resolve_tool_choice(tools: Optional[list[ChatTool]], tool_choice: Optional[ToolChoice],
                         auto_allowed: bool = True) -> ToolChoice:
     """OpenAI's default ("auto" with tools, "none" without: "auto" without tools is "none" too), checked against

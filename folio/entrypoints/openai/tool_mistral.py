@@ -31,7 +31,7 @@ from typing import Callable, Collection, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool
 from folio.entrypoints.openai.tool_grammar import (ToolChoice, arguments_schema, call_alternatives, chosen_tools,
-                                                   grammar_json, grammar_literal)
+                                                   grammar_json, grammar_literal, marked_calls_start)
 from folio.entrypoints.openai.tool_parser import (JSON_SPACE, BracketEnd, CallEnd, Piece, ToolCallReader,
                                                   call_opening, json_members, may_name, pending_prefix)
 from folio.structured_output.params import StructuredOutputsParams
@@ -95,12 +95,7 @@ def mistral_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_
     else:
         more = f" ({open_calls} call)*" if several else ""
         lines = [f"calls: {open_calls} call{more}", *call_alternatives(tools, _v11_call_rule(tokens.args))]
-    if tool_choice == "auto" and message_schema is not None:
-        start = ["start: message | calls", f"message: {grammar_json(message_schema)}"]
-    elif tool_choice == "auto":
-        start = ["start: TEXT | TEXT calls", r"TEXT: /(.|\n)*/"]
-    else:
-        start = ["start: calls"]
+    start = marked_calls_start(tool_choice, message_schema, r"/(.|\n)*/")
     return StructuredOutputsParams(grammar="\n".join(["%llguidance {}", *start, *lines]) + "\n")
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from folio.entrypoints.openai.protocol import ChatTool, DeltaFunctionCall, DeltaToolCall
 from folio.entrypoints.openai.tool_grammar import (ANNOTATIONS, CALL_CLOSE, CALL_OPEN, ToolChoice, arguments_schema,
@@ -290,12 +290,20 @@ def qwen3_coder_constraint(tools: list[ChatTool], tool_choice: ToolChoice, paral
                            message_schema: Optional[dict] = None) -> Optional[StructuredOutputsParams]:
     """The grammar for a validated tool_choice, or None for "none" (tool_grammar.hermes_constraint's contract, in
     Qwen3-Coder's format); ValueError naming tools whose schema the format cannot write."""
+    return tagged_values_constraint(tools, tool_choice, parallel_tool_calls, message_schema, _call_rule, VALUE_END)
+
+
+def tagged_values_constraint(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool,
+                             message_schema: Optional[dict], call_rule: Callable[[ChatTool], str],
+                             value_end: str) -> Optional[StructuredOutputsParams]:
+    """The grammar of a format that writes a call's arguments one tagged value each (Qwen3-Coder's, GLM-4.5's), given
+    its rule of one tool's call and what ends a raw value."""
     if tool_choice == "none":
         return None
     tools, several = chosen_tools(tools, tool_choice, parallel_tool_calls)
     lines = ["%llguidance {}", *tagged_calls_start(tool_choice, several, message_schema),
-             *call_alternatives(tools, _call_rule),
-             f"raw_value[lazy]: RAW {grammar_literal(VALUE_END)}", r"RAW: /(.|\n)*/", f"EXTRA_NAME: {_EXTRA_NAME}"]
+             *call_alternatives(tools, call_rule),
+             f"raw_value[lazy]: RAW {grammar_literal(value_end)}", r"RAW: /(.|\n)*/", f"EXTRA_NAME: {_EXTRA_NAME}"]
     return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
 
 
